@@ -1,0 +1,249 @@
+"""Finding, starting and talking to the node's daemon.
+
+``connect()`` resolves the socket (argument, ``$CKPTD_SOCKET``, default), says hello with
+this rank's identity, and maps the daemon's staging pool once. For single-node use it
+can start a daemon itself (the "embedded default"), serialised between the ranks of one
+node by a lock file so exactly one is started. Every wait checks that the daemon process
+is still alive, so a dead daemon becomes an error within a bounded time, not a hang.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import os
+import subprocess
+import sys
+import time
+
+from ckptd import protocol
+from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
+
+log = logging.getLogger(__name__)
+
+AUTO_START_ENV = "CKPTD_AUTO_START"
+ROOTS_ENV = "CKPTD_ROOTS"
+POOL_SIZE_ENV = "CKPTD_POOL_SIZE"
+HELLO_TIMEOUT = 5.0
+START_TIMEOUT = float(os.environ.get("CKPTD_START_TIMEOUT", "120"))
+CALL_TIMEOUT = float(os.environ.get("CKPTD_CALL_TIMEOUT", "60"))
+#: Auto-started daemons exit after this long without trainers.
+AUTO_EXIT_WHEN_IDLE = 120.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _default_rank() -> tuple[int, int]:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:
+        pass
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class DaemonConnection:
+    """A registered connection of one trainer process to its node's daemon.
+
+    Use :func:`connect` to get one.
+
+    Attributes
+    ----------
+    socket_path : str
+    daemon_pid : int
+    rank : int
+    has_cuda : bool
+        Whether the daemon can open CUDA IPC handles.
+    """
+
+    def __init__(self, socket_path: str, channel: protocol.Channel, hello: dict, rank: int) -> None:
+        self.socket_path = socket_path
+        self.channel = channel
+        self.rank = rank
+        self.daemon_pid = hello["daemon_pid"]
+        self.pool_path = hello["pool_path"]
+        self.pool_size = hello["pool_size"]
+        self.has_cuda = bool(hello.get("cuda"))
+        self.writers = int(hello.get("writers", 1))
+        self.host = hello.get("host")
+        self._pool_map: mmap.mmap | None = None
+        self._pool_tensor = None
+
+    # ------------------------------------------------------------------ calls
+    def ensure_daemon_alive(self) -> None:
+        """Raise :class:`DaemonUnavailableError` if the daemon process is gone."""
+        if not _pid_alive(self.daemon_pid):
+            raise DaemonUnavailableError(
+                self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) serving "
+                                  f"{self.socket_path} died")
+
+    def call(self, msg_type: str, body: dict | None = None, frames=(),
+             timeout: float = CALL_TIMEOUT) -> dict:
+        """Send one request and return the reply body.
+
+        Raises
+        ------
+        DaemonUnavailableError
+            If the daemon died or did not answer in ``timeout`` seconds.
+        DaemonRequestError
+            If the daemon refused the request.
+        """
+        try:
+            return self.channel.call(msg_type, body, frames, timeout, self.ensure_daemon_alive).body
+        except protocol.ErrorReply as exc:
+            raise DaemonRequestError(exc.body) from None
+        except protocol.ReplyTimeout:
+            self.ensure_daemon_alive()
+            raise DaemonUnavailableError(
+                self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) did not answer "
+                                  f"a {msg_type} request within {timeout:.0f}s") from None
+
+    # ------------------------------------------------------------------ staging pool
+    @property
+    def pool(self):
+        """The staging pool as a flat ``torch.uint8`` tensor, mapped once."""
+        if self._pool_tensor is None:
+            import torch
+
+            fd = os.open(self.pool_path, os.O_RDWR)
+            try:
+                self._pool_map = mmap.mmap(fd, self.pool_size,
+                                           flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            finally:
+                os.close(fd)
+            self._pool_tensor = torch.frombuffer(self._pool_map, dtype=torch.uint8)
+        return self._pool_tensor
+
+    def close(self) -> None:
+        """Say goodbye and close the socket."""
+        try:
+            self.channel.call(protocol.MessageType.GOODBYE, timeout=1.0)
+        except Exception:  # the daemon may already be gone; closing must not fail
+            pass
+        self.channel.close()
+        self._pool_tensor = None
+        if self._pool_map is not None:
+            try:
+                self._pool_map.close()
+            except BufferError:
+                pass
+        _connections.pop(self.socket_path, None)
+
+
+_connections: dict[str, DaemonConnection] = {}
+
+
+def connect(socket: str | os.PathLike | None = None, auto_start: bool | None = None,
+            rank: int | None = None) -> DaemonConnection:
+    """Connect this process to its node's ckptd daemon (cached per socket).
+
+    Parameters
+    ----------
+    socket : str, optional
+        Socket path. Default: ``$CKPTD_SOCKET``, else ``$XDG_RUNTIME_DIR/ckptd/ckptd.sock``,
+        else ``/tmp/ckptd-<uid>/ckptd.sock``.
+    auto_start : bool, optional
+        Start a local daemon when none answers. Default: ``$CKPTD_AUTO_START`` if set,
+        else on only when no socket was configured (single-node use). An auto-started
+        daemon allows the roots in ``$CKPTD_ROOTS`` (``:``-separated; default ``/``),
+        uses ``$CKPTD_POOL_SIZE`` (default 1G) and exits when idle for two minutes.
+    rank : int, optional
+        This process's rank; default from torch.distributed, else ``$RANK``.
+
+    Returns
+    -------
+    DaemonConnection
+
+    Raises
+    ------
+    DaemonUnavailableError
+        If no daemon answers and none was started.
+    """
+    explicit = bool(socket) or bool(os.environ.get(protocol.SOCKET_ENV))
+    socket_path = protocol.resolve_socket_path(socket)
+    cached = _connections.get(socket_path)
+    if cached is not None and _pid_alive(cached.daemon_pid):
+        return cached
+    if cached is not None:
+        cached.close()
+    if auto_start is None:
+        env = os.environ.get(AUTO_START_ENV)
+        auto_start = (env not in ("0", "false", "no")) if env is not None else not explicit
+    default_rank, world_size = _default_rank()
+    rank = default_rank if rank is None else rank
+    conn = _hello(socket_path, rank, world_size)
+    if conn is None and auto_start:
+        _start_local_daemon(socket_path)
+        conn = _hello(socket_path, rank, world_size)
+    if conn is None:
+        raise DaemonUnavailableError(socket_path, f"no ckptd daemon answers on {socket_path}")
+    _connections[socket_path] = conn
+    return conn
+
+
+def _hello(socket_path: str, rank: int, world_size: int) -> DaemonConnection | None:
+    if not protocol.socket_is_live(socket_path):
+        return None
+    channel = protocol.Channel(protocol.endpoint_for(socket_path))
+    try:
+        reply = channel.call(protocol.MessageType.HELLO,
+                             {"rank": rank, "pid": os.getpid(), "world_size": world_size},
+                             timeout=HELLO_TIMEOUT)
+    except protocol.ReplyTimeout:
+        channel.close()
+        return None
+    except protocol.ErrorReply as exc:
+        channel.close()
+        raise DaemonRequestError(exc.body) from None
+    return DaemonConnection(socket_path, channel, reply.body, rank)
+
+
+def _start_local_daemon(socket_path: str) -> None:
+    """Start a daemon for this node unless another rank already did (file lock)."""
+    runtime_dir = os.path.dirname(socket_path)
+    protocol.ensure_private_dir(runtime_dir)
+    with open(os.path.join(runtime_dir, "ckptd.start.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if protocol.socket_is_live(socket_path):
+            return  # another rank of this node won the race
+        roots = [r for r in os.environ.get(ROOTS_ENV, "/").split(os.pathsep) if r]
+        command = [sys.executable, "-m", "ckptd", "serve", "--socket", socket_path,
+                   "--pool-size", os.environ.get(POOL_SIZE_ENV, "1G"),
+                   "--exit-when-idle", str(AUTO_EXIT_WHEN_IDLE)]
+        for root in roots:
+            command += ["--root", root]
+        log_path = os.path.join(runtime_dir, "ckptd.log")
+        log.info("no ckptd daemon on %s; starting one (log: %s)", socket_path, log_path)
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
+                                       stderr=log_file, start_new_session=True)
+        _wait_until_ready(socket_path, process, log_path)
+
+
+def _wait_until_ready(socket_path: str, process: subprocess.Popen, log_path: str) -> None:
+    ready_file = protocol.ready_file_for(socket_path)
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise DaemonUnavailableError(
+                socket_path, f"the auto-started ckptd exited with status {process.returncode} "
+                             f"(see {log_path})")
+        try:
+            with open(ready_file) as f:
+                if json.load(f).get("pid") == process.pid:
+                    return
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.05)  # polling the ready file; the daemon writes it atomically
+    raise DaemonUnavailableError(socket_path, f"the auto-started ckptd was not ready within "
+                                              f"{START_TIMEOUT:.0f}s (see {log_path})")

@@ -1,0 +1,315 @@
+"""``torch.distributed.checkpoint`` (DCP) through the daemon.
+
+Two ways in:
+
+- :class:`DaemonStorageWriter` (also exported as ``StorageWriter``) plugs into stock
+  ``torch.distributed.checkpoint.save``: ``write_data`` stages the plan's items with the
+  daemon and waits until they are durable; ``finish`` has the daemon commit ``.metadata``.
+- :func:`async_save` plans like ``dcp.save`` (optionally reusing a cached plan), stages,
+  and returns an :class:`AsyncRequest` whose finalize step gathers every rank's write
+  results and has the coordinator commit ``.metadata`` last (temp, fsync, rename).
+
+Files are DCP's own ``.distcp`` layout (each tensor ``torch.save``-d at a recorded offset)
+so stock ``dcp.load(..., storage_reader=FileSystemReader(path))`` reads them, resharding
+included. Each rank's files carry a per-save token in their names, so a save into a
+directory that already holds a checkpoint never overwrites the files that checkpoint's
+``.metadata`` points to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import secrets
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import (CURRENT_DCP_VERSION, _StorageInfo,
+                                                     _StoragePrefix)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriterBase
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckptd.protocol import MessageType, SaveFormat
+from ckpt_client.async_queue import AsyncRequest, agree_on_completion
+from ckpt_client.connection import DaemonConnection, connect
+from ckpt_client.errors import CheckpointException
+from ckpt_client.staging import DaemonSave, stage
+
+METADATA_NAME = ".metadata"
+DCP_SUFFIX = ".distcp"
+
+
+def _item_nbytes(source) -> int:
+    if isinstance(source, torch.Tensor):
+        return source.numel() * source.element_size()
+    return source.getbuffer().nbytes
+
+
+def split_into_files(sources: list, count: int) -> list[list[int]]:
+    """Indices of ``sources`` grouped into ``count`` files of balanced size."""
+    count = max(1, min(count, len(sources)))
+    groups: list[list[int]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    for index in sorted(range(len(sources)), key=lambda i: -_item_nbytes(sources[i])):
+        target = sizes.index(min(sizes))
+        groups[target].append(index)
+        sizes[target] += _item_nbytes(sources[index])
+    return [sorted(g) for g in groups if g]
+
+
+class DaemonStorageWriter(_StorageWriterBase):
+    """A DCP ``StorageWriter`` whose bytes are written by the node's ckptd.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Checkpoint directory.
+    socket : str, optional
+        Daemon socket (see :func:`ckpt_client.connect`).
+    files_per_rank : int, optional
+        Files each rank writes (default: the daemon's writer count).
+    """
+
+    def __init__(self, path: str | os.PathLike = "", *, socket: str | None = None,
+                 files_per_rank: int | None = None) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path)) if path else ""
+        self.socket = socket
+        self.files_per_rank = files_per_rank
+        self.save_id = secrets.token_hex(8)
+        self.is_coordinator = False
+        self.rank = 0
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory."""
+        return self.path
+
+    @property
+    def connection(self) -> DaemonConnection:
+        """This process's connection to its daemon."""
+        return connect(self.socket)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Point at a new checkpoint directory and start a new save id."""
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.save_id = secrets.token_hex(8)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        """Remember whether this rank commits ``.metadata``."""
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", self.rank)
+
+    def storage_meta(self) -> StorageMeta:
+        """Identify this save in the metadata."""
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Nothing to add locally."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give each rank its file-name prefix."""
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
+                for i, p in enumerate(plans)]
+
+    # ------------------------------------------------------------------ writing
+    def stage(self, plan: SavePlan, planner: SavePlanner) -> DaemonSave:
+        """Hand this rank's items to the daemon; returns once they are staged."""
+        sources = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if isinstance(data, torch.Tensor):
+                data = data.detach()
+            elif not isinstance(data, io.BytesIO):
+                raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
+            sources.append(data)
+        connection = self.connection
+        token = secrets.token_hex(4)
+        count = self.files_per_rank or connection.writers
+        files = [[f"{plan.storage_data.prefix}{token}_{k}{DCP_SUFFIX}", group]
+                 for k, group in enumerate(split_into_files(sources, count))]
+        return stage(connection, SaveFormat.DCP, self.path, sources, files=files)
+
+    @staticmethod
+    def write_results(save: DaemonSave, plan: SavePlan) -> list[WriteResult]:
+        """DCP write results of a finished save (offsets as the daemon wrote them)."""
+        results = []
+        file_items = {entry[0]: entry[1] for entry in save.files}
+        for written in save.last.get("written", []):
+            for index, (offset, length) in zip(file_items[written["name"]], written["items"]):
+                item = plan.items[index]
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(written["name"], offset, length)))
+        return results
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        """Stage, wait until durable, and return the write results (stock ``dcp.save``)."""
+        save = self.stage(plan, planner)
+        request = AsyncRequest(daemon_saves=(save,))
+        try:
+            request.execute_sync()
+        except CheckpointException as exc:
+            raise OSError(f"ckptd could not write rank {self.rank}'s part of {self.path}: "
+                          f"{exc}") from None
+        future: Future = Future()
+        future.set_result(self.write_results(save, plan))
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit ``.metadata`` through the daemon (temp file, fsync, rename)."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {r.index: r.storage_data for rank_results in results
+                                 for r in rank_results}
+        metadata.storage_meta = self.storage_meta()
+        self.connection.call(MessageType.COMMIT_FILE,
+                             {"path": os.path.join(self.path, METADATA_NAME)},
+                             frames=[pickle.dumps(metadata)])
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Any local path is a valid checkpoint id."""
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+#: Name required by the spec: a ``StorageWriter`` for stock ``dcp.save``.
+StorageWriter = DaemonStorageWriter
+
+
+# ---------------------------------------------------------------------- planning
+
+@dataclasses.dataclass
+class _CachedPlan:
+    local_plan: SavePlan
+    central_plan: SavePlan
+    metadata: Metadata | None
+
+
+_plan_cache: dict = {}
+
+
+class _Group:
+    """The process group a save runs over, or none (single process)."""
+
+    def __init__(self, process_group) -> None:
+        self.group = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.size = dist.get_world_size(process_group) if self.distributed else 1
+        self.coordinator_global = (dist.get_global_rank(process_group, 0)
+                                   if self.distributed and process_group is not None else 0)
+        self.is_coordinator = self.rank == 0
+
+    def gather_to_coordinator(self, value) -> list | None:
+        if not self.distributed:
+            return [value]
+        out = [None] * self.size if self.is_coordinator else None
+        dist.gather_object(value, out, dst=self.coordinator_global, group=self.group)
+        return out
+
+    def scatter_from_coordinator(self, values: list | None):
+        if not self.distributed:
+            return values[0]
+        out = [None]
+        dist.scatter_object_list(out, values, src=self.coordinator_global, group=self.group)
+        return out[0]
+
+    def broadcast_from_coordinator(self, value):
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.coordinator_global, group=self.group)
+        return box[0]
+
+    def all_true(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(value.item())
+
+
+def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, group: _Group,
+               enable_cache: bool) -> tuple[SavePlan, Metadata | None]:
+    planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
+                           is_coordinator=group.is_coordinator)
+    writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
+    local_plan = writer.prepare_local_plan(planner.create_local_plan())
+    cache_key = (id(group.group), group.size, type(planner).__name__)
+    cached = _plan_cache.get(cache_key) if enable_cache else None
+    if enable_cache:
+        # One int all-reduce replaces gathering and scattering whole plans.
+        if group.all_true(cached is not None and cached.local_plan == local_plan):
+            return cached.central_plan, cached.metadata
+    gathered = group.gather_to_coordinator(local_plan)
+    metadata = None
+    plans = None
+    if group.is_coordinator:
+        plans, metadata = planner.create_global_plan(gathered)
+        plans = writer.prepare_global_plan(plans)
+    central_plan = group.scatter_from_coordinator(plans)
+    if enable_cache:
+        _plan_cache[cache_key] = _CachedPlan(local_plan, central_plan, metadata)
+    return central_plan, metadata
+
+
+def _finalize(writer: DaemonStorageWriter, save: DaemonSave, plan: SavePlan,
+              metadata: Metadata | None, group: _Group) -> None:
+    gathered = group.gather_to_coordinator(writer.write_results(save, plan))
+    error = None
+    if group.is_coordinator:
+        try:
+            writer.finish(dataclasses.replace(metadata), gathered)
+        except Exception as exc:  # every rank must learn that the commit failed
+            error = f"committing {os.path.join(writer.path, METADATA_NAME)} failed: {exc}"
+    error = group.broadcast_from_coordinator(error)
+    if error:
+        raise CheckpointException("checkpoint was written but not committed",
+                                  {group.coordinator_global: error})
+
+
+def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=None,
+               planner: SavePlanner | None = None, enable_cache: bool = False) -> AsyncRequest:
+    """Save ``state_dict`` as a DCP checkpoint through the daemon, asynchronously.
+
+    Call on all ranks of ``process_group``. Blocks through planning and staging; the
+    daemon then writes while training goes on. Schedule the returned request on an
+    :class:`~ckpt_client.AsyncCallsQueue`: its finalize step commits ``.metadata``
+    (by the coordinator, after every rank's files are durable).
+
+    Parameters
+    ----------
+    state_dict : dict
+        As for ``torch.distributed.checkpoint.save``.
+    checkpoint_id : str or PathLike
+        Checkpoint directory (must lie under one of the daemon's ``--root``).
+    process_group : ProcessGroup, optional
+        Group to save over (default: the default group, or none).
+    planner : SavePlanner, optional
+        Default: ``DefaultSavePlanner()``.
+    enable_cache : bool
+        Reuse the plan and global metadata of the previous save with the same structure,
+        skipping the plan gather/scatter (one small all-reduce confirms every rank hit).
+
+    Returns
+    -------
+    AsyncRequest
+    """
+    planner = planner or DefaultSavePlanner()
+    writer = DaemonStorageWriter(checkpoint_id)
+    group = _Group(process_group)
+    central_plan, metadata = _plan_save(state_dict, writer, planner, group, enable_cache)
+    final_plan = planner.finish_plan(central_plan)
+    save = writer.stage(final_plan, planner)
+    return AsyncRequest(daemon_saves=(save,),
+                        finalize_fns=[partial(_finalize, writer, save, final_plan, metadata, group)])

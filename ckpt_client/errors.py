@@ -1,0 +1,62 @@
+"""Exceptions the trainer library raises."""
+
+from __future__ import annotations
+
+
+class CheckpointException(Exception):
+    """A save failed on one or more ranks; raised on every rank alike.
+
+    Parameters
+    ----------
+    message : str
+        What failed.
+    failures : dict of int to str
+        Failing rank -> reason (rank, file, errno where known).
+
+    Attributes
+    ----------
+    failures : dict of int to str
+    failing_ranks : list of int
+    """
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        self.failures = dict(failures)
+        self.failing_ranks = sorted(self.failures)
+        details = "; ".join(f"rank {r}: {self.failures[r]}" for r in self.failing_ranks)
+        super().__init__(f"{message} (failing ranks {self.failing_ranks}: {details})")
+
+
+class DaemonUnavailableError(RuntimeError):
+    """No ckptd daemon answers on the socket (or it died).
+
+    Attributes
+    ----------
+    socket_path : str
+        The socket that was tried.
+    """
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        self.socket_path = socket_path
+        super().__init__(
+            f"{reason}. Start one with `ckptd serve --socket {socket_path} --root <checkpoint dir>`, "
+            f"point CKPTD_SOCKET at the daemon's socket (the SLURM prolog exports it), or use "
+            f"ckpt_client.connect(auto_start=True) for a single-node job")
+
+
+class DaemonRequestError(RuntimeError):
+    """The daemon refused a request (bad path, pool too small, ...).
+
+    Attributes
+    ----------
+    code : str
+        The protocol error code.
+    hint : str
+        What to do about it.
+    """
+
+    def __init__(self, body: dict) -> None:
+        self.code = body.get("code")
+        self.hint = body.get("hint", "")
+        self.body = body
+        text = body.get("message", "request refused")
+        super().__init__(f"{text}. {self.hint}" if self.hint else text)

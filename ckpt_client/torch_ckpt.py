@@ -1,0 +1,72 @@
+"""``TorchAsyncCheckpoint``: ``torch.save`` made asynchronous by the daemon.
+
+The state dict is staged (copied into the daemon's pool) before ``async_save`` returns;
+the daemon writes a file that plain ``torch.load(path, weights_only=True)`` reads,
+under a temporary name, fsynced, then renamed.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckptd.protocol import SaveFormat
+from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
+from ckpt_client.connection import DaemonConnection, connect
+from ckpt_client.staging import flatten_state_dict, stage
+
+
+def async_torch_save(state_dict, path: str | os.PathLike,
+                     connection: DaemonConnection | None = None) -> AsyncRequest:
+    """Stage ``state_dict`` with the daemon and return the request that completes it.
+
+    Returns once the tensors are staged: changing them afterwards does not change the
+    file. Schedule the result on an :class:`AsyncCallsQueue`.
+    """
+    connection = connection or connect()
+    skeleton, tensors = flatten_state_dict(state_dict)
+    save = stage(connection, SaveFormat.TORCH, os.fspath(path), tensors, skeleton=skeleton)
+    return AsyncRequest(daemon_saves=(save,))
+
+
+class TorchAsyncCheckpoint:
+    """Asynchronous ``torch.save`` through ckptd, with the reference's interface.
+
+    Parameters
+    ----------
+    persistent_queue : bool
+        Passed to the internal :class:`AsyncCallsQueue`.
+    socket : str, optional
+        Daemon socket (see :func:`ckpt_client.connect`).
+    """
+
+    def __init__(self, persistent_queue: bool = True, socket: str | None = None) -> None:
+        self._queue = AsyncCallsQueue(persistent=persistent_queue)
+        self._socket = socket
+
+    def async_save(self, state_dict, *args, **kwargs) -> None:
+        """Save ``state_dict`` to ``args[0]`` (or ``f=``) in the background.
+
+        Blocks only until the daemon has staged the tensors.
+        """
+        path = args[0] if args else kwargs.get("f", kwargs.get("path"))
+        if path is None:
+            raise TypeError("async_save needs a destination path")
+        request = async_torch_save(state_dict, path, connect(self._socket))
+        self._queue.schedule_async_request(request)
+
+    def finalize_async_save(self, blocking: bool = False, no_dist: bool = True,
+                            terminate: bool = False) -> None:
+        """Finalize finished saves (all of them with ``blocking=True``).
+
+        Raises
+        ------
+        CheckpointException
+            If a save failed.
+        """
+        self._queue.maybe_finalize_async_calls(blocking=blocking, no_dist=no_dist)
+        if terminate:
+            self.close()
+
+    def close(self, abort: bool = False) -> None:
+        """Finish (or with ``abort=True`` drop) every pending save."""
+        self._queue.close(abort=abort)

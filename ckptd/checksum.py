@@ -1,0 +1,139 @@
+"""Checksums of written parts and the sidecar file that records them.
+
+Every file ckptd writes gets ``<file>.ckptd-sum`` beside it: a small JSON document with
+the algorithm, the value and the size. Writers produce it while writing; loaders (ours,
+and ``ckptd verify``) check a file against it before trusting the bytes. Shared by the
+daemon and the client; importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+
+SIDECAR_SUFFIX = ".ckptd-sum"
+ALGORITHM = "crc32"
+_READ_CHUNK = 16 * 1024 * 1024
+
+
+class ChecksumMismatchError(Exception):
+    """A file's bytes do not match the checksum recorded beside it."""
+
+
+@dataclass(frozen=True)
+class Checksum:
+    """The recorded checksum of one file."""
+
+    value: int
+    size: int
+    algorithm: str = ALGORITHM
+
+    def to_json(self) -> str:
+        """Serialize for the sidecar file."""
+        return json.dumps({"algorithm": self.algorithm, "value": f"{self.value:08x}",
+                           "size": self.size})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Checksum":
+        """Parse a sidecar file's content."""
+        doc = json.loads(text)
+        return cls(int(doc["value"], 16), int(doc["size"]), doc["algorithm"])
+
+
+class ChecksumWriter:
+    """A write-only stream that checksums what passes through it to ``target``."""
+
+    def __init__(self, target) -> None:
+        self._target = target
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        """Write ``data`` and fold it into the checksum."""
+        self.crc = zlib.crc32(data, self.crc)
+        written = self._target.write(data)
+        self.size += len(memoryview(data).cast("B"))
+        return written
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self.size
+
+    def flush(self) -> None:
+        """Flush the underlying stream."""
+        self._target.flush()
+
+    def result(self) -> Checksum:
+        """The checksum of everything written."""
+        return Checksum(self.crc, self.size)
+
+
+def sidecar_path(path: str) -> str:
+    """Where the checksum of ``path`` is recorded."""
+    return path + SIDECAR_SUFFIX
+
+
+def checksum_file(path: str) -> Checksum:
+    """Compute the checksum of a file on disk."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return Checksum(crc, size)
+
+
+def checksum_bytes(data) -> Checksum:
+    """Compute the checksum of an in-memory buffer."""
+    view = memoryview(data).cast("B")
+    return Checksum(zlib.crc32(view), len(view))
+
+
+def read_sidecar(path: str) -> Checksum:
+    """The checksum recorded beside ``path``.
+
+    Raises
+    ------
+    ChecksumMismatchError
+        If the sidecar is missing or unreadable.
+    """
+    try:
+        with open(sidecar_path(path)) as f:
+            return Checksum.from_json(f.read())
+    except FileNotFoundError:
+        raise ChecksumMismatchError(
+            f"{path} has no checksum record ({sidecar_path(path)} is missing); "
+            "it was not written completely by ckptd") from None
+    except (ValueError, KeyError) as exc:
+        raise ChecksumMismatchError(f"checksum record of {path} is unreadable: {exc}") from None
+
+
+def verify_file(path: str) -> Checksum:
+    """Check ``path`` against its sidecar; return the checksum when they agree.
+
+    Raises
+    ------
+    ChecksumMismatchError
+        If the sidecar is missing, or the size or checksum differs.
+    """
+    expected = read_sidecar(path)
+    actual = checksum_file(path)
+    if (actual.value, actual.size) != (expected.value, expected.size):
+        raise ChecksumMismatchError(
+            f"{path} is corrupted: {expected.algorithm} {actual.value:08x} over {actual.size} "
+            f"bytes, but {expected.value:08x} over {expected.size} bytes was recorded; "
+            "do not load it, use another copy")
+    return actual
+
+
+def write_sidecar(path: str, checksum: Checksum) -> None:
+    """Record ``checksum`` beside ``path`` (temp file, fsync, rename)."""
+    target = sidecar_path(path)
+    tmp = f"{target}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(checksum.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)

@@ -1,0 +1,118 @@
+"""The ``ckptd`` command: ``serve`` and ``status``.
+
+Option spellings here are a contract (SLURM prologs, systemd units and scripts use
+them). ``status`` must stay fast: the daemon modules, and so torch, are imported only
+by ``serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import click
+
+from ckptd import __version__, protocol
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``512M``, ``2G``, ``1.5GiB`` or a plain byte count."""
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = cleaned[-1] if cleaned and cleaned[-1] in _SIZE_UNITS else ""
+    number = cleaned[:-1] if unit else cleaned
+    try:
+        return int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size (try 512M or 4G)") from None
+
+
+@click.group()
+@click.version_option(__version__, prog_name="ckptd")
+def main() -> None:
+    """ckptd: a per-node checkpoint daemon for PyTorch training jobs."""
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(), default=None,
+              help="ipc socket path (default: $CKPTD_SOCKET, else "
+                   "$XDG_RUNTIME_DIR/ckptd/ckptd.sock or /tmp/ckptd-<uid>/ckptd.sock).")
+@click.option("--root", "roots", multiple=True, type=click.Path(),
+              help="Directory checkpoints may be written under (repeatable; default: the "
+                   "current directory).")
+@click.option("--local-dir", type=click.Path(), default=None,
+              help="Node-local directory for local checkpoints and replicas.")
+@click.option("--pool-size", default="1G", show_default=True,
+              help="Shared-memory staging pool size (e.g. 512M, 8G).")
+@click.option("--writers", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Number of writer processes.")
+@click.option("--peer-listen", default=None,
+              help="tcp address peers reach this daemon on, e.g. tcp://10.0.0.5:7740.")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--ready-file", type=click.Path(), default=None,
+              help="Where to write the ready file (default: ckptd.ready beside the socket).")
+@click.option("--exit-when-idle", type=float, default=None,
+              help="Exit after this many seconds with no trainers and no saves.")
+@click.option("--drain-timeout", type=float, default=60.0, show_default=True,
+              help="On SIGTERM, seconds to let in-flight writes finish before abandoning them.")
+def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, log_level,
+          ready_file, exit_when_idle, drain_timeout) -> None:
+    """Run the daemon in the foreground until SIGTERM."""
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s ckptd[%(process)d] %(levelname)s %(name)s: %(message)s")
+    from ckptd.server import AlreadyRunningError, Daemon, DaemonConfig
+
+    config = DaemonConfig(
+        socket_path=protocol.resolve_socket_path(socket_path),
+        roots=list(roots) or [os.getcwd()], pool_size=parse_size(pool_size), writers=writers,
+        local_dir=local_dir, peer_listen=peer_listen, log_level=log_level.upper(),
+        exit_when_idle=exit_when_idle, drain_timeout=drain_timeout, ready_file=ready_file)
+    daemon = Daemon(config)
+    try:
+        daemon.start()
+    except (AlreadyRunningError, OSError, protocol.ProtocolError, RuntimeError) as exc:
+        daemon.shutdown()
+        raise click.ClickException(str(getattr(exc, "message", exc)))
+    daemon.serve_forever()
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(), default=None,
+              help="Socket of the daemon to ask (default as for serve).")
+@click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--interval", type=float, default=1.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.option("--health", is_flag=True, help="Print one summary line (for scripts).")
+@click.option("--timeout", type=float, default=3.0, show_default=True,
+              help="Seconds to wait for the daemon's answer.")
+def status(socket_path, as_json, watch, interval, health, timeout) -> None:
+    """Show a daemon's ranks, requests and pool. Exit 0 running, 3 not running, 4 unknown."""
+    from ckptd import status as status_mod
+
+    path = protocol.resolve_socket_path(socket_path)
+    while True:
+        code, doc, why = status_mod.query_status(path, timeout)
+        if watch and sys.stdout.isatty():
+            click.clear()
+        if doc is None:
+            click.echo(json.dumps({"running": False, "exit_code": code, "reason": why})
+                       if as_json else why, err=not as_json)
+        elif as_json:
+            click.echo(status_mod.to_json(doc))
+        elif health:
+            click.echo(status_mod.health_line(doc))
+        else:
+            click.echo(status_mod.render(doc))
+        if not watch:
+            sys.exit(code)
+        try:
+            time.sleep(interval)  # --watch refresh period, not a synchronization
+        except KeyboardInterrupt:
+            sys.exit(code)
+

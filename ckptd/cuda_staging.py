@@ -1,0 +1,137 @@
+"""Staging CUDA tensors of trainers: open their IPC handles, copy device-to-host.
+
+Owns the daemon's CUDA side: the page-locked registration of the staging pool, a CUDA
+context on each device before a handle is opened, device matching by UUID, the cache of
+opened mappings per trainer process (reused across saves, dropped when a save no longer
+names them or the trainer goes away), and a worker thread that does the copies so the
+serve loop keeps answering. Results go back to the loop through an inproc socket.
+Only loaded when the node has an NVIDIA driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+import zmq
+
+from ckptd import protocol
+
+log = logging.getLogger(__name__)
+
+
+class CudaStager:
+    """Copies trainers' CUDA tensors into the staging pool on a worker thread."""
+
+    @classmethod
+    def create_if_available(cls, pool) -> "CudaStager | None":
+        """A stager if this node has a usable CUDA device, else ``None``."""
+        if not os.path.exists("/proc/driver/nvidia/version"):
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        pool.register_with_cuda()
+        return cls(pool)
+
+    def __init__(self, pool) -> None:
+        import torch
+
+        self.torch = torch
+        self.pool = pool
+        self.pool_tensor = torch.frombuffer(pool._map, dtype=torch.uint8)
+        self.devices = {str(torch.cuda.get_device_properties(i).uuid): i
+                        for i in range(torch.cuda.device_count())}
+        self._opened: dict[int, dict] = {}  # trainer pid -> {(handle, offset): storage}
+        self._jobs: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        context = zmq.Context.instance()
+        endpoint = f"inproc://ckptd-cuda-{id(self)}"
+        self.wake_socket = context.socket(zmq.PAIR)
+        self.wake_socket.bind(endpoint)
+        self._notify = context.socket(zmq.PAIR)
+        self._notify.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name="ckptd-cuda-staging", daemon=True)
+        self._thread.start()
+
+    def submit(self, request, specs: list, pid: int) -> None:
+        """Queue the D2H copy of ``specs`` (client IPC descriptions) for ``request``."""
+        self._jobs.put((request, specs, pid))
+
+    def drain(self, on_staged) -> None:
+        """Deliver finished stagings to ``on_staged(request, error)`` on the loop thread."""
+        while self.wake_socket.poll(0):
+            self.wake_socket.recv()
+        while True:
+            try:
+                request, error = self._done.get_nowait()
+            except queue.Empty:
+                return
+            on_staged(request, error)
+
+    def forget_process(self, pid: int) -> None:
+        """Drop the mappings opened for a trainer that went away."""
+        self._jobs.put((None, None, pid))
+
+    def _run(self) -> None:
+        while True:
+            request, specs, pid = self._jobs.get()
+            if request is None and specs is None and pid is None:
+                return
+            if request is None:
+                self._opened.pop(pid, None)
+                continue
+            try:
+                self._stage(request, specs, pid)
+                error = None
+            except Exception as exc:  # reported to the trainer, never kills the thread
+                log.exception("CUDA staging of request %d failed", request.id)
+                error = f"CUDA staging failed on the daemon: {type(exc).__name__}: {exc}"
+            self._done.put((request, error))
+            self._notify.send(b"")
+
+    def _stage(self, request, specs: list, pid: int) -> None:
+        torch = self.torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        cache = self._opened.setdefault(pid, {})
+        used = {}
+        base = request.extent.offset
+        streams = {}
+        for spec, offset in zip(specs, request.offsets):
+            device = self.devices.get(spec["device_uuid"])
+            if device is None:
+                raise RuntimeError(f"the trainer's GPU {spec['device_uuid']} is not visible to "
+                                   "the daemon; give ckptd the same devices (CUDA_VISIBLE_DEVICES)")
+            torch.cuda.set_device(device)  # a context must exist before opening the handle
+            key = (spec["handle"], spec["storage_offset"])
+            dtype = getattr(torch, spec["dtype"])
+            source = rebuild_cuda_tensor(
+                torch.Tensor, spec["size"], spec["stride"], spec["offset"], torch.UntypedStorage,
+                dtype, device, spec["handle"], spec["storage_size"], spec["storage_offset"], False,
+                spec["ref_counter_handle"], spec["ref_counter_offset"], spec["event_handle"],
+                spec["event_sync_required"])
+            used[key] = source.untyped_storage()
+            nbytes = source.numel() * source.element_size()
+            if nbytes:
+                start = base + offset
+                destination = self.pool_tensor[start:start + nbytes].view(dtype).view(source.shape)
+                stream = streams.setdefault(device, torch.cuda.Stream(device))
+                with torch.cuda.stream(stream):
+                    destination.copy_(source, non_blocking=self.pool.registered_with_cuda)
+        for stream in streams.values():
+            stream.synchronize()
+        # Keep only what this save used: a handle the trainer no longer sends belongs to
+        # an allocation it freed or replaced.
+        cache.clear()
+        cache.update(used)
+
+    def close(self) -> None:
+        """Stop the worker thread and close the wake sockets."""
+        self._jobs.put((None, None, None))
+        self._thread.join(timeout=5)
+        self.wake_socket.close()
+        self._notify.close()

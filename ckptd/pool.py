@@ -1,0 +1,187 @@
+"""The staging pool: one shared-memory segment, allocated once, carved into extents.
+
+Owns the segment's life (create, pre-fault, page-lock when a GPU is present, unlink) and
+the extent allocator with back-pressure: a request that does not fit *now* waits in FIFO
+order until writers release space; a request larger than the whole pool is refused at
+once. An extent is released only by its owner request once every reader (writers and,
+later, replicators) is done with it, so staged bytes are never overwritten.
+
+Pattern: first-fit free list over one ``mmap``; clients map the same file by path.
+It must not know about requests, files or sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+from ckptd.protocol import EXTENT_ALIGNMENT, align_up
+
+log = logging.getLogger(__name__)
+
+
+class PoolTooSmallError(Exception):
+    """A single request needs more bytes than the whole pool holds."""
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A byte range ``[offset, offset + length)`` of the pool."""
+
+    offset: int
+    length: int
+
+
+@dataclass
+class _Waiter:
+    length: int
+    token: object
+
+
+@dataclass
+class StagingPool:
+    """A fixed-size shared-memory segment with an extent allocator.
+
+    Parameters
+    ----------
+    path : str
+        File to create under ``/dev/shm`` (must not exist).
+    size : int
+        Bytes to reserve; rounded up to :data:`EXTENT_ALIGNMENT`.
+    """
+
+    path: str
+    size: int
+    _free: list = field(default_factory=list)
+    _waiters: deque = field(default_factory=deque)
+    _map: mmap.mmap | None = None
+    registered_with_cuda: bool = False
+
+    def __post_init__(self) -> None:
+        self.size = align_up(self.size, EXTENT_ALIGNMENT)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            try:
+                # Reserve every page now: a full /dev/shm fails here with a clear error
+                # instead of a SIGBUS in the middle of a save.
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:
+                os.unlink(self.path)
+                raise OSError(exc.errno, f"cannot reserve a {self.size}-byte staging pool at "
+                              f"{self.path}: {exc.strerror}; lower --pool-size or free /dev/shm")
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        self._free = [Extent(0, self.size)]
+
+    # ------------------------------------------------------------------ allocation
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not held by any extent."""
+        return sum(e.length for e in self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by live extents."""
+        return self.size - self.free_bytes
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for space."""
+        return len(self._waiters)
+
+    def try_allocate(self, length: int) -> Extent | None:
+        """Carve an extent of ``length`` bytes, or ``None`` if it must wait.
+
+        Raises
+        ------
+        PoolTooSmallError
+            If ``length`` exceeds the pool size.
+        """
+        length = align_up(max(length, 1), EXTENT_ALIGNMENT)
+        if length > self.size:
+            raise PoolTooSmallError(
+                f"request needs {length} bytes of staging space but the pool holds "
+                f"{self.size}; start ckptd with a larger --pool-size")
+        if self._waiters:  # FIFO: nobody overtakes a request already waiting
+            return None
+        return self._carve(length)
+
+    def _carve(self, length: int) -> Extent | None:
+        for i, hole in enumerate(self._free):
+            if hole.length >= length:
+                rest = Extent(hole.offset + length, hole.length - length)
+                self._free[i:i + 1] = [rest] if rest.length else []
+                return Extent(hole.offset, length)
+        return None
+
+    def wait_for(self, length: int, token: object) -> None:
+        """Queue ``token`` until ``length`` bytes can be carved (see :meth:`release`)."""
+        self._waiters.append(_Waiter(align_up(max(length, 1), EXTENT_ALIGNMENT), token))
+
+    def cancel_wait(self, token: object) -> None:
+        """Forget a queued waiter (its owner went away)."""
+        self._waiters = deque(w for w in self._waiters if w.token is not token)
+
+    def release(self, extent: Extent) -> list[tuple[object, Extent]]:
+        """Return ``extent`` to the free list; hand space to waiters in FIFO order.
+
+        Returns
+        -------
+        list of (token, Extent)
+            Waiters that now have their extent.
+        """
+        self._free.append(extent)
+        self._free.sort(key=lambda e: e.offset)
+        merged: list[Extent] = []
+        for hole in self._free:
+            if merged and merged[-1].offset + merged[-1].length == hole.offset:
+                last = merged.pop()
+                hole = Extent(last.offset, last.length + hole.length)
+            merged.append(hole)
+        self._free = merged
+        granted = []
+        while self._waiters:
+            extent_for_head = self._carve(self._waiters[0].length)
+            if extent_for_head is None:
+                break
+            granted.append((self._waiters.popleft().token, extent_for_head))
+        return granted
+
+    # ------------------------------------------------------------------ memory
+    def view(self, extent: Extent) -> memoryview:
+        """A writable view of an extent (for the daemon's own staging copies)."""
+        assert self._map is not None
+        return memoryview(self._map)[extent.offset:extent.offset + extent.length]
+
+    def register_with_cuda(self) -> None:
+        """Page-lock the pool so device-to-host copies run at full speed."""
+        import ctypes
+
+        import torch
+
+        buf = (ctypes.c_char * self.size).from_buffer(self._map)
+        address = ctypes.addressof(buf)
+        del buf
+        status = torch.cuda.cudart().cudaHostRegister(address, self.size, 0)
+        if int(status) != 0:
+            log.warning("cudaHostRegister of the %d-byte staging pool failed (status %s); "
+                        "device-to-host copies will be slower", self.size, status)
+            return
+        self.registered_with_cuda = True
+
+    def close(self) -> None:
+        """Unmap and unlink the segment."""
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view is still exported; the unlink below still frees it
+                pass
+            self._map = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,363 @@
+"""Writer processes: turn staged bytes into durable files, and the pool that runs them.
+
+Each writer is its own process (``python -m ckptd.writers``) that maps the staging pool
+read-only-in-spirit and receives jobs over a ZeroMQ PAIR socket from the daemon: one job
+is one output file. A job writes to a hidden temporary name, fsyncs the file, records its
+checksum beside it, renames it into place and fsyncs the directory, so a file that has
+its final name is always complete. Errors come back as structured results (errno,
+path), never as a dead writer.
+
+The daemon side, :class:`WriterPool`, starts the processes, assigns each job to the
+least-loaded live writer, notices a writer that died and fails its jobs, and respawns it.
+This module owns file bytes on disk; it does not know about ranks or requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno as errno_mod
+import logging
+import mmap
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from ckptd import protocol
+from ckptd.checksum import ChecksumWriter, sidecar_path, write_sidecar
+
+log = logging.getLogger(__name__)
+
+WRITE_TORCH = "write_torch"
+WRITE_DCP = "write_dcp"
+WRITE_BYTES = "write_bytes"
+READY = "writer_ready"
+STOP = "stop"
+
+TMP_MARKER = ".ckptd-tmp"
+
+
+def temporary_name(path: str) -> str:
+    """The hidden name a file is written under before it is complete."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}{TMP_MARKER}")
+
+
+def fsync_directory(path: str) -> None:
+    """Make a rename or unlink inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]) -> dict:
+    """Write ``path`` via a temporary name; fsync, checksum, rename, fsync the directory.
+
+    Returns
+    -------
+    dict
+        ``{"path", "size", "crc32"}`` of the committed file.
+    """
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb", buffering=0) as raw:
+            stream = ChecksumWriter(raw)
+            write_body(stream)
+            os.fsync(raw.fileno())
+        checksum = stream.result()
+        write_sidecar(path, checksum)
+        os.replace(tmp, path)
+        fsync_directory(directory)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return {"path": path, "size": checksum.size, "crc32": checksum.value}
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def remove_written(path: str) -> None:
+    """Remove a file ckptd wrote, its checksum record and any temporary leftover."""
+    for candidate in (path, sidecar_path(path), temporary_name(path)):
+        _remove_quietly(candidate)
+
+
+# ---------------------------------------------------------------- the writer process
+
+class _Writer:
+    """Runs inside a writer process: executes jobs against the mapped pool."""
+
+    def __init__(self, pool_path: str, pool_size: int) -> None:
+        import torch  # only writer processes pay for torch
+
+        self.torch = torch
+        fd = os.open(pool_path, os.O_RDWR)
+        try:
+            self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+
+    def tensor_at(self, offset: int, nbytes: int, dtype: str, shape: list):
+        """A tensor whose storage is exactly the pool bytes at ``offset``: no copy."""
+        torch = self.torch
+        torch_dtype = getattr(torch, dtype)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        raw = torch.frombuffer(self.pool, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.view(torch_dtype).view(shape)
+
+    def write_torch(self, body: dict, frames: list) -> dict:
+        tensors = [self.tensor_at(*spec) for spec in body["tensors"]]
+        obj = _fill_skeleton(protocol.unpack_value(body["skeleton"]), tensors)
+        return write_file_atomically(body["path"], lambda f: self.torch.save(obj, f))
+
+    def write_dcp(self, body: dict, frames: list) -> dict:
+        placements: list = []
+
+        def write_items(stream: ChecksumWriter) -> None:
+            for offset, nbytes, dtype, shape in body["items"]:
+                start = stream.tell()
+                if dtype == "bytes":
+                    stream.write(memoryview(self.pool)[offset:offset + nbytes])
+                else:
+                    self.torch.save(self.tensor_at(offset, nbytes, dtype, shape), stream)
+                placements.append([start, stream.tell() - start])
+
+        result = write_file_atomically(body["path"], write_items)
+        result["items"] = placements
+        return result
+
+    def write_bytes(self, body: dict, frames: list) -> dict:
+        data = frames[0] if frames else b""
+        return write_file_atomically(body["path"], lambda f: f.write(data))
+
+    def run(self, sock: zmq.Socket) -> None:
+        handlers = {WRITE_TORCH: self.write_torch, WRITE_DCP: self.write_dcp,
+                    WRITE_BYTES: self.write_bytes}
+        parent = os.getppid()
+        sock.send_multipart(protocol.encode(READY, 0, {"pid": os.getpid()}))
+        while True:
+            if not sock.poll(1000):
+                if os.getppid() != parent:  # the daemon is gone: nobody wants our results
+                    return
+                continue
+            msg = protocol.decode(sock.recv_multipart())
+            if msg.type == STOP:
+                return
+            started = time.monotonic()
+            try:
+                result = {"ok": True, **handlers[msg.type](msg.body, msg.frames)}
+            except OSError as exc:
+                result = {"ok": False, "errno": exc.errno,
+                          "error": f"{exc.strerror or exc} ({errno_mod.errorcode.get(exc.errno or 0, '?')})",
+                          "path": exc.filename or msg.body.get("path")}
+            except Exception as exc:  # a bad job must not kill the writer
+                log.exception("writer job %s failed", msg.id)
+                result = {"ok": False, "errno": None, "error": f"{type(exc).__name__}: {exc}",
+                          "path": msg.body.get("path")}
+            result["seconds"] = time.monotonic() - started
+            sock.send_multipart(protocol.encode(protocol.MessageType.REPLY, msg.id, result))
+
+
+def _fill_skeleton(value: Any, tensors: list) -> Any:
+    if isinstance(value, protocol.TensorRef):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: _fill_skeleton(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill_skeleton(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fill_skeleton(v, tensors) for v in value)
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a writer process (started by :class:`WriterPool`)."""
+    parser = argparse.ArgumentParser(prog="ckptd-writer")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--pool", required=True)
+    parser.add_argument("--pool-size", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s ckptd-writer[%(process)d] %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.linger = 0
+    sock.connect(args.endpoint)
+    try:
+        _Writer(args.pool, args.pool_size).run(sock)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+# ------------------------------------------------------------------ daemon side
+
+@dataclass
+class WriteJob:
+    """One file to write, as the daemon tracks it."""
+
+    kind: str
+    body: dict
+    on_done: Callable[["WriteJob", dict], None]
+    frames: list = field(default_factory=list)
+    id: int = 0
+    writer: int = -1
+
+
+@dataclass
+class _WriterSlot:
+    index: int
+    endpoint: str
+    socket: zmq.Socket
+    process: subprocess.Popen | None = None
+    ready: bool = False
+    jobs: dict = field(default_factory=dict)
+
+
+class WriterPool:
+    """Starts ``count`` writer processes and routes jobs and results.
+
+    Parameters
+    ----------
+    count : int
+        Number of writer processes.
+    context : zmq.Context
+        The daemon's context (sockets are polled by the serve loop).
+    runtime_dir : str
+        Private directory for the writers' ipc endpoints.
+    pool_path, pool_size
+        The staging pool the writers map.
+    """
+
+    def __init__(self, count: int, context: zmq.Context, runtime_dir: str,
+                 pool_path: str, pool_size: int, log_level: str = "INFO") -> None:
+        self.pool_path, self.pool_size, self.log_level = pool_path, pool_size, log_level
+        self._next_job_id = 1
+        self.slots: list[_WriterSlot] = []
+        for index in range(count):
+            endpoint = f"ipc://{runtime_dir}/writer-{os.getpid()}-{index}.sock"
+            sock = context.socket(zmq.PAIR)
+            sock.linger = 0
+            sock.bind(endpoint)
+            self.slots.append(_WriterSlot(index, endpoint, sock))
+        for slot in self.slots:
+            self._spawn(slot)
+
+    def _spawn(self, slot: _WriterSlot) -> None:
+        slot.process = subprocess.Popen(
+            [sys.executable, "-m", "ckptd.writers", "--endpoint", slot.endpoint,
+             "--pool", self.pool_path, "--pool-size", str(self.pool_size),
+             "--log-level", self.log_level],
+            # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
+            # kill a writer mid-file; the daemon decides when writers stop.
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        slot.ready = False
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """Sockets the serve loop polls for results."""
+        return [slot.socket for slot in self.slots]
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every writer has mapped the pool and said so.
+
+        Raises
+        ------
+        RuntimeError
+            If a writer exits or does not report within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            while not slot.ready:
+                if slot.process.poll() is not None:
+                    raise RuntimeError(f"writer process {slot.index} exited with "
+                                       f"{slot.process.returncode} during start-up")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"writer process {slot.index} did not start in {timeout:.0f}s")
+                if slot.socket.poll(100):
+                    self.handle(slot.socket)
+
+    def submit(self, job: WriteJob) -> None:
+        """Send ``job`` to the live writer with the fewest jobs in flight."""
+        live = [s for s in self.slots if s.process and s.process.poll() is None] or self.slots
+        slot = min(live, key=lambda s: len(s.jobs))
+        job.id, job.writer = self._next_job_id, slot.index
+        self._next_job_id += 1
+        slot.jobs[job.id] = job
+        slot.socket.send_multipart(protocol.encode(job.kind, job.id, job.body, job.frames))
+
+    def handle(self, sock: zmq.Socket) -> None:
+        """Read one message from a writer's socket and complete its job."""
+        slot = next(s for s in self.slots if s.socket is sock)
+        msg = protocol.decode(sock.recv_multipart())
+        if msg.type == READY:
+            slot.ready = True
+            return
+        job = slot.jobs.pop(msg.id, None)
+        if job is not None:
+            job.on_done(job, msg.body)
+
+    def reap_dead(self) -> None:
+        """Fail the jobs of writers that died, clean their leftovers, start new ones."""
+        for slot in self.slots:
+            if slot.process is None or slot.process.poll() is None:
+                continue
+            code = slot.process.returncode
+            log.error("writer process %d (pid %d) died with %s; failing %d job(s) and restarting it",
+                      slot.index, slot.process.pid, code, len(slot.jobs))
+            jobs, slot.jobs = slot.jobs, {}
+            self._spawn(slot)
+            for job in jobs.values():
+                _remove_quietly(temporary_name(job.body["path"]))
+                job.on_done(job, {"ok": False, "errno": None, "path": job.body["path"],
+                                  "error": f"writer process died (exit status {code})"})
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs sent and not yet answered."""
+        return sum(len(s.jobs) for s in self.slots)
+
+    def describe(self) -> list[dict]:
+        """Per-writer state for status."""
+        return [{"index": s.index, "pid": s.process.pid if s.process else None,
+                 "alive": bool(s.process and s.process.poll() is None),
+                 "jobs": len(s.jobs)} for s in self.slots]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask writers to exit; kill those that do not, and remove their leftovers."""
+        for slot in self.slots:
+            try:
+                slot.socket.send_multipart(protocol.encode(STOP, 0), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            if slot.process is None:
+                continue
+            try:
+                slot.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                slot.process.kill()
+                slot.process.wait()
+            for job in slot.jobs.values():
+                _remove_quietly(temporary_name(job.body["path"]))
+            slot.socket.close()
+            _remove_quietly(slot.endpoint.removeprefix("ipc://"))
+
+
+if __name__ == "__main__":
+    main()
