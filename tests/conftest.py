@@ -1,0 +1,142 @@
+"""Shared fixtures: a real ckptd daemon process, and real multi-rank gloo groups.
+
+Pattern (from ipyparallel's tests): start the real daemon as a subprocess and wait on
+its ready file with a timeout, failing fast (with its log) if the process exits first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+# Spawned trainer processes import test helpers (multirank, the test modules) by name.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+READY_TIMEOUT = 120.0
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class DaemonProcess:
+    """A running ``ckptd serve`` started by a test."""
+
+    socket: str
+    roots: list
+    process: subprocess.Popen
+    log_path: str
+    env: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def status(self) -> dict:
+        """The daemon's status document, via the real CLI path."""
+        from ckptd.status import query_status
+
+        code, doc, why = query_status(self.socket, timeout=10)
+        assert code == 0, why
+        return doc
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def start_daemon_process(tmp_path, *, roots=None, pool_size="256M", writers=2,
+                         extra_args=(), env=None, name="d") -> DaemonProcess:
+    """Start ``python -m ckptd serve`` and wait until its ready file names its pid."""
+    run_dir = tmp_path / f"run-{name}"
+    socket_path = str(run_dir / "ckptd.sock")
+    roots = [str(r) for r in (roots or [tmp_path / "ckpt"])]
+    for root in roots:
+        os.makedirs(root, exist_ok=True)
+    log_path = str(tmp_path / f"ckptd-{name}.log")
+    command = [sys.executable, "-m", "ckptd", "serve", "--socket", socket_path,
+               "--pool-size", pool_size, "--writers", str(writers), *extra_args]
+    for root in roots:
+        command += ["--root", root]
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("CKPTD_SOCKET", None)
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=full_env)
+    daemon = DaemonProcess(socket_path, roots, process, log_path, full_env)
+    ready_file = os.path.join(run_dir, "ckptd.ready")
+
+    def ready():
+        if process.poll() is not None:
+            pytest.fail(f"ckptd exited with {process.returncode} before it was ready:\n{daemon.log()}")
+        try:
+            with open(ready_file) as f:
+                return json.load(f).get("pid") == process.pid
+        except (FileNotFoundError, ValueError):
+            return False
+
+    wait_for(ready, READY_TIMEOUT, "the daemon's ready file")
+    return daemon
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    """Factory: ``start_daemon(**options) -> DaemonProcess``; all are stopped afterwards."""
+    started: list[DaemonProcess] = []
+
+    def start(**options) -> DaemonProcess:
+        daemon = start_daemon_process(tmp_path, name=f"d{len(started)}", **options)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop(signal.SIGKILL if daemon.process.poll() is None else signal.SIGTERM, 30)
+        _remove_pool_of(daemon)
+
+
+def _remove_pool_of(daemon: DaemonProcess) -> None:
+    # A SIGKILLed daemon cannot unlink its pool; tests must not leak /dev/shm.
+    for name in os.listdir("/dev/shm"):
+        if name.startswith(f"ckptd-{os.getuid()}-{daemon.pid}-"):
+            os.unlink(os.path.join("/dev/shm", name))
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    """One daemon with the default options (roots: ``tmp_path/ckpt``)."""
+    return start_daemon()
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

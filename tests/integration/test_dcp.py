@@ -1,0 +1,156 @@
+"""DCP through the daemon: stock dcp.load reads what async_save and StorageWriter wrote."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as DCP
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ckpt_client import AsyncCallsQueue, dcp
+from ckptd.checksum import verify_file
+from multirank import run_ranks, values
+
+ROWS, COLS = 64, 48
+
+
+def full_model(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"embed": torch.randn(ROWS, COLS, generator=g), "bias": torch.randn(COLS, generator=g),
+            "counts": torch.arange(ROWS, dtype=torch.int64) * step}
+
+
+def sharded_state(rank: int, world_size: int, step: int) -> dict:
+    """Each rank holds a row block of 'embed' (as a ShardedTensor-free chunk via DTensor)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = full_model(step)
+    return {"embed": distribute_tensor(model["embed"], mesh, [Shard(0)]),
+            "bias": model["bias"], "counts": distribute_tensor(model["counts"], mesh, [Shard(0)]),
+            "step": step, "extra": {"note": "hello", "lr": 0.1}}
+
+
+def empty_sharded_state(world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    return {"embed": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
+            "bias": torch.zeros(COLS),
+            "counts": distribute_tensor(torch.zeros(ROWS, dtype=torch.int64), mesh, [Shard(0)]),
+            "step": 0, "extra": {"note": "", "lr": 0.0}}
+
+
+def check_loaded(state, step) -> None:
+    expected = full_model(step)
+    assert torch.equal(state["embed"].full_tensor(), expected["embed"])
+    assert torch.equal(state["counts"].full_tensor(), expected["counts"])
+    assert torch.equal(state["bias"], expected["bias"])
+    assert state["step"] == step and state["extra"] == {"note": "hello", "lr": 0.1}
+
+
+def save_async_then_load(rank, world_size, directory, step):
+    state = sharded_state(rank, world_size, step)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dcp.async_save(state, directory))
+    state["bias"].add_(1)  # after staging: must not reach the checkpoint
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    loaded = empty_sharded_state(world_size)
+    DCP.load(loaded, storage_reader=FileSystemReader(directory))
+    check_loaded(loaded, step)
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_async_save_loads_with_stock_dcp(daemon, tmp_path, world_size):
+    directory = os.path.join(daemon.roots[0], f"ws{world_size}")
+    listings = values(run_ranks(save_async_then_load, world_size, daemon.socket, tmp_path,
+                                args=(directory, 7)))
+    files = listings[0]
+    assert ".metadata" in files and ".metadata.ckptd-sum" in files
+    for name in files:
+        if not name.endswith(".ckptd-sum"):
+            verify_file(os.path.join(directory, name))
+    assert {n.split("_")[2] for n in files if n.endswith(".distcp")} == {str(r) for r in range(world_size)}
+
+
+def load_resharded(rank, world_size, directory, step):
+    loaded = empty_sharded_state(world_size)
+    DCP.load(loaded, storage_reader=FileSystemReader(directory))
+    check_loaded(loaded, step)
+    return True
+
+
+def test_saved_by_four_ranks_loads_into_two(daemon, tmp_path):
+    directory = os.path.join(daemon.roots[0], "reshard")
+    values(run_ranks(save_async_then_load, 4, daemon.socket, tmp_path, args=(directory, 3), name="w4"))
+    assert values(run_ranks(load_resharded, 2, daemon.socket, tmp_path, args=(directory, 3), name="w2")) == [True, True]
+
+
+def stock_save(rank, world_size, directory, step):
+    state = sharded_state(rank, world_size, step)
+    DCP.save(state, storage_writer=dcp.StorageWriter(directory))
+    loaded = empty_sharded_state(world_size)
+    DCP.load(loaded, storage_reader=FileSystemReader(directory))
+    check_loaded(loaded, step)
+    return True
+
+
+def test_storage_writer_works_with_stock_dcp_save(daemon, tmp_path):
+    directory = os.path.join(daemon.roots[0], "stock")
+    assert values(run_ranks(stock_save, 2, daemon.socket, tmp_path, args=(directory, 5))) == [True, True]
+
+
+class CountingPlanner(DefaultSavePlanner):
+    global_plans = 0
+
+    def create_global_plan(self, all_plans):
+        CountingPlanner.global_plans += 1
+        return super().create_global_plan(all_plans)
+
+
+def cached_saves(rank, world_size, root):
+    queue = AsyncCallsQueue()
+    for step in (1, 2, 3):
+        state = sharded_state(rank, world_size, step)
+        queue.schedule_async_request(dcp.async_save(state, os.path.join(root, f"c{step}"),
+                                                    planner=CountingPlanner(), enable_cache=True))
+        queue.maybe_finalize_async_calls(blocking=True)
+    # Same structure every time: only the first save planned globally (on the coordinator).
+    planned = CountingPlanner.global_plans
+    state = sharded_state(rank, world_size, 4)
+    state["new_key"] = torch.ones(3)  # structure changed: must plan again
+    queue.schedule_async_request(dcp.async_save(state, os.path.join(root, "c4"),
+                                                planner=CountingPlanner(), enable_cache=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    for step in (1, 2, 3):
+        loaded = empty_sharded_state(world_size)
+        DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, f"c{step}")))
+        check_loaded(loaded, step)
+    return planned, CountingPlanner.global_plans
+
+
+def test_enable_cache_reuses_the_plan_while_the_structure_is_unchanged(daemon, tmp_path):
+    counts = values(run_ranks(cached_saves, 2, daemon.socket, tmp_path, args=(daemon.roots[0],)))
+    assert counts[0] == (1, 2), "coordinator: one global plan for three saves, a new one on change"
+    assert counts[1] == (0, 0), "non-coordinators never plan globally"
+
+
+def overwrite_in_place(rank, world_size, directory):
+    queue = AsyncCallsQueue()
+    for step in (1, 2):
+        queue.schedule_async_request(dcp.async_save(sharded_state(rank, world_size, step), directory))
+        queue.maybe_finalize_async_calls(blocking=True)
+    loaded = empty_sharded_state(world_size)
+    DCP.load(loaded, storage_reader=FileSystemReader(directory))
+    check_loaded(loaded, 2)
+    return True
+
+
+def test_saving_again_into_the_same_directory_never_overwrites_referenced_files(daemon, tmp_path):
+    directory = os.path.join(daemon.roots[0], "same")
+    assert values(run_ranks(overwrite_in_place, 2, daemon.socket, tmp_path, args=(directory,))) == [True, True]

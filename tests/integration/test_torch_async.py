@@ -1,0 +1,112 @@
+"""TorchAsyncCheckpoint through the real daemon: files torch.load reads, snapshot semantics."""
+
+import os
+
+import pytest
+import torch
+
+from ckpt_client import AsyncCallsQueue, TorchAsyncCheckpoint, async_torch_save, connect
+from ckpt_client.errors import DaemonRequestError
+from ckptd.checksum import verify_file
+from multirank import run_ranks, values
+
+
+def make_state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(256, 128, generator=g), "b": torch.randn(128, generator=g),
+                  "h": torch.randn(64, generator=g).to(torch.bfloat16),
+                  "mask": torch.rand(32, generator=g) > 0.5},
+        "step": seed, "ids": torch.arange(10), "strided": torch.randn(8, 8, generator=g).t(),
+        "empty": torch.empty(0, 3), "meta": {"name": "run", "betas": (0.9, 0.95)},
+    }
+
+
+def assert_same(loaded, expected):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(loaded, torch.Tensor) and loaded.dtype == expected.dtype
+        assert torch.equal(loaded, expected)
+    elif isinstance(expected, dict):
+        assert set(loaded) == set(expected)
+        for key in expected:
+            assert_same(loaded[key], expected[key])
+    else:
+        assert loaded == expected
+
+
+def test_saved_file_loads_with_weights_only_and_carries_a_checksum(daemon, monkeypatch):
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    path = os.path.join(daemon.roots[0], "step1", "model.pt")
+    state = make_state(1)
+    checkpoint = TorchAsyncCheckpoint()
+    checkpoint.async_save(state, path)
+    checkpoint.finalize_async_save(blocking=True)
+    assert_same(torch.load(path, weights_only=True), state)
+    assert verify_file(path).size == os.path.getsize(path)
+    assert not [n for n in os.listdir(os.path.dirname(path)) if "ckptd-tmp" in n]
+    checkpoint.close()
+
+
+def test_changing_tensors_after_save_returns_does_not_change_the_checkpoint(daemon, monkeypatch):
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    path = os.path.join(daemon.roots[0], "snap.pt")
+    state = make_state(2)
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    expected["model"] = {k: v.clone() for k, v in state["model"].items()}
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(async_torch_save(state, path))
+    # The save returned: the tensors are staged. Train on, in place.
+    state["model"]["w"].mul_(-1)
+    state["model"]["b"].zero_()
+    state["ids"].add_(100)
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert_same(torch.load(path, weights_only=True), expected)
+
+
+def test_several_saves_in_flight_finalize_in_order(daemon, monkeypatch):
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    queue = AsyncCallsQueue()
+    states = [make_state(i) for i in range(4)]
+    paths = [os.path.join(daemon.roots[0], f"it{i}.pt") for i in range(4)]
+    finalized = []
+    for i, (state, path) in enumerate(zip(states, paths)):
+        request = async_torch_save(state, path)
+        request.add_finalize_fn(lambda i=i: finalized.append(i))
+        queue.schedule_async_request(request)
+    assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [0, 1, 2, 3]
+    assert finalized == [0, 1, 2, 3]
+    for state, path in zip(states, paths):
+        assert_same(torch.load(path, weights_only=True), state)
+    doc = daemon.status()
+    assert doc["pool"]["used_bytes"] == 0 and doc["totals"]["saves_done"] == 4
+
+
+def test_a_save_larger_than_the_pool_is_refused_clearly(start_daemon, monkeypatch):
+    small = start_daemon(pool_size="4M")
+    monkeypatch.setenv("CKPTD_SOCKET", small.socket)
+    with pytest.raises(DaemonRequestError, match="--pool-size") as info:
+        async_torch_save({"big": torch.zeros(2 << 20)}, os.path.join(small.roots[0], "big.pt"))
+    assert info.value.code == "pool_too_small"
+    assert small.status()["requests"] == []
+
+
+def rank_saves_and_finalizes(rank, world_size, root):
+    state = make_state(100 + rank)
+    checkpoint = TorchAsyncCheckpoint()
+    path = os.path.join(root, f"rank{rank}.pt")
+    checkpoint.async_save(state, path)
+    state["model"]["w"].add_(1.0)  # training goes on right away
+    checkpoint.finalize_async_save(blocking=True, no_dist=False)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["model"]["w"] + 1.0, state["model"]["w"])
+    return connect().rank
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_rank_saves_its_own_file(daemon, tmp_path, world_size):
+    ranks = values(run_ranks(rank_saves_and_finalizes, world_size, daemon.socket, tmp_path,
+                             args=(daemon.roots[0],)))
+    assert ranks == list(range(world_size))
+    for rank in range(world_size):
+        assert_same(torch.load(os.path.join(daemon.roots[0], f"rank{rank}.pt"),
+                               weights_only=True)["meta"], make_state(0)["meta"])

@@ -1,0 +1,79 @@
+"""The staging pool: real shared memory, extents, FIFO back-pressure."""
+
+import os
+import subprocess
+
+import pytest
+
+from ckptd.pool import Extent, PoolTooSmallError, StagingPool
+from ckptd.protocol import EXTENT_ALIGNMENT
+
+
+@pytest.fixture
+def pool(tmp_path):
+    p = StagingPool(f"/dev/shm/ckptd-test-{os.getpid()}-{tmp_path.name}", 16 * EXTENT_ALIGNMENT)
+    yield p
+    p.close()
+
+
+def test_segment_exists_while_open_and_is_unlinked_on_close(pool):
+    assert os.path.exists(pool.path) and os.stat(pool.path).st_size == pool.size
+    assert os.stat(pool.path).st_mode & 0o777 == 0o600
+    pool.close()
+    assert not os.path.exists(pool.path)
+
+
+def test_extents_do_not_overlap_and_space_comes_back(pool):
+    a = pool.try_allocate(3 * EXTENT_ALIGNMENT)
+    b = pool.try_allocate(5)
+    assert a.offset + a.length <= b.offset
+    assert pool.used_bytes == 4 * EXTENT_ALIGNMENT
+    pool.release(a)
+    pool.release(b)
+    assert pool.free_bytes == pool.size
+    assert pool.try_allocate(pool.size) == Extent(0, pool.size)  # holes merged again
+
+
+def test_a_request_larger_than_the_pool_is_refused(pool):
+    with pytest.raises(PoolTooSmallError, match="--pool-size"):
+        pool.try_allocate(pool.size + 1)
+
+
+def test_waiters_get_space_in_fifo_order_and_nobody_overtakes(pool):
+    held = pool.try_allocate(12 * EXTENT_ALIGNMENT)
+    assert pool.try_allocate(8 * EXTENT_ALIGNMENT) is None
+    pool.wait_for(8 * EXTENT_ALIGNMENT, "first")
+    # Fits in what is free now, but must not overtake the waiter.
+    assert pool.try_allocate(EXTENT_ALIGNMENT) is None
+    pool.wait_for(EXTENT_ALIGNMENT, "second")
+    granted = pool.release(held)
+    assert [token for token, _ in granted] == ["first", "second"]
+    assert pool.waiting == 0
+
+
+def test_cancelled_waiter_gets_nothing(pool):
+    held = pool.try_allocate(pool.size)
+    pool.wait_for(EXTENT_ALIGNMENT, "gone")
+    pool.cancel_wait("gone")
+    assert pool.release(held) == []
+
+
+def test_staged_bytes_are_visible_through_the_shared_file(pool):
+    extent = pool.try_allocate(EXTENT_ALIGNMENT)
+    pool.view(extent)[:5] = b"hello"
+    with open(pool.path, "rb") as f:
+        f.seek(extent.offset)
+        assert f.read(5) == b"hello"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_pool_that_does_not_fit_fails_at_start_with_a_clear_error(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        with pytest.raises(OSError, match="lower --pool-size"):
+            StagingPool(str(mount / "pool"), 64 << 20)
+        assert not os.path.exists(mount / "pool")
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
