@@ -8,6 +8,7 @@ daemon and the client; importable without torch.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import zlib
@@ -49,13 +50,26 @@ class ChecksumWriter:
         self._target = target
         self.crc = 0
         self.size = 0
+        #: The OSError that stopped writing, kept because serializers that call
+        #: ``write`` (torch.save) may re-raise it as a RuntimeError without the errno.
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
-        """Write ``data`` and fold it into the checksum."""
-        self.crc = zlib.crc32(data, self.crc)
-        written = self._target.write(data)
-        self.size += len(memoryview(data).cast("B"))
-        return written
+        """Write all of ``data`` (retrying short writes) and fold it into the checksum."""
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        done = 0
+        try:
+            while done < view.nbytes:
+                written = self._target.write(view[done:])
+                if not written:
+                    raise OSError(errno.EIO, "write returned no progress")
+                done += written
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.size += done
+        return done
 
     def tell(self) -> int:
         """Bytes written so far."""

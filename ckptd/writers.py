@@ -70,7 +70,12 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
     try:
         with open(tmp, "wb", buffering=0) as raw:
             stream = ChecksumWriter(raw)
-            write_body(stream)
+            try:
+                write_body(stream)
+            except Exception as exc:
+                if stream.error is not None and stream.error is not exc:
+                    raise stream.error from exc  # keep the errno the serializer hid
+                raise
             os.fsync(raw.fileno())
         checksum = stream.result()
         write_sidecar(path, checksum)
