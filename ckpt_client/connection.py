@@ -187,6 +187,7 @@ def connect(socket: str | os.PathLike | None = None, auto_start: bool | None = N
         conn = _hello(socket_path, rank, world_size)
     if conn is None:
         raise DaemonUnavailableError(socket_path, f"no ckptd daemon answers on {socket_path}")
+    conn.pool  # map the staging pool now, so the first save does not pay for it
     _connections[socket_path] = conn
     return conn
 

@@ -129,6 +129,16 @@ def _remove_pool_of(daemon: DaemonProcess) -> None:
             os.unlink(os.path.join("/dev/shm", name))
 
 
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory):
+    """One daemon for a whole module, for tests that leave it as they found it."""
+    tmp_path = tmp_path_factory.mktemp("shared")
+    daemon = start_daemon_process(tmp_path, name="shared")
+    yield daemon
+    daemon.stop(signal.SIGKILL if daemon.process.poll() is None else signal.SIGTERM, 30)
+    _remove_pool_of(daemon)
+
+
 @pytest.fixture
 def daemon(start_daemon):
     """One daemon with the default options (roots: ``tmp_path/ckpt``)."""

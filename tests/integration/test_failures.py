@@ -199,7 +199,9 @@ def header(msg_type="ping", version=protocol.SCHEMA_VERSION, **body):
     ([header("explode")], "unknown_type"),
     ([header("stage", format="torch", path="/x", buffers=[])], "not_registered"),
 ])
-def test_bad_messages_get_an_error_reply_and_the_daemon_keeps_serving(daemon, monkeypatch, frames, code):
+def test_bad_messages_get_an_error_reply_and_the_daemon_keeps_serving(shared_daemon, monkeypatch,
+                                                                     frames, code):
+    daemon = shared_daemon
     reply = raw_exchange(daemon.socket, frames)
     assert reply.type == "error" and reply.body["code"] == code, reply.body
     assert reply.body["message"]
@@ -219,7 +221,8 @@ def test_bad_messages_get_an_error_reply_and_the_daemon_keeps_serving(daemon, mo
     {"format": "dcp", "buffers": [["float32", [2], 8]], "files": [["../escape", [0]]]},
     {"format": "dcp", "buffers": [["float32", [2], 8]], "files": [["ok.distcp", [5]]]},
 ])
-def test_invalid_stage_requests_are_refused(daemon, body):
+def test_invalid_stage_requests_are_refused(shared_daemon, body):
+    daemon = shared_daemon
     channel = protocol.Channel(protocol.endpoint_for(daemon.socket))
     try:
         channel.call("hello", {"rank": 0, "pid": os.getpid()})
@@ -237,11 +240,12 @@ def test_invalid_stage_requests_are_refused(daemon, body):
 @pytest.mark.parametrize("make_path", [
     lambda root, tmp: str(tmp / "outside.pt"),
     lambda root, tmp: os.path.join(root, "..", "dotdot.pt"),
-    lambda root, tmp: os.path.join(root, "link", "escape.pt"),
+    lambda root, tmp: os.path.join(root, tmp.name, "escape.pt"),
 ])
-def test_paths_outside_the_allowed_roots_are_refused(daemon, tmp_path, monkeypatch, make_path):
+def test_paths_outside_the_allowed_roots_are_refused(shared_daemon, tmp_path, monkeypatch, make_path):
+    daemon = shared_daemon
     (tmp_path / "elsewhere").mkdir()
-    os.symlink(tmp_path / "elsewhere", os.path.join(daemon.roots[0], "link"))
+    os.symlink(tmp_path / "elsewhere", os.path.join(daemon.roots[0], tmp_path.name))
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     path = make_path(daemon.roots[0], tmp_path)
     with pytest.raises(DaemonRequestError) as info:
