@@ -108,6 +108,9 @@ class _Writer:
     def __init__(self, pool_path: str, pool_size: int) -> None:
         import torch  # only writer processes pay for torch
 
+        # The zip records' own CRC would be a second checksum pass over every byte; the
+        # crc32 sidecar already covers the whole file, and torch.load does not need it.
+        torch.utils.serialization.config.save.compute_crc32 = False
         self.torch = torch
         fd = os.open(pool_path, os.O_RDWR)
         try:
