@@ -107,6 +107,7 @@ class _Writer:
 
     def __init__(self, pool_path: str, pool_size: int) -> None:
         import torch  # only writer processes pay for torch
+        import torch.utils.serialization  # not imported by `import torch` alone
 
         # The zip records' own CRC would be a second checksum pass over every byte; the
         # crc32 sidecar already covers the whole file, and torch.load does not need it.
