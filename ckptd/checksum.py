@@ -151,3 +151,33 @@ def write_sidecar(path: str, checksum: Checksum) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, target)
+
+
+def verify_tree(path: str) -> list[str]:
+    """Verify a file, or every checkpoint file under a directory, against its record.
+
+    Files ckptd writes (``.metadata``, ``*.distcp``, ``*.pt`` and everything else except
+    sidecars and temporaries) must each have a matching sidecar.
+
+    Returns
+    -------
+    list of str
+        Paths verified, sorted.
+
+    Raises
+    ------
+    ChecksumMismatchError
+        On the first mismatch or missing record.
+    """
+    if os.path.isfile(path):
+        verify_file(path)
+        return [path]
+    checked = []
+    for directory, _, names in os.walk(path):
+        for name in sorted(names):
+            if name.endswith(SIDECAR_SUFFIX) or ".ckptd-tmp" in name or ".tmp-" in name:
+                continue
+            full = os.path.join(directory, name)
+            verify_file(full)
+            checked.append(full)
+    return sorted(checked)

@@ -59,9 +59,7 @@ def save_async_then_load(rank, world_size, directory, step):
     queue.schedule_async_request(dcp.async_save(state, directory))
     state["bias"].add_(1)  # after staging: must not reach the checkpoint
     assert queue.maybe_finalize_async_calls(blocking=True) == [0]
-    loaded = empty_sharded_state(world_size)
-    DCP.load(loaded, storage_reader=FileSystemReader(directory))
-    check_loaded(loaded, step)
+    load_and_check(rank, world_size, directory, step)
     return sorted(os.listdir(directory))
 
 
@@ -78,7 +76,8 @@ def test_async_save_loads_with_stock_dcp(daemon, tmp_path, world_size):
     assert {n.split("_")[2] for n in files if n.endswith(".distcp")} == {str(r) for r in range(world_size)}
 
 
-def load_resharded(rank, world_size, directory, step):
+def load_and_check(rank, world_size, directory, step):
+    """Load with stock DCP into this world size's sharding and compare with the truth."""
     loaded = empty_sharded_state(world_size)
     DCP.load(loaded, storage_reader=FileSystemReader(directory))
     check_loaded(loaded, step)
@@ -88,16 +87,13 @@ def load_resharded(rank, world_size, directory, step):
 def test_saved_by_four_ranks_loads_into_two(daemon, tmp_path):
     directory = os.path.join(daemon.roots[0], "reshard")
     values(run_ranks(save_async_then_load, 4, daemon.socket, tmp_path, args=(directory, 3), name="w4"))
-    assert values(run_ranks(load_resharded, 2, daemon.socket, tmp_path, args=(directory, 3), name="w2")) == [True, True]
+    assert values(run_ranks(load_and_check, 2, daemon.socket, tmp_path, args=(directory, 3), name="w2")) == [True, True]
 
 
 def stock_save(rank, world_size, directory, step):
     state = sharded_state(rank, world_size, step)
     DCP.save(state, storage_writer=dcp.StorageWriter(directory))
-    loaded = empty_sharded_state(world_size)
-    DCP.load(loaded, storage_reader=FileSystemReader(directory))
-    check_loaded(loaded, step)
-    return True
+    return load_and_check(rank, world_size, directory, step)
 
 
 def test_storage_writer_works_with_stock_dcp_save(daemon, tmp_path):
@@ -128,9 +124,7 @@ def cached_saves(rank, world_size, root):
                                                 planner=CountingPlanner(), enable_cache=True))
     queue.maybe_finalize_async_calls(blocking=True)
     for step in (1, 2, 3):
-        loaded = empty_sharded_state(world_size)
-        DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, f"c{step}")))
-        check_loaded(loaded, step)
+        load_and_check(rank, world_size, os.path.join(root, f"c{step}"), step)
     return planned, CountingPlanner.global_plans
 
 
@@ -145,10 +139,7 @@ def overwrite_in_place(rank, world_size, directory):
     for step in (1, 2):
         queue.schedule_async_request(dcp.async_save(sharded_state(rank, world_size, step), directory))
         queue.maybe_finalize_async_calls(blocking=True)
-    loaded = empty_sharded_state(world_size)
-    DCP.load(loaded, storage_reader=FileSystemReader(directory))
-    check_loaded(loaded, 2)
-    return True
+    return load_and_check(rank, world_size, directory, 2)
 
 
 def test_saving_again_into_the_same_directory_never_overwrites_referenced_files(daemon, tmp_path):
