@@ -22,8 +22,13 @@ class CheckpointException(Exception):
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         self.failures = dict(failures)
         self.failing_ranks = sorted(self.failures)
-        details = "; ".join(f"rank {r}: {self.failures[r]}" for r in self.failing_ranks)
+        details = "; ".join(_with_rank(r, self.failures[r]) for r in self.failing_ranks)
         super().__init__(f"{message} (failing ranks {self.failing_ranks}: {details})")
+
+
+def _with_rank(rank: int, reason: str) -> str:
+    prefix = f"rank {rank}: "
+    return reason if str(reason).startswith(prefix) else prefix + str(reason)
 
 
 class DaemonUnavailableError(RuntimeError):

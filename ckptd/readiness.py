@@ -9,9 +9,12 @@ atomically, removed at exit), and ``sd_notify`` datagrams when ``NOTIFY_SOCKET``
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
+
+log = logging.getLogger(__name__)
 
 READY_LINE_PREFIX = "ckptd ready"
 
@@ -29,9 +32,15 @@ def sd_notify(state: str) -> bool:
         return False
     if address.startswith("@"):  # abstract namespace
         address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-        sock.connect(address)
-        sock.sendall(state.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+    except OSError as exc:
+        # A stale NOTIFY_SOCKET (inherited by a daemon nobody supervises) must not stop
+        # the daemon from serving or from cleaning up.
+        log.warning("could not notify %s (%s): %s", os.environ.get("NOTIFY_SOCKET"), state.split()[0], exc)
+        return False
     return True
 
 
