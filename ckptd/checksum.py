@@ -58,6 +58,9 @@ class ChecksumWriter:
         """Write all of ``data`` (retrying short writes) and fold it into the checksum."""
         view = memoryview(data).cast("B")
         self.crc = zlib.crc32(view, self.crc)
+        return self._write_all(view)
+
+    def _write_all(self, view: memoryview) -> int:
         done = 0
         try:
             while done < view.nbytes:
