@@ -15,12 +15,57 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
 from ckptd.protocol import EXTENT_ALIGNMENT, align_up
 
 log = logging.getLogger(__name__)
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _pid_is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_pools(directory: str = SHM_DIR) -> list[str]:
+    """Unlink pools of this user whose daemon no longer runs (it was SIGKILLed).
+
+    Returns
+    -------
+    list of str
+        The paths removed.
+    """
+    prefix = f"ckptd-{os.getuid()}-"
+    removed = []
+    for name in os.listdir(directory):
+        parts = name.split("-")
+        if not name.startswith(prefix) or len(parts) != 4 or not parts[2].isdigit():
+            continue
+        if _pid_is_running(int(parts[2])):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    if removed:
+        log.info("removed %d staging pool(s) left by dead daemons: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def pool_path_for_this_daemon(directory: str = SHM_DIR) -> str:
+    """A fresh pool path: ``ckptd-<uid>-<pid>-<token>``, so leftovers can be attributed."""
+    return os.path.join(directory, f"ckptd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 class PoolTooSmallError(Exception):

@@ -42,6 +42,9 @@ READY = "writer_ready"
 STOP = "stop"
 
 TMP_MARKER = ".ckptd-tmp"
+#: Writers run at a lower CPU priority than the trainers: a save that is durable a bit
+#: later costs nothing, a training step slowed by serialization costs GPU time.
+WRITER_NICE = 10
 
 
 def temporary_name(path: str) -> str:
@@ -255,7 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", required=True)
     parser.add_argument("--pool-size", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)
     logging.basicConfig(level=args.log_level, format="%(asctime)s ckptd-writer[%(process)d] %(levelname)s %(message)s")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
@@ -308,8 +314,10 @@ class WriterPool:
     """
 
     def __init__(self, count: int, context: zmq.Context, runtime_dir: str,
-                 pool_path: str, pool_size: int, log_level: str = "INFO") -> None:
+                 pool_path: str, pool_size: int, log_level: str = "INFO",
+                 nice: int = WRITER_NICE) -> None:
         self.pool_path, self.pool_size, self.log_level = pool_path, pool_size, log_level
+        self.nice = nice
         self._next_job_id = 1
         self.slots: list[_WriterSlot] = []
         for index in range(count):
@@ -325,7 +333,7 @@ class WriterPool:
         slot.process = subprocess.Popen(
             [sys.executable, "-m", "ckptd.writers", "--endpoint", slot.endpoint,
              "--pool", self.pool_path, "--pool-size", str(self.pool_size),
-             "--log-level", self.log_level],
+             "--log-level", self.log_level, "--nice", str(self.nice)],
             # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
             # kill a writer mid-file; the daemon decides when writers stop.
             stdin=subprocess.DEVNULL, start_new_session=True)

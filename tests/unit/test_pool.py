@@ -77,3 +77,17 @@ def test_a_pool_that_does_not_fit_fails_at_start_with_a_clear_error(tmp_path):
         assert not os.path.exists(mount / "pool")
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_pools_of_dead_daemons_are_removed_and_live_ones_kept(tmp_path):
+    from ckptd.pool import remove_stale_pools
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = tmp_path / f"ckptd-{os.getuid()}-{finished.pid}-0badc0de"
+    live = tmp_path / f"ckptd-{os.getuid()}-{os.getpid()}-0000cafe"
+    other = tmp_path / "ckptd-notes.txt"
+    for path in (dead, live, other):
+        path.write_bytes(b"x")
+    assert remove_stale_pools(str(tmp_path)) == [str(dead)]
+    assert live.exists() and other.exists() and not dead.exists()
