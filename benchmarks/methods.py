@@ -1,0 +1,378 @@
+"""The save methods the benchmark compares, behind one small interface.
+
+Each method has ``start(path)`` (the part the trainer waits for: what a training loop
+blocks on) and ``wait_durable()`` (returns once the checkpoint is on disk: files
+fsynced and, for formats with one, committed). Lower bounds (memcpy, raw disk) and
+synchronous saves do all their work in ``start``.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import shutil
+from typing import Callable
+
+import torch
+
+CHUNK = 32 << 20          # raw-disk write size
+ALIGN = 64                # tensor alignment in the staging buffer (as ckptd's pool)
+PAGE = 4096
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """Offsets of ``tensors`` packed back to back at 64-byte alignment, and the total."""
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at = _align(at + t.nbytes, ALIGN)
+    return offsets, _align(max(at, 1), PAGE)
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Method:
+    """One way of saving the state dict."""
+
+    name = "?"
+    #: "bound" (lower bound / disk limit), "sync" (blocks until durable) or "async".
+    kind = "sync"
+    #: Whether ``start`` writes a checkpoint under ``path``.
+    writes = True
+
+    def prepare(self) -> None:
+        """One-time set-up outside any timing."""
+
+    def start(self, path: str) -> None:
+        """Do the blocking part of a save into ``path``."""
+        raise NotImplementedError
+
+    def wait_durable(self) -> None:
+        """Block until the save begun by :meth:`start` is durable."""
+
+    def helper_pids(self) -> list[int]:
+        """Processes other than the trainer that do this method's work."""
+        return []
+
+    def close(self) -> None:
+        """Release what :meth:`prepare` set up."""
+
+
+# ---------------------------------------------------------------- lower bounds
+
+class PreallocatedCopy(Method):
+    """memcpy of every tensor into a pre-faulted shared-memory buffer (ckptd's pool layout).
+
+    On CUDA, the buffer is page-locked and the copy is a device-to-host copy.
+    """
+
+    kind = "bound"
+    writes = False
+
+    def __init__(self, tensors: list[torch.Tensor], shm_dir: str = "/dev/shm") -> None:
+        self.tensors = tensors
+        self.offsets, self.size = layout(tensors)
+        self.cuda = any(t.is_cuda for t in tensors)
+        self.name = "pinned D2H copy (preallocated)" if self.cuda else "memcpy (preallocated)"
+        self.shm_path = os.path.join(shm_dir, f"bench-ckpt-{os.getpid()}")
+        self.buffer: torch.Tensor | None = None
+        self._map: mmap.mmap | None = None
+
+    def prepare(self) -> None:
+        fd = os.open(self.shm_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.buffer.fill_(0)
+        if self.cuda:
+            status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.size, 0)
+            if int(status) != 0:
+                raise RuntimeError(f"cudaHostRegister failed with status {status}")
+
+    def start(self, path: str) -> None:
+        assert self.buffer is not None
+        for offset, t in zip(self.offsets, self.tensors):
+            self.buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def raw_bytes(self) -> memoryview:
+        """The staged bytes (valid after one :meth:`start`)."""
+        assert self._map is not None
+        return memoryview(self._map)
+
+    def close(self) -> None:
+        if self.cuda and self.buffer is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+        self.buffer = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+        if os.path.exists(self.shm_path):
+            os.unlink(self.shm_path)
+
+
+class FreshClone(Method):
+    """``clone()`` of every tensor into newly allocated memory (what naive staging does)."""
+
+    kind = "bound"
+    writes = False
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.cuda = any(t.is_cuda for t in tensors)
+        self.name = "fresh .cpu() copy" if self.cuda else "fresh clone()"
+        self.copies: list = []
+
+    def start(self, path: str) -> None:
+        self.copies = [t.to("cpu", copy=True) for t in self.tensors]
+
+    def wait_durable(self) -> None:
+        self.copies = []
+
+
+class RawWrite(Method):
+    """Sequential write of the staged bytes to one file, fsync at the end (the disk limit)."""
+
+    kind = "bound"
+
+    def __init__(self, source: PreallocatedCopy, direct: bool = False) -> None:
+        self.source = source
+        self.direct = direct
+        self.name = "raw write O_DIRECT + fsync" if direct else "raw write + fsync"
+        self._aligned: mmap.mmap | None = None
+
+    def prepare(self) -> None:
+        if self.direct:  # O_DIRECT needs a page-aligned source: an anonymous mapping is one
+            self._aligned = mmap.mmap(-1, self.source.size)
+            self._aligned[:] = self.source.raw_bytes()
+
+    def start(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        target = os.path.join(path, "raw.bin")
+        data = memoryview(self._aligned) if self.direct else self.source.raw_bytes()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(target, flags, 0o644)
+        try:
+            for at in range(0, len(data), CHUNK):
+                view = data[at:at + CHUNK]
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_path(path)
+
+    def close(self) -> None:
+        if self._aligned is not None:
+            self._aligned.close()
+            self._aligned = None
+
+
+# ---------------------------------------------------------------- PyTorch baselines
+
+class TorchSave(Method):
+    """``torch.save`` to a file, then fsync."""
+
+    name = "torch.save + fsync"
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def start(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        target = os.path.join(path, "ckpt.pt")
+        with open(target, "wb") as f:
+            torch.save(self.state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(path)
+
+
+class DcpSave(Method):
+    """Stock ``torch.distributed.checkpoint.save`` with ``FileSystemWriter`` (defaults)."""
+
+    name = "DCP save (sync)"
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def start(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(path))
+
+
+class DcpAsyncSave(Method):
+    """Stock DCP ``async_save`` with the process executor.
+
+    ``stager="default"`` is what ``async_save`` does with no stager (a fresh CPU copy per
+    save, handed to the checkpoint process through torch.multiprocessing);
+    ``stager="shared"`` passes one ``DefaultStager`` reused across saves, staging into
+    cached shared memory (pinned too when CUDA is present) -- the fastest stock setup.
+    """
+
+    kind = "async"
+
+    def __init__(self, state: dict, stager: str = "default") -> None:
+        self.state = state
+        self.stager_kind = stager
+        self.name = ("DCP async_save (process, default stager)" if stager == "default"
+                     else "DCP async_save (process, shm stager reused)")
+        self.stager = None
+        self.future = None
+
+    def prepare(self) -> None:
+        if self.stager_kind == "shared":
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
+                                                       use_shared_memory=True,
+                                                       use_async_staging=False,
+                                                       use_non_blocking_copy=False))
+
+    def start(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self.future = dcp.async_save(self.state, storage_writer=dcp.FileSystemWriter(path),
+                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                     async_stager=self.stager)
+
+    def wait_durable(self) -> None:
+        future, self.future = self.future, None
+        if future is not None:
+            upload = getattr(future, "upload_completion", future)
+            upload.result()
+
+    def helper_pids(self) -> list[int]:
+        from torch.distributed.checkpoint import _async_process_executor as ape
+
+        proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
+        return [proc._save_process.pid] if proc is not None else []
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+
+
+def stop_dcp_checkpoint_process() -> None:
+    """End DCP's background checkpoint process (so it does not linger in later numbers)."""
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    if getattr(ape, "_CHECKPOINT_PROCESS", None) is not None:
+        ape._CHECKPOINT_PROCESS = None  # its __del__ sends TERMINATE and joins the process
+        gc.collect()
+
+
+# ---------------------------------------------------------------- ckptd
+
+def _daemon_tree(daemon_pid: int) -> list[int]:
+    from procmem import descendants
+
+    return [daemon_pid, *descendants(daemon_pid)]
+
+
+class CkptdTorch(Method):
+    """``ckpt_client.TorchAsyncCheckpoint().async_save`` through the node's daemon."""
+
+    name = "ckptd TorchAsyncCheckpoint"
+    kind = "async"
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+        self.ckpt = None
+        self.daemon_pid = 0
+
+    def prepare(self) -> None:
+        import ckpt_client
+
+        self.ckpt = ckpt_client.TorchAsyncCheckpoint()
+        self.daemon_pid = ckpt_client.connect().daemon_pid
+
+    def start(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.ckpt.async_save(self.state, os.path.join(path, "ckpt.pt"))
+
+    def wait_durable(self) -> None:
+        self.ckpt.finalize_async_save(blocking=True)
+
+    def helper_pids(self) -> list[int]:
+        return _daemon_tree(self.daemon_pid)
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+
+class CkptdDcp(Method):
+    """``ckpt_client.dcp.async_save`` scheduled on an ``AsyncCallsQueue``."""
+
+    kind = "async"
+
+    def __init__(self, state: dict, enable_cache: bool = False) -> None:
+        self.state = state
+        self.enable_cache = enable_cache
+        self.name = "ckptd dcp.async_save" + (" (enable_cache)" if enable_cache else "")
+        self.queue = None
+        self.daemon_pid = 0
+
+    def prepare(self) -> None:
+        import ckpt_client
+
+        self.queue = ckpt_client.AsyncCallsQueue()
+        self.daemon_pid = ckpt_client.connect().daemon_pid
+
+    def start(self, path: str) -> None:
+        from ckpt_client import dcp as ckpt_dcp
+
+        self.queue.schedule_async_request(
+            ckpt_dcp.async_save(self.state, path, enable_cache=self.enable_cache))
+
+    def wait_durable(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def helper_pids(self) -> list[int]:
+        return _daemon_tree(self.daemon_pid)
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
+
+
+def remove_tree(path: str) -> None:
+    """Delete a checkpoint directory left by a run."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def bytes_under(path: str, keep: Callable[[str], bool] = lambda name: True) -> int:
+    """Total size of the files under ``path`` whose name passes ``keep``."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            if keep(name):
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, name))
+                except OSError:
+                    pass
+    return total
