@@ -13,10 +13,13 @@ shared wire and file contracts), never its internals.
 from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.local import (BasicTensorAwareStateDict, CliqueReplicationStrategy,
+                               LocalCheckpointManager)
 from ckpt_client.torch_ckpt import TorchAsyncCheckpoint, async_torch_save
 
 __all__ = [
-    "AsyncCallsQueue", "AsyncRequest", "CheckpointException", "DaemonConnection",
+    "AsyncCallsQueue", "AsyncRequest", "BasicTensorAwareStateDict", "CheckpointException",
+    "CliqueReplicationStrategy", "LocalCheckpointManager", "DaemonConnection",
     "DaemonRequestError", "DaemonUnavailableError", "TorchAsyncCheckpoint",
     "async_torch_save", "connect",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +98,12 @@ def copy_into_pool(pool: torch.Tensor, base: int, offsets: list[int], sources: l
         else:
             data = source.getbuffer() if isinstance(source, io.BytesIO) else memoryview(source)
             if data.nbytes:
-                pool[start:start + data.nbytes].copy_(torch.frombuffer(data, dtype=torch.uint8))
+                with warnings.catch_warnings():
+                    # torch warns that read-only buffers (bytes) could be written through
+                    # the tensor; this one is only read, as the source of the copy.
+                    warnings.simplefilter("ignore", UserWarning)
+                    source_bytes = torch.frombuffer(data, dtype=torch.uint8)
+                pool[start:start + data.nbytes].copy_(source_bytes)
 
 
 @dataclass
@@ -162,7 +168,8 @@ class DaemonSave:
 
 
 def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
-          skeleton: bytes = b"", files: list | None = None) -> DaemonSave:
+          skeleton: bytes = b"", files: list | None = None,
+          extra: dict | None = None) -> DaemonSave:
     """Hand ``sources`` to the daemon and return once they are staged.
 
     Parameters
@@ -175,6 +182,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
         Tensors (CPU or CUDA) and byte buffers, in the order the daemon lays them out.
     skeleton, files
         Format-specific: the torch state-dict skeleton; DCP ``[name, [indices]]``.
+    extra : dict, optional
+        More format-specific request fields (local checkpoints: session, iteration).
 
     Raises
     ------
@@ -185,7 +194,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     """
     buffers = [describe(s) for s in sources]
     body = {"format": fmt, "path": os.path.abspath(path), "buffers": buffers,
-            "skeleton": skeleton, "files": files or []}
+            "skeleton": skeleton, "files": files or [], **(extra or {})}
     from ckpt_client.cuda_export import export_for_daemon
 
     exported = export_for_daemon(connection, sources)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 
@@ -60,18 +61,32 @@ def main() -> None:
               help="Exit after this many seconds with no trainers and no saves.")
 @click.option("--drain-timeout", type=float, default=60.0, show_default=True,
               help="On SIGTERM, seconds to let in-flight writes finish before abandoning them.")
+@click.option("--metrics-textfile", type=click.Path(dir_okay=False), default=None,
+              help="Keep Prometheus metrics in this file (node-exporter textfile collector; "
+                   "rewritten atomically every few seconds).")
+@click.option("--metrics-listen", default=None, metavar="HOST:PORT",
+              help="Serve Prometheus metrics over HTTP on this loopback address, "
+                   "e.g. 127.0.0.1:9464.")
+@click.option("--metrics-allow-remote", is_flag=True,
+              help="Allow a non-loopback --metrics-listen address (the endpoint has no auth).")
+@click.option("--metrics-label", "metrics_labels", multiple=True, metavar="NAME=VALUE",
+              help="Label added to every metric, e.g. slurm_job_id=42 (repeatable).")
 def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, log_level,
-          ready_file, exit_when_idle, drain_timeout) -> None:
+          ready_file, exit_when_idle, drain_timeout, metrics_textfile, metrics_listen,
+          metrics_allow_remote, metrics_labels) -> None:
     """Run the daemon in the foreground until SIGTERM."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s ckptd[%(process)d] %(levelname)s %(name)s: %(message)s")
     from ckptd.server import AlreadyRunningError, Daemon, DaemonConfig
 
+    listen, labels = _metrics_options(metrics_listen, metrics_allow_remote, metrics_labels)
     config = DaemonConfig(
         socket_path=protocol.resolve_socket_path(socket_path),
         roots=list(roots) or [os.getcwd()], pool_size=parse_size(pool_size), writers=writers,
         local_dir=local_dir, peer_listen=peer_listen, log_level=log_level.upper(),
-        exit_when_idle=exit_when_idle, drain_timeout=drain_timeout, ready_file=ready_file)
+        exit_when_idle=exit_when_idle, drain_timeout=drain_timeout, ready_file=ready_file,
+        metrics_textfile=metrics_textfile and os.path.abspath(metrics_textfile),
+        metrics_listen=listen, metrics_labels=labels)
     daemon = Daemon(config)
     try:
         daemon.start()
@@ -81,38 +96,85 @@ def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, log_le
     daemon.serve_forever()
 
 
+def _metrics_options(listen: str | None, allow_remote: bool,
+                     labels: tuple) -> tuple[tuple | None, dict]:
+    """Check ``--metrics-listen`` and ``--metrics-label`` before anything starts."""
+    from ckptd.metrics import RESERVED_LABELS, MetricsAddressError, parse_listen_address
+
+    address = None
+    if listen:
+        try:
+            address = parse_listen_address(listen, allow_remote)
+        except MetricsAddressError as exc:
+            raise click.BadParameter(str(exc), param_hint="--metrics-listen") from None
+    parsed = {}
+    for item in labels:
+        name, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", name) or name.startswith("__"):
+            raise click.BadParameter(f"{item!r} is not NAME=VALUE with a Prometheus label name",
+                                     param_hint="--metrics-label")
+        if name in RESERVED_LABELS:
+            raise click.BadParameter(f"label {name!r} is used by ckptd's own metrics; choose "
+                                     "another name", param_hint="--metrics-label")
+        parsed[name] = value
+    return address, parsed
+
+
 @main.command()
 @click.option("--socket", "socket_path", type=click.Path(), default=None,
               help="Socket of the daemon to ask (default as for serve).")
 @click.option("--json", "as_json", is_flag=True, help="Print the status document as JSON.")
-@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--watch", is_flag=True,
+              help="Refresh until interrupted, with live progress and throughput.")
 @click.option("--interval", type=float, default=1.0, show_default=True,
               help="Seconds between refreshes with --watch.")
 @click.option("--health", is_flag=True, help="Print one summary line (for scripts).")
 @click.option("--timeout", type=float, default=3.0, show_default=True,
               help="Seconds to wait for the daemon's answer.")
-def status(socket_path, as_json, watch, interval, health, timeout) -> None:
+@click.option("--count", type=click.IntRange(min=1), default=None,
+              help="With --watch: stop after this many refreshes.")
+def status(socket_path, as_json, watch, interval, health, timeout, count) -> None:
     """Show a daemon's ranks, requests and pool. Exit 0 running, 3 not running, 4 unknown."""
     from ckptd import status as status_mod
 
     path = protocol.resolve_socket_path(socket_path)
-    while True:
-        code, doc, why = status_mod.query_status(path, timeout)
-        if watch and sys.stdout.isatty():
-            click.clear()
-        if doc is None:
-            click.echo(json.dumps({"running": False, "exit_code": code, "reason": why})
-                       if as_json else why, err=not as_json)
-        elif as_json:
-            click.echo(status_mod.to_json(doc))
-        elif health:
-            click.echo(status_mod.health_line(doc))
-        else:
-            click.echo(status_mod.render(doc))
-        if not watch:
-            sys.exit(code)
-        try:
+    previous = None  # the last answer: throughput needs two samples
+    shown, code = 0, status_mod.EXIT_UNKNOWN
+    try:
+        while True:
+            code, doc, why = status_mod.query_status(path, timeout)
+            if watch and sys.stdout.isatty():
+                click.clear()
+            elif watch and shown and not as_json:
+                click.echo("")
+            if doc is None:
+                click.echo(json.dumps({"running": False, "exit_code": code, "reason": why})
+                           if as_json else why, err=not as_json)
+            elif as_json:
+                click.echo(status_mod.to_json(doc))
+            elif health:
+                click.echo(status_mod.health_line(doc))
+            else:
+                if watch:
+                    click.echo(status_mod.progress_line(previous, doc))
+                click.echo(status_mod.render(doc))
+            previous, shown = doc, shown + 1
+            if not watch or (count is not None and shown >= count):
+                sys.exit(code)
             time.sleep(interval)  # --watch refresh period, not a synchronization
-        except KeyboardInterrupt:
-            sys.exit(code)
+    except KeyboardInterrupt:
+        sys.exit(code)
 
+
+
+@main.command()
+@click.argument("path", type=click.Path(exists=True))
+def verify(path) -> None:
+    """Check a checkpoint file or directory against its ckptd checksums (exit 1 on damage)."""
+    from ckptd.checksum import ChecksumMismatchError, verify_tree
+
+    try:
+        checked = verify_tree(path)
+    except ChecksumMismatchError as exc:
+        raise click.ClickException(str(exc))
+    click.echo(f"{len(checked)} file(s) verified under {path}")

@@ -65,6 +65,8 @@ class SaveRequest:
     created_at: float = field(default_factory=time.time)
     staged_at: float | None = None
     finished_at: float | None = None
+    local: dict | None = None  # local checkpoints: {"session", "iteration"}
+    replication: dict | None = None  # local checkpoints: holders, states, reduced_redundancy
 
     @property
     def bytes_total(self) -> int:
@@ -88,7 +90,7 @@ class SaveRequest:
             "phase": self.phase, "bytes_total": self.bytes_total,
             "bytes_written": self.bytes_written, "created_at": self.created_at,
             "staged_at": self.staged_at, "finished_at": self.finished_at,
-            "error": self.error,
+            "error": self.error, "replication": self.replication,
         }
 
 

@@ -58,6 +58,21 @@ class MessageType:
     PING = "ping"
     REPLY = "reply"
     ERROR = "error"
+    # local checkpoints (client -> daemon)
+    PEER_INFO = "peer_info"              # this daemon's peer address and CURVE public key
+    LOCAL_SESSION = "local_session"      # register a session: root, peer table, cliques
+    LOCAL_INVENTORY = "local_inventory"  # parts held for a session, verified
+    LOCAL_FETCH = "local_fetch"          # get a missing part from peer daemons
+    LOCAL_COMMIT = "local_commit"        # all ranks agreed: mark committed, drop older
+    # daemon <-> daemon over the CURVE peer socket (ckptd.replication)
+    PEER_PING = "peer_ping"
+    PEER_PONG = "peer_pong"
+    PART_GET = "part_get"      # ask a holder to stream a part back
+    PART_BEGIN = "part_begin"  # a part stream starts: size (and crc when known)
+    PART_CHUNK = "part_chunk"  # one raw frame of the part at an offset
+    PART_END = "part_end"      # all chunks sent: crc32 of the whole stream
+    PART_ACK = "part_ack"      # receiver: bytes received so far (flow control)
+    PART_DONE = "part_done"    # receiver: durable and verified (or why not)
 
 
 class Phase:
@@ -66,6 +81,7 @@ class Phase:
     WAITING_FOR_POOL = "waiting_for_pool"
     STAGING = "staging"
     WRITING = "writing"
+    REPLICATING = "replicating"  # local checkpoints: written here, still streaming to peers
     DONE = "done"
     FAILED = "failed"
     ABORTED = "aborted"
@@ -78,6 +94,7 @@ class SaveFormat:
 
     TORCH = "torch"  # one file loadable by torch.load(weights_only=True)
     DCP = "dcp"      # DCP .distcp files; the client commits .metadata afterwards
+    LOCAL = "local"  # one local-checkpoint part (see encode_part_header), replicated to peers
 
 
 #: Element types a staged buffer may have: torch dtype names, plus raw ``bytes`` (DCP
@@ -103,6 +120,8 @@ class ErrorCode:
     UNKNOWN_REQUEST = "unknown_request"
     SHUTTING_DOWN = "shutting_down"
     WRITE_FAILED = "write_failed"
+    NOT_CONFIGURED = "not_configured"      # e.g. local checkpoints without --peer-listen
+    PART_UNAVAILABLE = "part_unavailable"  # no holder had a verified copy of a part
     INTERNAL = "internal"
 
 
@@ -137,6 +156,19 @@ class TensorRef:
     """Placeholder for the ``index``-th tensor of a flattened state dict."""
 
     index: int
+
+
+def fill_skeleton(value: Any, tensors: Sequence) -> Any:
+    """Rebuild a structure by replacing each :class:`TensorRef` with its tensor."""
+    if isinstance(value, TensorRef):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: fill_skeleton(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fill_skeleton(v, tensors) for v in value]
+    if isinstance(value, tuple):
+        return tuple(fill_skeleton(v, tensors) for v in value)
+    return value
 
 
 def _default(obj: Any) -> Any:
@@ -272,6 +304,53 @@ def layout_extent(nbytes: Sequence[int]) -> tuple[list[int], int]:
         offsets.append(cursor)
         cursor = align_up(cursor + size, TENSOR_ALIGNMENT)
     return offsets, align_up(max(cursor, 1), EXTENT_ALIGNMENT)
+
+
+# ------------------------------------------------------------ local checkpoint parts
+
+#: First bytes of a local-checkpoint part file.
+PART_MAGIC = b"CKPTDPT1"
+#: Replication streams parts in frames of this size (SPEC §6: a few MiB moves fastest).
+PART_FRAME_BYTES = 4 * 1024 * 1024
+
+
+def encode_part_header(skeleton: bytes, buffers: Sequence[list], owner: int, iteration: int,
+                       session: str) -> bytes:
+    """The first bytes of a part file: magic, header length, msgpack header.
+
+    The buffers' raw bytes follow the header back to back, in order, without padding,
+    so a part is readable without unpickling anything and streams as one byte range.
+    """
+    header = pack_value({"skeleton": skeleton, "buffers": [list(b) for b in buffers],
+                         "owner": owner, "iteration": iteration, "session": session})
+    return PART_MAGIC + len(header).to_bytes(8, "little") + header
+
+
+def decode_part_header(prefix: bytes) -> tuple[dict, int]:
+    """Parse the header at the start of a part file.
+
+    Returns
+    -------
+    (header, data_offset)
+        The header map and where the first buffer's bytes start.
+
+    Raises
+    ------
+    ProtocolError
+        If ``prefix`` does not start with a complete, valid part header.
+    """
+    fixed = len(PART_MAGIC) + 8
+    if len(prefix) < fixed or prefix[:len(PART_MAGIC)] != PART_MAGIC:
+        raise ProtocolError(ErrorCode.MALFORMED, "not a ckptd local-checkpoint part",
+                            "the file does not start with the part magic")
+    length = int.from_bytes(prefix[len(PART_MAGIC):fixed], "little")
+    if length > MAX_HEADER_BYTES or len(prefix) < fixed + length:
+        raise ProtocolError(ErrorCode.MALFORMED, f"part header of {length} bytes is truncated "
+                            "or too large")
+    header = unpack_value(bytes(prefix[fixed:fixed + length]))
+    if not isinstance(header, dict) or not isinstance(header.get("buffers"), list):
+        raise ProtocolError(ErrorCode.MALFORMED, "part header is not a map with 'buffers'")
+    return header, fixed + length
 
 
 # ------------------------------------------------------------------ endpoint discovery

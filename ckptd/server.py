@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
 import time
 from dataclasses import dataclass, field
@@ -25,7 +24,9 @@ import zmq
 
 from ckptd import __version__, protocol
 from ckptd.ledger import Ledger, RankInfo, SaveRequest, host_name
-from ckptd.pool import PoolTooSmallError, StagingPool
+from ckptd.local_service import LocalCheckpoints
+from ckptd.metrics import MetricsExporter
+from ckptd.pool import PoolTooSmallError, StagingPool, pool_path_for_this_daemon, remove_stale_pools
 from ckptd.protocol import ErrorCode, MessageType, Phase, SaveFormat
 from ckptd.readiness import announce_ready, announce_stopping
 from ckptd.roots import AllowedRoots, PathRefusedError
@@ -61,6 +62,9 @@ class DaemonConfig:
     exit_when_idle: float | None = None
     drain_timeout: float = 60.0
     ready_file: str | None = None
+    metrics_textfile: str | None = None  # node-exporter textfile, rewritten atomically
+    metrics_listen: tuple | None = None  # (host, port), checked by metrics.parse_listen_address
+    metrics_labels: dict = field(default_factory=dict)  # added to every metric sample
     writer_start_timeout: float = 120.0
     extra: dict = field(default_factory=dict)
 
@@ -88,6 +92,7 @@ class Daemon:
         self.started_at = time.time()
         self.stopping_since: float | None = None
         self.idle_since = time.monotonic()
+        self.local = LocalCheckpoints(self)
         self.handlers: dict[str, Callable] = {
             MessageType.HELLO: self.on_hello,
             MessageType.GOODBYE: self.on_goodbye,
@@ -99,12 +104,18 @@ class Daemon:
             MessageType.COMMIT_FILE: self.on_commit_file,
             MessageType.STATUS: self.on_status,
             MessageType.PING: self.on_ping,
+            MessageType.PEER_INFO: self.local.on_peer_info,
+            MessageType.LOCAL_SESSION: self.local.on_local_session,
+            MessageType.LOCAL_INVENTORY: self.local.on_local_inventory,
+            MessageType.LOCAL_FETCH: self.local.on_local_fetch,
+            MessageType.LOCAL_COMMIT: self.local.on_local_commit,
         }
         self.context: zmq.Context | None = None
         self.router: zmq.Socket | None = None
         self.pool: StagingPool | None = None
         self.writers: WriterPool | None = None
         self.cuda = None
+        self.metrics: MetricsExporter | None = None
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> None:
@@ -123,18 +134,24 @@ class Daemon:
                     f"another ckptd already serves {self.socket_path}; stop it first "
                     f"(ckptd status --socket {self.socket_path}) or choose another --socket")
             os.unlink(self.socket_path)  # stale, from a daemon that was killed
-        pool_path = f"/dev/shm/ckptd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        remove_stale_pools()
+        pool_path = pool_path_for_this_daemon()
         self.pool = StagingPool(pool_path, self.config.pool_size)
         self.context = zmq.Context()
         self.writers = WriterPool(self.config.writers, self.context, self.runtime_dir,
                                   pool_path, self.pool.size, self.config.log_level)
         self.writers.wait_ready(self.config.writer_start_timeout)
         self.cuda = self._start_cuda_stager()
+        self.local.start()  # node-local store; peer socket and replicator with --peer-listen
         self.router = self.context.socket(zmq.ROUTER)
         self.router.linger = 0
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.bind(endpoint)
         os.chmod(self.socket_path, 0o600)
+        if self.config.metrics_textfile or self.config.metrics_listen:
+            self.metrics = MetricsExporter(self.config.metrics_textfile, self.config.metrics_listen,
+                                           self.config.metrics_labels)
+            self.metrics.start()
         announce_ready(self.socket_path, self.ready_file,
                        {"pid": os.getpid(), "version": __version__, "pool": pool_path,
                         "pool_size": self.pool.size, "writers": self.config.writers})
@@ -165,6 +182,8 @@ class Daemon:
             poller.register(sock, zmq.POLLIN)
         if self.cuda is not None:
             poller.register(self.cuda.wake_socket, zmq.POLLIN)
+        if self.local.wake_socket is not None:
+            poller.register(self.local.wake_socket, zmq.POLLIN)
         next_tick = time.monotonic()
         try:
             while not self._finished_stopping():
@@ -173,6 +192,8 @@ class Daemon:
                         self._serve_one()
                     elif self.cuda is not None and sock is self.cuda.wake_socket:
                         self.cuda.drain(self._on_cuda_staged)
+                    elif sock is self.local.wake_socket:
+                        self.local.drain()
                     else:
                         self.writers.handle(sock)
                 if time.monotonic() >= next_tick:
@@ -200,6 +221,8 @@ class Daemon:
     def shutdown(self) -> None:
         """Stop writers, close sockets, unlink the pool and the socket file."""
         announce_stopping(self.ready_file)
+        if self.metrics is not None:
+            self.metrics.close()  # publishes ckptd_up 0
         if self.writers is not None:
             self.writers.stop()
         for request in list(self.ledger.requests.values()):
@@ -207,6 +230,7 @@ class Daemon:
                 self._remove_outputs(request)
         if self.cuda is not None:
             self.cuda.close()
+        self.local.stop()
         if self.router is not None:
             self.router.close()
         if self.context is not None:
@@ -336,10 +360,14 @@ class Daemon:
 
     def _new_request(self, rank: RankInfo, body: dict) -> SaveRequest:
         fmt = body.get("format")
-        if fmt not in (SaveFormat.TORCH, SaveFormat.DCP):
+        if fmt not in (SaveFormat.TORCH, SaveFormat.DCP, SaveFormat.LOCAL):
             raise RequestError(ErrorCode.BAD_REQUEST, f"unknown save format {fmt!r}")
+        local = None
         try:
-            path = self.roots.check(body.get("path"))
+            if fmt == SaveFormat.LOCAL:  # the store names the part: session, iteration, rank
+                path, local = self.local.part_path_for(rank.rank, body)
+            else:
+                path = self.roots.check(body.get("path"))
         except PathRefusedError as exc:
             raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
         buffers = _validated_buffers(body.get("buffers"))
@@ -351,7 +379,7 @@ class Daemon:
         return SaveRequest(
             id=self.ledger.new_request_id(), rank=rank.rank, identity=rank.identity,
             format=fmt, path=path, buffers=buffers, offsets=offsets, extent_length=length,
-            skeleton=skeleton, files=files, transport=body.get("transport", "shm"))
+            skeleton=skeleton, files=files, transport=body.get("transport", "shm"), local=local)
 
     def on_staged(self, identity: bytes, msg: protocol.Message) -> dict:
         request = self._own_request(identity, msg.body.get("request_id"))
@@ -377,6 +405,8 @@ class Daemon:
                  "errors": request.errors}
         if request.phase == Phase.DONE:
             entry["written"] = request.written
+        if request.replication is not None:
+            entry["replication"] = request.replication
         return entry
 
     def on_forget(self, identity: bytes, msg: protocol.Message) -> dict:
@@ -457,6 +487,7 @@ class Daemon:
         request.phase = Phase.WRITING
         jobs = list(self._jobs_for(request))
         request.jobs_pending = len(jobs)
+        self.local.start_replication(request)  # local parts: stream to peers while writing
         log.info("request %d (rank %d) staged in %.3fs; writing %d file(s)", request.id,
                  request.rank, request.staged_at - request.created_at, len(jobs))
         for job in jobs:
@@ -472,6 +503,12 @@ class Daemon:
             return [base + request.offsets[index], nbytes, dtype, shape]
 
         on_done = self._job_done(request)
+        if request.format == SaveFormat.LOCAL:  # a part is its buffers back to back, raw
+            yield WriteJob(WRITE_DCP, {"path": request.path, "name": os.path.basename(request.path),
+                                       "items": [[base + request.offsets[i], b[2], "bytes", [b[2]]]
+                                                 for i, b in enumerate(request.buffers)],
+                                       "bytes": request.bytes_total}, on_done)
+            return
         if request.format == SaveFormat.TORCH:
             yield WriteJob(WRITE_TORCH, {"path": request.path, "skeleton": request.skeleton,
                                          "tensors": [spec(i) for i in range(len(request.buffers))],
@@ -503,6 +540,8 @@ class Daemon:
 
     def _settle(self, request: SaveRequest) -> None:
         """All writes of ``request`` returned: decide its outcome and free its space."""
+        if self.local.holds_back_settle(request):
+            return  # replicas still streaming from the extent; settles when they answer
         if request.phase == Phase.ABORTED:
             self._remove_outputs(request)
         elif request.errors:
@@ -545,6 +584,8 @@ class Daemon:
         request.finish(phase)
         if previous == Phase.WAITING_FOR_POOL:
             self.pool.cancel_wait(request)
+        if previous in (Phase.WRITING, Phase.REPLICATING) and self.local.cancel_replication(request):
+            return  # the replicator answers the cancel; _settle then frees the extent
         if previous == Phase.WRITING and request.jobs_pending:
             return  # _settle cleans up and frees the extent when the writers answer
         self._remove_outputs(request)
@@ -568,6 +609,9 @@ class Daemon:
             if request.finished_at and now - request.finished_at > UNCLAIMED_RESULT_SECONDS:
                 self.ledger.forget(request.id)
         self._check_idle()
+        if self.metrics is not None:
+            self.metrics.tick([r.describe() for r in (*self.ledger.requests.values(),
+                                                      *self.ledger.recent)], self.status)
 
     def _rank_gone(self, identity: bytes, rank: RankInfo) -> None:
         log.warning("rank %d (pid %d) is gone; aborting its in-flight saves", rank.rank, rank.pid)
@@ -603,7 +647,8 @@ class Daemon:
                   "used_bytes": self.pool.used_bytes, "free_bytes": self.pool.free_bytes,
                   "waiting_requests": self.pool.waiting, "pinned": self.pool.registered_with_cuda},
             writers=self.writers.describe(),
-            peers=[], local_checkpoints=[],
+            peers=self.local.peers_status(), local_checkpoints=self.local.checkpoints_status(),
+            replication=self.local.replication_status(),
         )
 
 

@@ -56,12 +56,74 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
 
 
 def health_line(doc: dict) -> str:
-    """One line for scripts: state, ranks, in-flight saves, pool use, failures."""
+    """One line for scripts: state, ranks, in-flight saves, pool use, failures.
+
+    When saves failed recently, the line ends with ``last_error="..."`` (the reason of the
+    newest failure, JSON-quoted so it stays one line).
+    """
     active = [r for r in doc["requests"] if r["phase"] not in protocol.Phase.FINISHED]
     pool = doc["pool"]
-    return (f"ckptd {doc['state']} pid={doc['pid']} ranks={len(doc['ranks'])} "
+    line = (f"ckptd {doc['state']} pid={doc['pid']} ranks={len(doc['ranks'])} "
             f"in_flight={len(active)} pool={pool['used_bytes'] * 100 // max(pool['size_bytes'], 1)}% "
             f"done={doc['totals']['saves_done']} failed={doc['totals']['saves_failed']}")
+    if doc["recent_errors"]:
+        line += f" last_error={json.dumps(doc['recent_errors'][-1]['error'])}"
+    return line
+
+
+def daemon_time(doc: dict) -> float:
+    """The daemon's clock when it built ``doc`` (unix seconds)."""
+    return doc["started_at"] + doc["uptime_s"]
+
+
+def bytes_written_so_far(doc: dict) -> int:
+    """Bytes made durable since the daemon started, in-flight saves' progress included."""
+    in_flight = [r for r in doc["requests"] if r["phase"] not in protocol.Phase.FINISHED]
+    return doc["totals"]["bytes_written"] + sum(r["bytes_written"] for r in in_flight)
+
+
+def progress_line(previous: dict | None, doc: dict) -> str:
+    """Live progress for ``--watch``: bytes staged and written, and throughput.
+
+    Parameters
+    ----------
+    previous : dict or None
+        The status document of the previous refresh; throughput needs two samples, so
+        without one the rates are shown as pending.
+    doc : dict
+        The current status document.
+
+    Returns
+    -------
+    str
+        One line, e.g. ``progress  2 in flight: 1.0 GiB staged, 0 B waiting to stage;
+        written 3.0 GiB since start; write 812.0 MiB/s, stage 1.1 GiB/s``.
+    """
+    in_flight = [r for r in doc["requests"] if r["phase"] not in protocol.Phase.FINISHED]
+    staged = sum(r["bytes_total"] for r in in_flight if r["staged_at"] is not None)
+    waiting = sum(r["bytes_total"] for r in in_flight if r["staged_at"] is None)
+    line = (f"progress  {len(in_flight)} in flight: {_size(staged)} staged, "
+            f"{_size(waiting)} waiting to stage; written {_size(bytes_written_so_far(doc))} "
+            f"since start")
+    if doc.get("peers"):
+        line += f", replicated {_size(bytes_replicated_so_far(doc))}"
+    elapsed = daemon_time(doc) - daemon_time(previous) if previous else 0.0
+    if previous is None or previous["pid"] != doc["pid"] or elapsed <= 0:
+        return line + "; throughput after the next refresh"
+    written = max(bytes_written_so_far(doc) - bytes_written_so_far(previous), 0)
+    since = daemon_time(previous)
+    staged_between = sum(r["bytes_total"] for r in doc["requests"]
+                         if r["staged_at"] is not None and r["staged_at"] > since)
+    line += f"; write {_size(written / elapsed)}/s, stage {_size(staged_between / elapsed)}/s"
+    if doc.get("peers"):
+        replicated = max(bytes_replicated_so_far(doc) - bytes_replicated_so_far(previous), 0)
+        line += f", replicate {_size(replicated / elapsed)}/s"
+    return line
+
+
+def bytes_replicated_so_far(doc: dict) -> int:
+    """Bytes this daemon streamed to its peers since it started (0 without replication)."""
+    return sum(int(p.get("bytes_sent", 0)) for p in doc.get("peers", []))
 
 
 def render(doc: dict) -> str:
@@ -89,11 +151,41 @@ def render(doc: dict) -> str:
                     [[r["id"], r["rank"], r["format"], r["phase"],
                       f"{_size(r['bytes_written'])}/{_size(r['bytes_total'])}", r["path"]]
                      for r in doc["requests"]]) if doc["requests"] else ["  (none)"]
+    lines += _render_local(doc)
     if doc["recent_errors"]:
         lines += ["", "RECENT ERRORS"]
         lines += [f"  {time.strftime('%H:%M:%S', time.localtime(e['time'] or 0))} "
                   f"request {e['request']}: {e['error']}" for e in doc["recent_errors"]]
     return "\n".join(lines)
+
+
+def _render_local(doc: dict) -> list[str]:
+    """PEERS, REPLICATION and LOCAL CHECKPOINTS sections (only when there is something)."""
+    lines: list[str] = []
+    replication = doc.get("replication") or {}
+    if doc.get("peers") or replication.get("address"):
+        lines += ["", f"PEERS   (this daemon: {replication.get('address')})"]
+        lines += _table(["address", "health", "heard", "sent", "received", "ok", "failed",
+                         "last error"],
+                        [[p["address"], p["health"],
+                          "-" if p["last_heard_s"] is None else f"{p['last_heard_s']:.1f}s ago",
+                          _size(p["bytes_sent"]), _size(p["bytes_received"]), p["streams_ok"],
+                          p["streams_failed"], p["last_error"] or ""]
+                         for p in doc.get("peers", [])]) if doc.get("peers") else ["  (none yet)"]
+    if replication.get("streams"):
+        lines += ["", "REPLICATION IN FLIGHT"]
+        lines += _table(["dir", "kind", "peer", "owner", "iteration", "done"],
+                        [[s["direction"], s["kind"], s["peer"], s["owner"], s["iteration"],
+                          f"{_size(s['bytes_done'])}/{_size(max(s['size'], 0))}"]
+                         for s in replication["streams"]])
+    if doc.get("local_checkpoints"):
+        lines += ["", "LOCAL CHECKPOINTS"]
+        lines += _table(["session", "iteration", "owner", "kind", "size", "verified", "committed"],
+                        [[p["session"] or "-", p["iteration"], p["owner"], p["kind"],
+                          _size(p["size"]), {True: "yes", False: "NO", None: "?"}[p["verified"]],
+                          "yes" if p["committed"] else "no"]
+                         for p in doc["local_checkpoints"]])
+    return lines
 
 
 def to_json(doc: dict) -> str:

@@ -188,7 +188,7 @@ class _Writer:
 
     def write_torch(self, body: dict, frames: list) -> dict:
         tensors = [self.tensor_at(*spec) for spec in body["tensors"]]
-        obj = _fill_skeleton(protocol.unpack_value(body["skeleton"]), tensors)
+        obj = protocol.fill_skeleton(protocol.unpack_value(body["skeleton"]), tensors)
         return write_file_atomically(body["path"], lambda f: self.torch.save(obj, f))
 
     def write_dcp(self, body: dict, frames: list) -> dict:
@@ -237,18 +237,6 @@ class _Writer:
                           "path": msg.body.get("path")}
             result["seconds"] = time.monotonic() - started
             sock.send_multipart(protocol.encode(protocol.MessageType.REPLY, msg.id, result))
-
-
-def _fill_skeleton(value: Any, tensors: list) -> Any:
-    if isinstance(value, protocol.TensorRef):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: _fill_skeleton(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fill_skeleton(v, tensors) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_fill_skeleton(v, tensors) for v in value)
-    return value
 
 
 def main(argv: list[str] | None = None) -> None:

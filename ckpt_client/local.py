@@ -1,0 +1,569 @@
+"""Local checkpoints: each rank's part on its own node, replicated to peers by the daemons.
+
+The names and semantics mirror the reference's local checkpointing
+(``LocalCheckpointManager``, ``BasicTensorAwareStateDict``, ``CliqueReplicationStrategy``)
+so training scripts can switch. What differs is *who* moves the bytes: ``save`` only
+stages this rank's tensors with its node's ckptd (one copy into shared memory); the
+daemon writes the part and, at the same time, streams it to the daemons of the rank's
+clique mates over CURVE-encrypted tcp. Training goes on meanwhile.
+
+Collectives (all over the trainers' default process group, so every rank must call
+``save``, ``find_latest`` and ``load`` together, as in the reference):
+
+- the key exchange, on first use and whenever a daemon restarted: each rank asks its
+  daemon for (peer address, CURVE public key), the table is all-gathered, and each rank
+  hands it to its daemon together with the cliques; daemons accept no other keys;
+- completion of a save: one all-reduce agrees every rank's part is durable, then each
+  rank's daemon marks the iteration committed and drops older ones;
+- ``find_latest``: each node's inventory (parts held, own or replica, verified against
+  their checksums) is all-gathered; the newest committed iteration whose every part is
+  somewhere wins. ``load`` then reads the local part, or has the daemon fetch it from the
+  holders first.
+
+Part files hold a msgpack header and raw tensor bytes (no pickle).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from functools import partial
+from typing import Any
+
+import torch
+
+from ckptd import protocol
+from ckptd.checksum import ChecksumMismatchError, verify_file
+from ckptd.protocol import MessageType, SaveFormat
+from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
+from ckpt_client.connection import DaemonConnection, connect
+from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.staging import describe, flatten_state_dict, stage
+
+log = logging.getLogger(__name__)
+
+#: ``(iteration, rank, session_id)``: which part ``load`` returned.
+CkptID = tuple[int, int, str]
+#: Seconds to wait for a daemon's inventory (it re-reads parts to verify them) or a fetch.
+LOAD_TIMEOUT = float(os.environ.get("CKPTD_LOCAL_LOAD_TIMEOUT", "600"))
+_SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]{0,128}")
+
+
+class BasicTensorAwareStateDict:
+    """A state dict whose tensors are reachable through dicts, lists and tuples.
+
+    Parameters
+    ----------
+    state_dict : dict
+        Tensors (CPU or CUDA) and plain values (str, bytes, numbers, bool, None) nested
+        in dicts, lists and tuples. Anything else is refused at ``save`` time, since
+        parts are stored without pickling.
+
+    Attributes
+    ----------
+    state_dict : dict
+        The wrapped state dict (after ``load``: tensors on the CPU).
+    """
+
+    def __init__(self, state_dict: dict) -> None:
+        self.state_dict = state_dict
+
+    def __repr__(self) -> str:
+        return f"BasicTensorAwareStateDict({len(self.state_dict)} top-level keys)"
+
+
+class CliqueReplicationStrategy:
+    """Replicate each rank's part to the other ranks of its clique.
+
+    Parameters
+    ----------
+    cliques : list of list of int
+        Disjoint groups of ranks covering ``range(world_size)``; each rank's part is kept
+        by every rank (that is, that rank's node) of its clique.
+
+    See Also
+    --------
+    from_replication_params : build the cliques from a jump and a factor.
+    """
+
+    def __init__(self, cliques: list[list[int]]) -> None:
+        ranks = sorted(r for c in cliques for r in c)
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"cliques {cliques} must cover ranks 0..N-1 exactly once each")
+        self.cliques = [list(c) for c in cliques]
+        self.world_size = len(ranks)
+
+    @classmethod
+    def from_replication_params(cls, replication_jump: int = 1, replication_factor: int = 2,
+                                world_size: int | None = None) -> "CliqueReplicationStrategy":
+        """Cliques of ``replication_factor`` ranks spaced ``replication_jump`` apart.
+
+        The ranks are cut into consecutive blocks of ``replication_jump *
+        replication_factor``; inside a block, rank ``b + o`` (offset ``o <
+        replication_jump``) forms a clique with ``b + o + k * replication_jump`` for
+        ``k < replication_factor``. So jump 1 groups consecutive ranks (0,1), (2,3), ...;
+        with 8 ranks, jump 4 and factor 2 gives (0,4), (1,5), (2,6), (3,7): set the jump
+        to the number of ranks per node so that clique mates live on different nodes.
+
+        The world size must be a multiple of ``replication_jump * replication_factor``;
+        otherwise some cliques would be short (uneven), and the call is refused.
+
+        Parameters
+        ----------
+        replication_jump : int
+            Distance between the ranks of a clique (>= 1).
+        replication_factor : int
+            Ranks per clique, i.e. copies of each part (>= 1; 1 = no replication).
+        world_size : int, optional
+            Default: the size of the initialized default process group.
+
+        Raises
+        ------
+        ValueError
+            For a jump or factor below 1, or a world size that is not a multiple of
+            ``replication_jump * replication_factor``.
+        """
+        if world_size is None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("from_replication_params needs world_size= or an initialized "
+                                 "torch.distributed process group")
+            world_size = dist.get_world_size()
+        for name, value in (("replication_jump", replication_jump),
+                            ("replication_factor", replication_factor)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
+        block = replication_jump * replication_factor
+        if world_size % block:
+            raise ValueError(
+                f"cannot form even cliques: world size {world_size} is not a multiple of "
+                f"replication_jump x replication_factor = {replication_jump} x "
+                f"{replication_factor} = {block}; choose a jump and factor whose product "
+                f"divides {world_size} (e.g. jump = ranks per node, factor 2)")
+        cliques = [[start + offset + k * replication_jump for k in range(replication_factor)]
+                   for start in range(0, world_size, block) for offset in range(replication_jump)]
+        return cls(cliques)
+
+    def clique_of(self, rank: int) -> list[int]:
+        """The clique ``rank`` belongs to."""
+        return next(c for c in self.cliques if rank in c)
+
+    @property
+    def replication_factor(self) -> int:
+        """Copies of each part (clique size)."""
+        return len(self.cliques[0]) if self.cliques else 1
+
+
+# ------------------------------------------------------------------ collectives
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_and_world() -> tuple[int, int]:
+    dist = _dist()
+    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+
+
+def _all_gather(value: Any) -> list:
+    dist = _dist()
+    if dist is None:
+        return [value]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _raise_if_any_failed(what: str, error: str | None) -> None:
+    """Share every rank's error; raise the same CheckpointException on all ranks."""
+    rank, _ = _rank_and_world()
+    failures = {r: e for r, e in _all_gather((rank, error)) if e}
+    if failures:
+        raise CheckpointException(what, failures)
+
+
+def _any_rank(flag: bool) -> bool:
+    dist = _dist()
+    if dist is None:
+        return flag
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+class _RefusedSave:
+    """Stands in for a save the daemon refused, so the refusal reaches every rank through
+    the queue's agreement (a raise on one rank would leave the others in a collective)."""
+
+    finished = True
+
+    def __init__(self, rank: int, error: str) -> None:
+        self.error = f"rank {rank}: {error}"
+        self.last = {"phase": "failed", "error": self.error}
+
+    def forget(self, delete_files: bool) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------ part files
+
+def read_part(path: str) -> tuple[dict, dict]:
+    """Read a local-checkpoint part: verify its checksum, then rebuild the state dict.
+
+    Returns
+    -------
+    (state_dict, header)
+        Tensors are fresh CPU tensors; nothing is unpickled.
+
+    Raises
+    ------
+    ChecksumMismatchError
+        If the part does not match the checksum recorded beside it.
+    ValueError
+        If the part is malformed (bad header, unknown dtype, truncated).
+    """
+    verify_file(path)
+    with open(path, "rb") as f:
+        fixed = f.read(len(protocol.PART_MAGIC) + 8)
+        length = int.from_bytes(fixed[len(protocol.PART_MAGIC):], "little")
+        try:
+            header, _ = protocol.decode_part_header(fixed + f.read(min(length, protocol.MAX_HEADER_BYTES)))
+        except protocol.ProtocolError as exc:
+            raise ValueError(f"{path}: {exc.message}") from None
+        tensors = []
+        for dtype, shape, nbytes in header["buffers"]:
+            if dtype not in protocol.BUFFER_DTYPES or dtype == "bytes":
+                raise ValueError(f"{path}: buffer dtype {dtype!r} is not a tensor dtype")
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes and f.readinto(memoryview(raw.numpy())) != nbytes:
+                raise ValueError(f"{path} is truncated: a {nbytes}-byte tensor is incomplete")
+            tensors.append(raw.view(getattr(torch, dtype)).view(shape))
+        if f.read(1):
+            raise ValueError(f"{path} has bytes after its last tensor")
+    return protocol.fill_skeleton(protocol.unpack_value(header["skeleton"]), tensors), header
+
+
+# ------------------------------------------------------------------ the manager
+
+class LocalCheckpointManager:
+    """Save, find and load node-local checkpoints through this node's ckptd.
+
+    Parameters
+    ----------
+    root_local_ckpt_dir : str or os.PathLike
+        Node-local directory for this job's parts; must lie inside the daemon's
+        ``--local-dir``. It must hold two parts per rank (clean + dirty) times the
+        replication factor (own part plus the replicas kept for clique mates).
+    session_id : str
+        Keeps several jobs or runs apart under one root ('' for none).
+    repl_strategy : CliqueReplicationStrategy, optional
+        Replicate each part to the nodes of its clique mates (``None``: no replicas).
+        Load with the same strategy and world size as the save.
+    socket : str, optional
+        Daemon socket (see :func:`ckpt_client.connect`).
+
+    Notes
+    -----
+    All ranks must call ``save``, ``find_latest`` and ``load`` together.
+
+    Attributes
+    ----------
+    last_save_report : dict or None
+        After a save finalized: ``iteration``, ``replicated_to`` (peer addresses that
+        hold the replica), ``failed`` (address -> reason) and ``reduced_redundancy``.
+    last_load_report : dict or None
+        After ``load``: ``iteration``, ``source`` ("local" or the holder's address) and
+        ``tried`` (holders that failed first, with the reason).
+    """
+
+    def __init__(self, root_local_ckpt_dir: str | os.PathLike, session_id: str = "",
+                 repl_strategy: CliqueReplicationStrategy | None = None,
+                 socket: str | None = None) -> None:
+        if not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id) \
+                or session_id in (".", ".."):
+            raise ValueError(f"session_id {session_id!r} must be a plain name (letters, digits, "
+                             "'_', '.', '-')")
+        self.root = os.path.abspath(os.fspath(root_local_ckpt_dir))
+        self.session_id = session_id
+        self.repl_strategy = repl_strategy
+        self._socket = socket
+        self._registered_with: int | None = None  # daemon pid the session was registered with
+        self._table: list = []  # per rank: [address, key] or None
+        self._latest: int | None = None
+        self._holders: dict[int, list[str]] = {}
+        self._own_paths: dict[int, str] = {}
+        self.last_save_report: dict | None = None
+        self.last_load_report: dict | None = None
+
+    # ------------------------------------------------------------------ session
+    def _connection(self) -> DaemonConnection:
+        return connect(self._socket)
+
+    def _ensure_session(self, agree: bool = True) -> DaemonConnection:
+        """Register the session (the key exchange) on every rank if any rank needs it.
+
+        With ``agree=False`` (``save``, which must not add a collective that would order
+        the ranks' saves) only the first call registers; a daemon restarted since then
+        refuses the save with a clear error, and the next ``find_latest`` re-registers.
+        """
+        connection, error, unavailable = None, None, None
+        try:
+            connection = self._connection()
+        except DaemonUnavailableError as exc:
+            error, unavailable = str(exc), exc
+        stale = connection is None or self._registered_with != connection.daemon_pid
+        if agree:
+            stale = _any_rank(stale)
+        elif self._registered_with is not None:
+            if unavailable is not None:
+                raise unavailable
+            return connection
+        if not stale:
+            return connection
+        rank, world_size = _rank_and_world()
+        info = {}
+        try:
+            if connection is not None:
+                info = connection.call(MessageType.PEER_INFO)
+        except (DaemonUnavailableError, DaemonRequestError) as exc:
+            error = str(exc)
+        self._table = [[a, k] if a else None for a, k in
+                       _all_gather((info.get("address"), info.get("public_key")))]
+        _raise_if_any_failed("local checkpoints: asking the daemons for their peer keys failed",
+                             error)
+        cliques = self._cliques(world_size)
+        if any(len(c) > 1 for c in cliques):
+            missing = [r for r, entry in enumerate(self._table) if entry is None]
+            if missing:
+                raise ValueError(f"replication needs every node's ckptd to listen for peers, but "
+                                 f"the daemons of ranks {missing} have no --peer-listen address")
+        try:
+            connection.call(MessageType.LOCAL_SESSION, {
+                "session": self.session_id, "root": self.root, "world_size": world_size,
+                "peers": self._table, "cliques": cliques})
+        except (DaemonUnavailableError, DaemonRequestError, AttributeError) as exc:
+            error = f"rank {rank}: registering local session {self.session_id!r} at {self.root} " \
+                    f"failed: {exc}"
+        # every daemon knows every key before any part is pushed
+        _raise_if_any_failed("local checkpoints: registering the session failed", error)
+        self._registered_with = connection.daemon_pid
+        self._latest = None
+        log.info("rank %d: local session %r at %s registered (replication %s)", rank,
+                 self.session_id, self.root, cliques or "off")
+        return connection
+
+    def _cliques(self, world_size: int) -> list:
+        if self.repl_strategy is None:
+            return []
+        if self.repl_strategy.world_size != world_size:
+            raise ValueError(f"the replication strategy covers {self.repl_strategy.world_size} "
+                             f"ranks but the process group has {world_size}")
+        return self.repl_strategy.cliques
+
+    # ------------------------------------------------------------------ save
+    def save(self, ta_state_dict: BasicTensorAwareStateDict, iteration: int,
+             is_async: bool = False) -> AsyncRequest | None:
+        """Save this rank's part of ``iteration`` (call on all ranks together).
+
+        Returns once the tensors are staged with the daemon (changing them afterwards
+        does not change the checkpoint). The daemon writes the part locally and streams
+        it to the clique mates' nodes in parallel.
+
+        Parameters
+        ----------
+        ta_state_dict : BasicTensorAwareStateDict
+            The state to save.
+        iteration : int
+            Training iteration (>= 0); ``find_latest`` returns the highest complete one.
+        is_async : bool
+            ``False``: block until every rank's part is durable (and replicated, or the
+            peer given up on), then commit. ``True``: return an :class:`AsyncRequest` to
+            schedule on an :class:`AsyncCallsQueue`; its finalize step commits.
+
+        Returns
+        -------
+        AsyncRequest or None
+
+        Raises
+        ------
+        CheckpointException
+            On every rank, if any rank's save failed or its daemon refused it (sync
+            saves; async ones raise from the queue's finalize).
+        """
+        if not hasattr(ta_state_dict, "state_dict"):
+            raise TypeError("save() takes a BasicTensorAwareStateDict (an object with "
+                            f".state_dict), not {type(ta_state_dict).__name__}")
+        if not isinstance(iteration, int) or iteration < 0:
+            raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
+        rank, _ = _rank_and_world()
+        skeleton, tensors = flatten_state_dict(ta_state_dict.state_dict)
+        header = bytearray(protocol.encode_part_header(  # writable: torch.frombuffer needs it
+            skeleton, [describe(t) for t in tensors], rank, iteration, self.session_id))
+        try:
+            connection = self._ensure_session(agree=False)
+            daemon_save = stage(connection, SaveFormat.LOCAL, self.root, [header, *tensors],
+                                extra={"session": self.session_id, "iteration": iteration})
+        except (DaemonRequestError, DaemonUnavailableError) as exc:
+            log.error("rank %d: local save of iteration %d refused: %s", rank, iteration, exc)
+            daemon_save = _RefusedSave(rank, str(exc))
+        request = AsyncRequest(daemon_saves=(daemon_save,),
+                               finalize_fns=[partial(self._finalize_save, iteration, daemon_save)])
+        if is_async:
+            return request
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        return None
+
+    def _finalize_save(self, iteration: int, daemon_save) -> None:
+        """Every rank's part is durable: report replication, commit on this node."""
+        replication = daemon_save.last.get("replication") or {}
+        holders = replication.get("holders", {})
+        self.last_save_report = {
+            "iteration": iteration,
+            "replicated_to": sorted(a for a, h in holders.items() if h["state"] == "done"),
+            "failed": {a: h["error"] for a, h in holders.items() if h["state"] != "done"},
+            "reduced_redundancy": bool(replication.get("reduced_redundancy")),
+        }
+        if self.last_save_report["reduced_redundancy"]:
+            log.warning("rank %d: iteration %d saved with reduced redundancy: %s",
+                        daemon_save.connection.rank, iteration,
+                        self.last_save_report["failed"] or "clique mates share this node")
+        try:
+            self._connection().call(MessageType.LOCAL_COMMIT,
+                                    {"session": self.session_id, "iteration": iteration})
+        except (DaemonUnavailableError, DaemonRequestError) as exc:
+            # The part is durable and the other nodes' commit marks stand for it.
+            log.warning("rank %d: could not mark iteration %d committed on this node: %s",
+                        daemon_save.connection.rank, iteration, exc)
+        self._latest = None
+
+    # ------------------------------------------------------------------ find / load
+    def find_latest(self) -> int:
+        """The highest iteration whose parts of every rank exist, verified, on some node.
+
+        Collective. Only committed iterations count (every rank's save of it succeeded).
+
+        Returns
+        -------
+        int
+            The iteration, or -1 when there is none.
+
+        Raises
+        ------
+        CheckpointException
+            On every rank, if some rank's daemon could not list its parts.
+        """
+        connection = self._ensure_session()
+        rank, world_size = _rank_and_world()
+        inventory, error = None, None
+        try:
+            inventory = connection.call(MessageType.LOCAL_INVENTORY, {"session": self.session_id},
+                                        timeout=LOAD_TIMEOUT)
+        except (DaemonUnavailableError, DaemonRequestError) as exc:
+            error = f"rank {rank}: listing local parts failed: {exc}"
+        gathered = _all_gather((rank, inventory, error))
+        failures = {r: e for r, _, e in gathered if e}
+        if failures:
+            raise CheckpointException("find_latest failed", failures)
+        holders: dict[tuple, list] = {}
+        committed: set = set()
+        seen: set = set()
+        for other, inv, _ in gathered:
+            node = inv["address"] or f"node of rank {other}"  # no peer socket: no sharing
+            if node in seen:
+                continue  # several ranks share a daemon
+            seen.add(node)
+            for part in inv["parts"]:
+                if part["committed"]:
+                    committed.add(part["iteration"])
+                if part["verified"]:
+                    holders.setdefault((part["iteration"], part["owner"]), []).append(node)
+        own = inventory["parts"]
+        self._own_paths = {}
+        self._latest = -1
+        for iteration in sorted(committed, reverse=True):
+            if all((iteration, owner) in holders for owner in range(world_size)):
+                self._latest = iteration
+                break
+        if self._latest >= 0:
+            self._holders = {owner: self._order_holders(owner, holders[(self._latest, owner)])
+                             for owner in range(world_size)}
+            self._own_paths = {p["owner"]: p["path"] for p in own
+                               if p["iteration"] == self._latest and p["verified"]}
+        log.info("rank %d: latest complete local checkpoint: %d", rank, self._latest)
+        return self._latest
+
+    def _order_holders(self, owner: int, nodes: list) -> list:
+        """Holders of ``owner``'s part, in a fixed order: clique mates after the owner, then
+        the other nodes by their lowest rank."""
+        first_rank = {}
+        for r, entry in enumerate(self._table):
+            if entry is not None:
+                first_rank.setdefault(entry[0], r)
+        order = []
+        if self.repl_strategy is not None:
+            clique = self.repl_strategy.clique_of(owner)
+            at = clique.index(owner)
+            order = [self._table[m][0] for m in clique[at + 1:] + clique[:at] if self._table[m]]
+        rank_of = lambda node: (order.index(node) if node in order else len(order),
+                                first_rank.get(node, 1 << 30), node)
+        return sorted(set(nodes), key=rank_of)
+
+    def load(self) -> tuple[BasicTensorAwareStateDict, CkptID]:
+        """Load this rank's part of the latest complete iteration (call on all ranks).
+
+        A part missing on this node is fetched by the daemon from the holders (clique
+        mates first); a replica failing its checksum is never used.
+
+        Returns
+        -------
+        (BasicTensorAwareStateDict, (iteration, rank, session_id))
+            Tensors are on the CPU; ``model.load_state_dict`` copies them into place.
+
+        Raises
+        ------
+        FileNotFoundError
+            If no complete local checkpoint exists.
+        DaemonRequestError
+            If the part is missing here and no holder could provide a verified copy (the
+            message names the rank, iteration and the holders tried).
+        """
+        if self._latest is None:
+            self.find_latest()
+        rank, _ = _rank_and_world()
+        if self._latest < 0:
+            raise FileNotFoundError(f"rank {rank}: no complete local checkpoint of session "
+                                    f"{self.session_id!r} under {self.root} on any node")
+        iteration = self._latest
+        path = self._own_paths.get(rank)
+        self.last_load_report = {"iteration": iteration, "source": "local", "tried": []}
+        if path is None:
+            own = self._table[rank][0] if self._table and self._table[rank] else None
+            holders = [h for h in self._holders.get(rank, []) if h != own]
+            log.info("rank %d: part of iteration %d missing here; fetching from %s", rank,
+                     iteration, holders)
+            reply = self._connection().call(
+                MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
+                                          "owner": rank, "holders": holders},
+                timeout=LOAD_TIMEOUT)
+            path = reply["path"]
+            self.last_load_report.update(source=reply.get("holder"), tried=reply.get("tried", []))
+        try:
+            state_dict, header = read_part(path)
+        except ChecksumMismatchError as exc:
+            raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {exc}") from None
+        if header.get("owner") != rank or header.get("iteration") != iteration:
+            raise ValueError(f"{path} holds rank {header.get('owner')}'s part of iteration "
+                             f"{header.get('iteration')}, not rank {rank}'s of {iteration}")
+        return BasicTensorAwareStateDict(state_dict), (iteration, rank, self.session_id)

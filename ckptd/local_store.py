@@ -1,0 +1,341 @@
+"""The node-local checkpoint store: part files of local checkpoints, own and replicas.
+
+Owns the on-disk layout under the directory a trainer's ``LocalCheckpointManager`` names
+(its ``root_local_ckpt_dir``, which must lie inside the daemon's ``--local-dir``)::
+
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part            a part
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.ckptd-sum  its crc32
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/.rank_<r>.part.ckptd-tmp dirty, in progress
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/committed               all ranks agreed
+
+One part per owner rank and iteration; a replica held for another rank has exactly the
+name and bytes its owner's daemon wrote, so "own" and "replica" differ only in who asked
+for it. A part is written under its dirty name, fsynced, checksummed, renamed clean and
+the directory fsynced (see :func:`ckptd.writers.write_file_atomically`); the part format
+(:func:`ckptd.protocol.encode_part_header`) loads without unpickling anything.
+
+Space rule (from the reference guide): the directory must hold two parts per rank (the
+clean, committed iteration and the dirty one being saved) times the replication factor
+(its own part plus the replicas it keeps for clique mates). Older iterations are removed
+only by :meth:`LocalStore.commit`, which the trainers call after *every* rank's save of a
+newer iteration is durable (the finalize step of ``LocalCheckpointManager.save``).
+
+Pattern: plain files and a small verification cache; no sockets, no threads of its own
+(the replicator's thread and the serve loop both call it, so the mutable state is
+guarded by a lock). It never decides *where* replicas go; ``ckptd.replication`` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import threading
+import zlib
+from dataclasses import dataclass
+
+from ckptd.checksum import Checksum, ChecksumMismatchError, verify_file, write_sidecar
+from ckptd.roots import AllowedRoots, PathRefusedError
+from ckptd.writers import fsync_directory, remove_written, temporary_name
+
+log = logging.getLogger(__name__)
+
+COMMITTED_MARKER = "committed"
+_SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]{0,128}")
+_ITER_RE = re.compile(r"iter_(\d+)")
+_PART_RE = re.compile(r"rank_(\d+)\.part")
+
+
+class LocalStoreError(Exception):
+    """A local-checkpoint request the store cannot serve (with a hint in the text)."""
+
+
+def check_session_id(session_id: str) -> str:
+    """Return ``session_id`` if it is a safe single path component (or empty).
+
+    Raises
+    ------
+    LocalStoreError
+        For ids with ``/``, ``..`` or characters other than letters, digits, ``_.-``.
+    """
+    if (not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id)
+            or session_id in (".", "..")):
+        raise LocalStoreError(f"session id {session_id!r} is not a plain name; use letters, "
+                              "digits, '_', '.', '-' (at most 128)")
+    return session_id
+
+
+@dataclass(frozen=True)
+class LocalSession:
+    """Where one session's parts live on this node.
+
+    Parameters
+    ----------
+    session_id : str
+        The ``LocalCheckpointManager``'s session id ('' for none).
+    root : str
+        Its ``root_local_ckpt_dir``, symlinks resolved.
+    """
+
+    session_id: str
+    root: str
+
+    @property
+    def directory(self) -> str:
+        """The directory holding this session's iterations."""
+        return os.path.join(self.root, self.session_id) if self.session_id else self.root
+
+    def iteration_dir(self, iteration: int) -> str:
+        """The directory of one iteration."""
+        return os.path.join(self.directory, f"iter_{iteration:07d}")
+
+    def part_path(self, iteration: int, owner: int) -> str:
+        """The part of rank ``owner`` for ``iteration`` (own or replica alike)."""
+        return os.path.join(self.iteration_dir(iteration), f"rank_{owner}.part")
+
+
+class LocalStore:
+    """Sessions registered on this daemon and the parts they hold.
+
+    Parameters
+    ----------
+    allowed : AllowedRoots
+        Directories a session root may lie in (``--local-dir``).
+    """
+
+    def __init__(self, allowed: AllowedRoots) -> None:
+        self.allowed = allowed
+        self._sessions: dict[str, LocalSession] = {}
+        self._verified: dict[str, tuple] = {}  # path -> (size, mtime_ns, ino, ok)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ sessions
+    def register(self, session_id: str, root: str) -> LocalSession:
+        """Register (or re-register) a session's root directory.
+
+        Raises
+        ------
+        LocalStoreError
+            If the session id is unsafe or the root lies outside ``--local-dir``.
+        """
+        check_session_id(session_id)
+        try:
+            resolved = self.allowed.check(root)
+        except PathRefusedError as exc:
+            raise LocalStoreError(f"local checkpoint directory refused: {exc} (start ckptd "
+                                  "with --local-dir covering it)") from None
+        session = LocalSession(session_id, resolved)
+        os.makedirs(session.directory, exist_ok=True)
+        with self._lock:
+            previous = self._sessions.get(session_id)
+            self._sessions[session_id] = session
+        if previous != session:
+            log.info("local session %r registered at %s", session_id, session.directory)
+        return session
+
+    def session(self, session_id: str) -> LocalSession:
+        """The registered session ``session_id``.
+
+        Raises
+        ------
+        LocalStoreError
+            If no trainer registered it with this daemon.
+        """
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise LocalStoreError(
+                f"local session {session_id!r} is not registered with this daemon; create the "
+                "LocalCheckpointManager on every rank (it registers the session) before saving; "
+                "if this daemon restarted since, call find_latest() on all ranks to register again")
+        return session
+
+    def sessions(self) -> list[LocalSession]:
+        """Every registered session."""
+        with self._lock:
+            return list(self._sessions.values())
+
+    # ------------------------------------------------------------------ parts
+    def iterations(self, session: LocalSession) -> list[int]:
+        """Iterations with a directory in ``session``, ascending."""
+        try:
+            names = os.listdir(session.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _ITER_RE.fullmatch(n)))
+
+    def parts_of(self, session: LocalSession, iteration: int) -> list[int]:
+        """Owner ranks with a clean part of ``iteration``, ascending."""
+        try:
+            names = os.listdir(session.iteration_dir(iteration))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _PART_RE.fullmatch(n)))
+
+    def is_committed(self, session: LocalSession, iteration: int) -> bool:
+        """Whether every rank agreed this iteration's save succeeded (marker present)."""
+        return os.path.exists(os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER))
+
+    def verify(self, path: str, use_cache: bool = True) -> bool:
+        """Whether ``path`` matches its checksum record (cached per size/mtime/inode)."""
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return False
+        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+        with self._lock:
+            cached = self._verified.get(path)
+        if use_cache and cached is not None and cached[:3] == key:
+            return cached[3]
+        try:
+            verify_file(path)
+            ok = True
+        except (ChecksumMismatchError, OSError) as exc:
+            log.warning("local part %s failed verification: %s", path, exc)
+            ok = False
+        with self._lock:
+            self._verified[path] = (*key, ok)
+        return ok
+
+    def note_verified(self, path: str, ok: bool = True) -> None:
+        """Record a verification done elsewhere (a part just written, or served)."""
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self._verified[path] = (info.st_size, info.st_mtime_ns, info.st_ino, ok)
+
+    def cached_verification(self, path: str) -> bool | None:
+        """The last verification result of ``path`` if still current, else ``None``."""
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return None
+        with self._lock:
+            cached = self._verified.get(path)
+        if cached is None or cached[:3] != (info.st_size, info.st_mtime_ns, info.st_ino):
+            return None
+        return cached[3]
+
+    def inventory(self, session: LocalSession, verify: bool = True) -> list[dict]:
+        """Every clean part held for ``session``: iteration, owner, size, verified, committed.
+
+        With ``verify=False`` (status), ``verified`` is the cached result or ``None``.
+        """
+        held = []
+        for iteration in self.iterations(session):
+            committed = self.is_committed(session, iteration)
+            for owner in self.parts_of(session, iteration):
+                path = session.part_path(iteration, owner)
+                try:
+                    size = os.path.getsize(path)
+                except FileNotFoundError:
+                    continue
+                verified = self.verify(path) if verify else self.cached_verification(path)
+                held.append({"session": session.session_id, "iteration": iteration,
+                             "owner": owner, "size": size, "verified": verified,
+                             "committed": committed, "path": path})
+        return held
+
+    def begin_iteration(self, session: LocalSession, iteration: int) -> None:
+        """A new save of ``iteration`` starts: it is not committed until all ranks agree."""
+        marker = os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER)
+        if os.path.exists(marker):
+            os.unlink(marker)
+            fsync_directory(session.iteration_dir(iteration))
+
+    def commit(self, session: LocalSession, iteration: int) -> list[int]:
+        """Mark ``iteration`` committed here, then remove every older iteration.
+
+        Called after all ranks agreed that their saves of ``iteration`` are durable, so
+        the older checkpoints are no longer the newest complete one anywhere.
+
+        Returns
+        -------
+        list of int
+            The iterations removed.
+        """
+        directory = session.iteration_dir(iteration)
+        os.makedirs(directory, exist_ok=True)
+        marker = os.path.join(directory, COMMITTED_MARKER)
+        with open(marker, "w") as f:
+            f.write(f"{iteration}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_directory(directory)
+        removed = [old for old in self.iterations(session) if old < iteration]
+        for old in removed:
+            shutil.rmtree(session.iteration_dir(old), ignore_errors=True)
+        if removed:
+            fsync_directory(session.directory)
+            log.info("session %r: iteration %d committed; removed iterations %s",
+                     session.session_id, iteration, removed)
+        return removed
+
+    def remove_part(self, path: str) -> None:
+        """Remove a part, its checksum record and any dirty leftover."""
+        remove_written(path)
+        with self._lock:
+            self._verified.pop(path, None)
+
+
+class PartWriter:
+    """Writes one part that arrives in pieces: dirty name, fsync, checksum, clean name.
+
+    Parameters
+    ----------
+    path : str
+        The clean name the part gets when :meth:`finish` succeeds.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tmp = temporary_name(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._file = open(self.tmp, "wb", buffering=0)
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> None:
+        """Append ``data`` and fold it into the running crc32."""
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        while view:
+            written = self._file.write(view)
+            view = view[written:]
+
+    def finish(self, expected_crc: int | None = None) -> Checksum:
+        """Make the part durable under its clean name.
+
+        Raises
+        ------
+        ChecksumMismatchError
+            If the bytes received do not have ``expected_crc``; the dirty file is removed.
+        """
+        try:
+            if expected_crc is not None and expected_crc != self.crc:
+                raise ChecksumMismatchError(
+                    f"{self.path}: received bytes have crc32 {self.crc:08x}, the sender "
+                    f"declared {expected_crc:08x}; the copy is discarded")
+            os.fsync(self._file.fileno())
+            self._file.close()
+            checksum = Checksum(self.crc, self.size)
+            write_sidecar(self.path, checksum)
+            os.replace(self.tmp, self.path)
+            fsync_directory(os.path.dirname(self.path))
+            return checksum
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Drop the dirty file (a stream that failed or was cancelled)."""
+        if not self._file.closed:
+            self._file.close()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,233 @@
+"""Replication faults between daemons: a peer dying mid-stream, corrupted replicas, and
+peers with keys the trainers never handed out. Real daemons on 127.0.0.x, real ranks,
+faults injected by real means (SIGSTOP/SIGKILL, flipping bytes on disk, a zmq client).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import zmq
+
+from conftest import wait_for
+from multirank import collect, run_ranks, start_ranks, values
+from test_local_checkpoints import (BIG, SESSION, find_and_load,  # noqa: F401 (fixture)
+                                    make_nodes, same, state_of)
+
+from ckptd import protocol
+from ckptd.protocol import MessageType
+
+
+def flip_byte(path: str) -> None:
+    """Corrupt one byte in the tensor area of a part file, as a failing disk would."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+def wait_for_file(path: str, timeout: float = 300.0) -> None:
+    """Rank-side: block until the test created ``path`` (a handshake, not a delay)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- rank functions
+
+def save_while_peer_dies(rank, world_size, roots, flags):
+    """Rank 1 saves first (its replica reaches node 0); then the test freezes node 1 and
+    rank 0 saves, so rank 0's push to node 1 is in flight when node 1 is killed."""
+    from ckpt_client import (AsyncCallsQueue, BasicTensorAwareStateDict,
+                             CliqueReplicationStrategy, LocalCheckpointManager)
+
+    strategy = CliqueReplicationStrategy.from_replication_params(1, 2)
+    manager = LocalCheckpointManager(roots[rank], session_id=SESSION, repl_strategy=strategy)
+    assert manager.find_latest() == -1  # registers the session (the key exchange)
+    state = BasicTensorAwareStateDict(state_of(rank, 3, **BIG))
+    if rank == 1:
+        request = manager.save(state, 3, is_async=True)
+        while not request.daemon_saves[0].finished:  # polls the daemon
+            time.sleep(0.01)
+        open(flags["rank1_done"], "w").close()
+    else:
+        wait_for_file(flags["go"])
+        request = manager.save(state, 3, is_async=True)
+        open(flags["rank0_staged"], "w").close()
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    return manager.last_save_report
+
+
+def load_with_corrupted_replica(rank, world_size, roots, corrupt, jump, factor, size=None):
+    """find_latest, then rank 0 flips a byte in a replica before everybody loads."""
+    import torch.distributed as dist
+
+    from ckpt_client import (CliqueReplicationStrategy, DaemonRequestError,
+                             LocalCheckpointManager)
+
+    strategy = CliqueReplicationStrategy.from_replication_params(jump, factor)
+    manager = LocalCheckpointManager(roots[rank], session_id=SESSION, repl_strategy=strategy)
+    latest = manager.find_latest()
+    if rank == 0:
+        flip_byte(corrupt)
+    dist.barrier()
+    try:
+        loaded, _ = manager.load()
+    except DaemonRequestError as exc:
+        error = str(exc)
+    else:
+        assert same(loaded.state_dict, state_of(rank, latest, **(size or {})))
+        error = None
+    again = LocalCheckpointManager(roots[rank], session_id=SESSION, repl_strategy=strategy)
+    return latest, error, manager.last_load_report, again.find_latest()
+
+
+def save_once(rank, world_size, roots, jump, factor, iteration, size=None):
+    from ckpt_client import (BasicTensorAwareStateDict, CliqueReplicationStrategy,
+                             LocalCheckpointManager)
+
+    strategy = CliqueReplicationStrategy.from_replication_params(jump, factor)
+    manager = LocalCheckpointManager(roots[rank], session_id=SESSION, repl_strategy=strategy)
+    manager.save(BasicTensorAwareStateDict(state_of(rank, iteration, **(size or {}))), iteration)
+    return manager.last_save_report
+
+
+# ---------------------------------------------------------------- tests
+
+def test_peer_killed_during_replication(make_nodes, tmp_path):
+    nodes = make_nodes(2)  # rank 0 on node 0, rank 1 on node 1
+    flags = {name: str(tmp_path / name) for name in ("rank1_done", "go", "rank0_staged")}
+    processes, results = start_ranks(save_while_peer_dies, 2, nodes.sockets(1), tmp_path,
+                                     args=(nodes.roots(1), flags))
+    wait_for(lambda: os.path.exists(flags["rank1_done"]), 300, "rank 1's save")
+    peer = nodes.daemons[1]
+    peer.process.send_signal(signal.SIGSTOP)  # frozen: rank 0's push cannot finish
+    open(flags["go"], "w").close()
+
+    def pushing_to_peer():
+        streams = nodes.daemons[0].status()["replication"]["streams"]
+        return any(s["kind"] == "push" and s["peer"] == nodes.addresses[1] for s in streams)
+
+    wait_for(pushing_to_peer, 120, "rank 0's part streaming to node 1")
+    peer.process.send_signal(signal.SIGKILL)
+    reports = values(collect(processes, results, timeout=240))
+    assert reports[0]["reduced_redundancy"] and reports[0]["replicated_to"] == []
+    assert "no progress" in reports[0]["failed"][nodes.addresses[1]]
+    assert reports[1] == {"iteration": 3, "replicated_to": [nodes.addresses[0]], "failed": {},
+                          "reduced_redundancy": False}
+    doc = nodes.daemons[0].status()
+    mine = [r for r in doc["requests"] if r["rank"] == 0 and r["format"] == "local"]
+    assert mine and mine[-1]["phase"] == "done"
+    assert mine[-1]["replication"]["reduced_redundancy"]
+    wait_for(lambda: nodes.daemons[0].status()["peers"][0]["health"] == "down", 30,
+             "node 1 reported down")
+    # load still works from what exists: node 1 comes back with its disk
+    peer.process.wait()
+    nodes.restart(1)
+    for rank, (latest, part_id, report) in enumerate(
+            values(run_ranks(find_and_load, 2, nodes.sockets(1), tmp_path,
+                             args=(nodes.roots(1), 1, 2, BIG), name="load"))):
+        assert latest == 3 and report["source"] == "local"
+
+
+def test_corrupted_replica_is_skipped_for_the_next_holder(make_nodes, tmp_path):
+    nodes = make_nodes(3)  # 3 nodes x 1 rank, one clique (0, 1, 2)
+    values(run_ranks(save_once, 3, nodes.sockets(1), tmp_path,
+                     args=(nodes.roots(1), 1, 3, 4, BIG), name="save"))
+    nodes.restart(0, wipe=True)
+    corrupt = nodes.part(1, 4, 0)  # the first holder's replica of rank 0
+    outcomes = values(run_ranks(load_with_corrupted_replica, 3, nodes.sockets(1), tmp_path,
+                                args=(nodes.roots(1), corrupt, 1, 3, BIG), name="load"))
+    latest, error, report, again = outcomes[0]
+    assert latest == 4 and error is None
+    assert report["source"] == nodes.addresses[2]
+    assert [t["holder"] for t in report["tried"]] == [nodes.addresses[1]]
+    assert "corrupted" in report["tried"][0]["error"]
+    assert again == 4  # node 0 now holds a verified copy again
+    doc = nodes.daemons[1].status()
+    bad = [p for p in doc["local_checkpoints"] if p["owner"] == 0]
+    assert bad and bad[0]["verified"] is False
+
+
+def test_only_replica_corrupted_gives_a_clear_error(make_nodes, tmp_path):
+    nodes = make_nodes(2)
+    values(run_ranks(save_once, 2, nodes.sockets(1), tmp_path,
+                     args=(nodes.roots(1), 1, 2, 4), name="save"))
+    nodes.restart(0, wipe=True)
+    outcomes = values(run_ranks(load_with_corrupted_replica, 2, nodes.sockets(1), tmp_path,
+                                args=(nodes.roots(1), nodes.part(1, 4, 0), 1, 2), name="load"))
+    latest, error, _, again = outcomes[0]
+    assert latest == 4
+    assert "rank 0's part of iteration 4" in error and nodes.addresses[1] in error
+    assert "corrupted" in error
+    assert outcomes[1][1] is None  # rank 1's own part was fine
+    assert again == -1 and outcomes[1][3] == -1  # no verified copy of rank 0's part is left
+    assert not os.path.exists(nodes.part(0, 4, 0))  # the bad bytes were never stored
+
+
+@pytest.fixture
+def zmq_context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def _client(context, address: str, server_key: str, keypair):
+    sock = context.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.curve_serverkey = server_key.encode()
+    sock.curve_publickey, sock.curve_secretkey = keypair
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                      | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    return sock, monitor
+
+
+def _handshake_event(monitor) -> int:
+    from zmq.utils.monitor import recv_monitor_message
+
+    assert monitor.poll(30_000), "no handshake outcome within 30s"
+    return recv_monitor_message(monitor)["event"]
+
+
+def test_unknown_key_cannot_push_or_fetch(make_nodes, tmp_path, zmq_context):
+    nodes = make_nodes(1)
+    channel = protocol.Channel(protocol.endpoint_for(nodes.daemons[0].socket))
+    try:
+        channel.call(MessageType.HELLO, {"rank": 0, "pid": os.getpid(), "world_size": 1})
+        info = channel.call(MessageType.PEER_INFO).body
+        session = {"session": SESSION, "root": nodes.roots(1)[0], "world_size": 1,
+                   "peers": [[info["address"], info["public_key"]]], "cliques": []}
+        channel.call(MessageType.LOCAL_SESSION, session)
+        stranger = zmq.curve_keypair()
+        sock, monitor = _client(zmq_context, info["address"], info["public_key"], stranger)
+        push = {"xfer": 1, "session": SESSION, "owner": 5, "iteration": 9, "size": 4}
+        sock.send_multipart(protocol.encode(MessageType.PART_BEGIN, 0, push))
+        sock.send_multipart(protocol.encode(MessageType.PART_GET, 0, {
+            "xfer": 2, "session": SESSION, "owner": 5, "iteration": 9}))
+        assert _handshake_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        assert not sock.poll(500), "an unknown key got an answer"
+        assert not os.path.exists(os.path.join(nodes.roots(1)[0], SESSION, "iter_0000009"))
+        assert "unknown CURVE key" in nodes.daemons[0].log()
+
+        # the same client is served once the trainers' table names its key
+        session["peers"].append(["tcp://127.0.0.254:1", stranger[0].decode()])
+        channel.call(MessageType.LOCAL_SESSION, session)
+        sock2, monitor2 = _client(zmq_context, info["address"], info["public_key"], stranger)
+        sock2.send_multipart(protocol.encode(MessageType.PART_BEGIN, 0, push))
+        assert _handshake_event(monitor2) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert sock2.poll(30_000), "a known key got no answer"
+        reply = protocol.decode(sock2.recv_multipart())
+        assert reply.type == MessageType.PART_ACK and reply.body["received"] == 0
+        sock2.send_multipart(protocol.encode(MessageType.PART_END, 0,
+                                             {"xfer": 1, "abort": True, "error": "test"}))
+    finally:
+        channel.close()
