@@ -41,8 +41,8 @@ from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.async_queue import AsyncRequest, agree_on_completion
 from ckpt_client.connection import DaemonConnection, connect
-from ckpt_client.errors import CheckpointException
-from ckpt_client.staging import DaemonSave, stage
+from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.staging import DaemonSave, RefusedSave, stage
 
 METADATA_NAME = ".metadata"
 DCP_SUFFIX = ".distcp"
@@ -365,6 +365,13 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     group = _Group(process_group)
     central_plan, metadata = _plan_save(state_dict, writer, planner, group, enable_cache)
     final_plan = planner.finish_plan(central_plan)
-    save = writer.stage(final_plan, planner)
+    try:
+        save = writer.stage(final_plan, planner)
+    except (DaemonRequestError, DaemonUnavailableError) as exc:
+        if not group.distributed:
+            raise
+        # The other ranks are about to wait in the completion collective: report the
+        # refusal there, as a failure every rank raises, instead of raising alone.
+        save = RefusedSave(group.rank, str(exc))
     return AsyncRequest(daemon_saves=(save,),
                         finalize_fns=[partial(_finalize, writer, save, final_plan, metadata, group)])

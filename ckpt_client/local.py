@@ -28,18 +28,20 @@ from __future__ import annotations
 import logging
 import os
 import re
+import zlib
 from functools import partial
 from typing import Any
 
 import torch
 
 from ckptd import protocol
-from ckptd.checksum import ChecksumMismatchError, verify_file
+from ckptd.checksum import (Checksum, ChecksumMismatchError, check_matches, read_sidecar,
+                            verify_file)
 from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
-from ckpt_client.staging import describe, flatten_state_dict, stage
+from ckpt_client.staging import RefusedSave, describe, flatten_state_dict, stage
 
 log = logging.getLogger(__name__)
 
@@ -198,27 +200,54 @@ def _any_rank(flag: bool) -> bool:
     return bool(value.item())
 
 
-class _RefusedSave:
-    """Stands in for a save the daemon refused, so the refusal reaches every rank through
-    the queue's agreement (a raise on one rank would leave the others in a collective)."""
-
-    finished = True
-
-    def __init__(self, rank: int, error: str) -> None:
-        self.error = f"rank {rank}: {error}"
-        self.last = {"phase": "failed", "error": self.error}
-
-    def forget(self, delete_files: bool) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
 # ------------------------------------------------------------------ part files
 
+class _ChecksummingReader:
+    """Reads a file once, folding every byte into a crc32 as it goes."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "rb")
+        self.crc = 0
+        self.size = 0
+
+    def read(self, n: int) -> bytes:
+        data = self._file.read(n)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        got = self._file.readinto(view)
+        self.crc = zlib.crc32(view[:got], self.crc)
+        self.size += got
+        return got
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _parse_part(path: str, f: _ChecksummingReader) -> tuple[dict, list]:
+    fixed = f.read(len(protocol.PART_MAGIC) + 8)
+    length = int.from_bytes(fixed[len(protocol.PART_MAGIC):], "little")
+    try:
+        header, _ = protocol.decode_part_header(fixed + f.read(min(length, protocol.MAX_HEADER_BYTES)))
+    except protocol.ProtocolError as exc:
+        raise ValueError(f"{path}: {exc.message}") from None
+    tensors = []
+    for dtype, shape, nbytes in header["buffers"]:
+        if dtype not in protocol.BUFFER_DTYPES or dtype == "bytes":
+            raise ValueError(f"{path}: buffer dtype {dtype!r} is not a tensor dtype")
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes and f.readinto(memoryview(raw.numpy())) != nbytes:
+            raise ValueError(f"{path} is truncated: a {nbytes}-byte tensor is incomplete")
+        tensors.append(raw.view(getattr(torch, dtype)).view(shape))
+    if f.read(1):
+        raise ValueError(f"{path} has bytes after its last tensor")
+    return header, tensors
+
+
 def read_part(path: str) -> tuple[dict, dict]:
-    """Read a local-checkpoint part: verify its checksum, then rebuild the state dict.
+    """Read a local-checkpoint part in one pass, checking its checksum as it is read.
 
     Returns
     -------
@@ -232,24 +261,16 @@ def read_part(path: str) -> tuple[dict, dict]:
     ValueError
         If the part is malformed (bad header, unknown dtype, truncated).
     """
-    verify_file(path)
-    with open(path, "rb") as f:
-        fixed = f.read(len(protocol.PART_MAGIC) + 8)
-        length = int.from_bytes(fixed[len(protocol.PART_MAGIC):], "little")
-        try:
-            header, _ = protocol.decode_part_header(fixed + f.read(min(length, protocol.MAX_HEADER_BYTES)))
-        except protocol.ProtocolError as exc:
-            raise ValueError(f"{path}: {exc.message}") from None
-        tensors = []
-        for dtype, shape, nbytes in header["buffers"]:
-            if dtype not in protocol.BUFFER_DTYPES or dtype == "bytes":
-                raise ValueError(f"{path}: buffer dtype {dtype!r} is not a tensor dtype")
-            raw = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes and f.readinto(memoryview(raw.numpy())) != nbytes:
-                raise ValueError(f"{path} is truncated: a {nbytes}-byte tensor is incomplete")
-            tensors.append(raw.view(getattr(torch, dtype)).view(shape))
-        if f.read(1):
-            raise ValueError(f"{path} has bytes after its last tensor")
+    expected = read_sidecar(path)
+    stream = _ChecksummingReader(path)
+    try:
+        header, tensors = _parse_part(path, stream)
+    except ValueError:
+        verify_file(path)  # corruption is reported as such, not as a malformed part
+        raise
+    finally:
+        stream.close()
+    check_matches(path, Checksum(stream.crc, stream.size), expected)
     return protocol.fill_skeleton(protocol.unpack_value(header["skeleton"]), tensors), header
 
 
@@ -415,7 +436,7 @@ class LocalCheckpointManager:
                                 extra={"session": self.session_id, "iteration": iteration})
         except (DaemonRequestError, DaemonUnavailableError) as exc:
             log.error("rank %d: local save of iteration %d refused: %s", rank, iteration, exc)
-            daemon_save = _RefusedSave(rank, str(exc))
+            daemon_save = RefusedSave(rank, str(exc))
         request = AsyncRequest(daemon_saves=(daemon_save,),
                                finalize_fns=[partial(self._finalize_save, iteration, daemon_save)])
         if is_async:

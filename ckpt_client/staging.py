@@ -167,6 +167,24 @@ class DaemonSave:
         self.forget(delete_files=True)
 
 
+class RefusedSave:
+    """Stands in for a save the daemon refused (or could not take), so the refusal reaches
+    every rank through the queue's agreement: raising on one rank alone would leave the
+    others waiting in the completion collective."""
+
+    finished = True
+
+    def __init__(self, rank: int, error: str) -> None:
+        self.error = error if error.startswith(f"rank {rank}: ") else f"rank {rank}: {error}"
+        self.last = {"phase": Phase.FAILED, "error": self.error}
+
+    def forget(self, delete_files: bool) -> None:
+        """Nothing was staged: nothing to forget."""
+
+    def abort(self) -> None:
+        """Nothing was staged: nothing to abort."""
+
+
 def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
           skeleton: bytes = b"", files: list | None = None,
           extra: dict | None = None) -> DaemonSave:

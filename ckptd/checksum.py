@@ -137,12 +137,17 @@ def verify_file(path: str) -> Checksum:
     """
     expected = read_sidecar(path)
     actual = checksum_file(path)
+    check_matches(path, actual, expected)
+    return actual
+
+
+def check_matches(path: str, actual: Checksum, expected: Checksum) -> None:
+    """Raise :class:`ChecksumMismatchError` unless ``actual`` is what was recorded."""
     if (actual.value, actual.size) != (expected.value, expected.size):
         raise ChecksumMismatchError(
             f"{path} is corrupted: {expected.algorithm} {actual.value:08x} over {actual.size} "
             f"bytes, but {expected.value:08x} over {expected.size} bytes was recorded; "
             "do not load it, use another copy")
-    return actual
 
 
 def write_sidecar(path: str, checksum: Checksum) -> None:

@@ -101,11 +101,13 @@ class CudaStager:
         used = {}
         base = request.extent.offset
         streams = {}
-        for spec, offset in zip(specs, request.offsets):
+        for spec, offset, (_, _, expected_nbytes) in zip(specs, request.offsets, request.buffers):
             device = self.devices.get(spec["device_uuid"])
             if device is None:
                 raise RuntimeError(f"the trainer's GPU {spec['device_uuid']} is not visible to "
                                    "the daemon; give ckptd the same devices (CUDA_VISIBLE_DEVICES)")
+            if spec.get("dtype") not in protocol.BUFFER_DTYPES or spec["dtype"] == "bytes":
+                raise ValueError(f"unsupported dtype {spec.get('dtype')!r} in a CUDA IPC description")
             torch.cuda.set_device(device)  # a context must exist before opening the handle
             key = (spec["handle"], spec["storage_offset"])
             dtype = getattr(torch, spec["dtype"])
@@ -116,6 +118,9 @@ class CudaStager:
                 spec["event_sync_required"])
             used[key] = source.untyped_storage()
             nbytes = source.numel() * source.element_size()
+            if nbytes != expected_nbytes:
+                raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {expected_nbytes} "
+                                 "bytes the request declared; refusing to write past its extent")
             if nbytes:
                 start = base + offset
                 destination = self.pool_tensor[start:start + nbytes].view(dtype).view(source.shape)

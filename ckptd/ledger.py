@@ -58,6 +58,7 @@ class SaveRequest:
     phase: str = Phase.STAGING
     extent: Extent | None = None
     reply_to: tuple | None = None  # (identity, msg id) of a reply still owed
+    device_copy_pending: bool = False  # the CUDA staging thread is copying into the extent
     jobs_pending: int = 0
     bytes_written: int = 0
     written: list = field(default_factory=list)  # results of finished jobs

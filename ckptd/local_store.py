@@ -5,7 +5,7 @@ Owns the on-disk layout under the directory a trainer's ``LocalCheckpointManager
 
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part            a part
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.ckptd-sum  its crc32
-    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/.rank_<r>.part.ckptd-tmp dirty, in progress
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/.rank_<r>.part.<pid>.ckptd-tmp dirty, in progress
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/committed               all ranks agreed
 
 One part per owner rank and iteration; a replica held for another rank has exactly the

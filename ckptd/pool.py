@@ -167,9 +167,16 @@ class StagingPool:
         """Queue ``token`` until ``length`` bytes can be carved (see :meth:`release`)."""
         self._waiters.append(_Waiter(align_up(max(length, 1), EXTENT_ALIGNMENT), token))
 
-    def cancel_wait(self, token: object) -> None:
-        """Forget a queued waiter (its owner went away)."""
+    def cancel_wait(self, token: object) -> list[tuple[object, Extent]]:
+        """Forget a queued waiter (its owner went away).
+
+        Returns
+        -------
+        list of (token, Extent)
+            Waiters behind it that fit now that it no longer blocks the queue.
+        """
         self._waiters = deque(w for w in self._waiters if w.token is not token)
+        return self._grant_waiters()
 
     def release(self, extent: Extent) -> list[tuple[object, Extent]]:
         """Return ``extent`` to the free list; hand space to waiters in FIFO order.
@@ -188,6 +195,9 @@ class StagingPool:
                 hole = Extent(last.offset, last.length + hole.length)
             merged.append(hole)
         self._free = merged
+        return self._grant_waiters()
+
+    def _grant_waiters(self) -> list[tuple[object, Extent]]:
         granted = []
         while self._waiters:
             extent_for_head = self._carve(self._waiters[0].length)

@@ -188,24 +188,37 @@ class Daemon:
         try:
             while not self._finished_stopping():
                 for sock, _ in poller.poll(int(TICK_SECONDS * 1000)):
-                    if sock is self.router:
-                        self._serve_one()
-                    elif self.cuda is not None and sock is self.cuda.wake_socket:
-                        self.cuda.drain(self._on_cuda_staged)
-                    elif sock is self.local.wake_socket:
-                        self.local.drain()
-                    else:
-                        self.writers.handle(sock)
+                    self._keep_serving(self._handle_ready_socket, sock)
                 if time.monotonic() >= next_tick:
-                    self._tick()
+                    self._keep_serving(self._tick)
                     next_tick = time.monotonic() + TICK_SECONDS
         finally:
             self.shutdown()
 
+    def _handle_ready_socket(self, sock: zmq.Socket) -> None:
+        if sock is self.router:
+            self._serve_one()
+        elif self.cuda is not None and sock is self.cuda.wake_socket:
+            self.cuda.drain(self._on_cuda_staged)
+        elif sock is self.local.wake_socket:
+            self.local.drain()
+        else:
+            self.writers.handle(sock)
+
+    @staticmethod
+    def _keep_serving(step: Callable, *args) -> None:
+        """Run one step of the loop; a bug in it is logged, and the daemon keeps serving."""
+        try:
+            step(*args)
+        except Exception:
+            log.exception("internal error in %s; the daemon keeps serving", step.__name__)
+
     def _finished_stopping(self) -> bool:
         if self.stopping_since is None:
             return False
-        if not self.ledger.in_flight():
+        # Aborted or failed requests may still have a writer job that renames a file:
+        # wait for those answers too, so their outputs are removed, not left behind.
+        if not self.ledger.in_flight() and not self.writers.jobs_in_flight:
             return True
         if time.monotonic() - self.stopping_since > self.config.drain_timeout:
             self._abandon_in_flight()
@@ -317,6 +330,12 @@ class Daemon:
         rank = self.ledger.ranks.pop(identity, None)
         if rank is not None:
             log.info("rank %d said goodbye", rank.rank)
+            for request in self.ledger.in_flight():
+                # Writes already under way finish; space reserved for a copy that will
+                # never come is given back.
+                if request.identity == identity and request.phase in (Phase.STAGING,
+                                                                      Phase.WAITING_FOR_POOL):
+                    self._abort(request, "the trainer disconnected before staging finished")
             if self.cuda is not None:
                 self.cuda.forget_process(rank.pid)
         return {}
@@ -413,7 +432,7 @@ class Daemon:
         forgotten = []
         for request_id in msg.body.get("request_ids", []):
             request = self.ledger.requests.get(request_id)
-            if request is None or request.phase not in Phase.FINISHED:
+            if request is None or request.identity != identity or request.phase not in Phase.FINISHED:
                 continue
             if msg.body.get("delete_files"):
                 self._remove_outputs(request)
@@ -467,13 +486,26 @@ class Daemon:
             raise RequestError(ErrorCode.POOL_TOO_SMALL,
                                "staging pool is full; CUDA staging does not queue",
                                "finalize earlier saves first or raise --pool-size")
+        specs = msg.body.get("cuda")
+        if not isinstance(specs, list) or len(specs) != len(request.buffers):
+            self.ledger.requests.pop(request.id, None)
+            self._release(extent)
+            raise RequestError(ErrorCode.BAD_REQUEST, "'cuda' must describe every buffer, in order")
         request.extent = extent
         request.reply_to = (request.identity, msg.id)
-        self.cuda.submit(request, msg.body.get("cuda", []), self.ledger.ranks[request.identity].pid)
+        request.device_copy_pending = True
+        self.cuda.submit(request, specs, self.ledger.ranks[request.identity].pid)
         return DEFERRED
 
     def _on_cuda_staged(self, request: SaveRequest, error: str | None) -> None:
+        request.device_copy_pending = False
         if request.phase != Phase.STAGING:
+            # Aborted or failed while the copy ran: only now is the extent free to reuse.
+            self.ledger.record_outcome(request)
+            self._release_extent_of(request)
+            self._reply_later(request, protocol.error_body(
+                ErrorCode.INTERNAL, request.error or f"request {request.id} was {request.phase}"),
+                error=True)
             return
         if error:
             self._fail(request, error)
@@ -562,7 +594,10 @@ class Daemon:
             self._release(extent)
 
     def _release(self, extent) -> None:
-        for waiter, granted in self.pool.release(extent):
+        self._hand_out(self.pool.release(extent))
+
+    def _hand_out(self, grants) -> None:
+        for waiter, granted in grants:
             waiter.extent = granted
             waiter.phase = Phase.STAGING
             log.info("request %d (rank %d) got its staging space", waiter.id, waiter.rank)
@@ -583,11 +618,13 @@ class Daemon:
         previous = request.phase
         request.finish(phase)
         if previous == Phase.WAITING_FOR_POOL:
-            self.pool.cancel_wait(request)
+            self._hand_out(self.pool.cancel_wait(request))
         if previous in (Phase.WRITING, Phase.REPLICATING) and self.local.cancel_replication(request):
             return  # the replicator answers the cancel; _settle then frees the extent
         if previous == Phase.WRITING and request.jobs_pending:
             return  # _settle cleans up and frees the extent when the writers answer
+        if request.device_copy_pending:
+            return  # _on_cuda_staged frees the extent once the device copy has stopped
         self._remove_outputs(request)
         self.ledger.record_outcome(request)
         self._release_extent_of(request)

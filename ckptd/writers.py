@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -47,10 +48,23 @@ TMP_MARKER = ".ckptd-tmp"
 WRITER_NICE = 10
 
 
-def temporary_name(path: str) -> str:
-    """The hidden name a file is written under before it is complete."""
+def temporary_name(path: str, pid: int | None = None) -> str:
+    """The hidden name process ``pid`` (default: this one) writes ``path`` under.
+
+    The pid keeps two writers that save the same path at once off each other's bytes.
+    """
     head, tail = os.path.split(path)
-    return os.path.join(head, f".{tail}{TMP_MARKER}")
+    return os.path.join(head, f".{tail}.{os.getpid() if pid is None else pid}{TMP_MARKER}")
+
+
+def _temporaries_of(path: str) -> list[str]:
+    head, tail = os.path.split(path)
+    prefix = f".{tail}."
+    try:
+        names = os.listdir(head or ".")
+    except OSError:
+        return []
+    return [os.path.join(head, n) for n in names if n.startswith(prefix) and n.endswith(TMP_MARKER)]
 
 
 def fsync_directory(path: str) -> None:
@@ -154,7 +168,7 @@ def _remove_quietly(path: str) -> None:
 
 def remove_written(path: str) -> None:
     """Remove a file ckptd wrote, its checksum record and any temporary leftover."""
-    for candidate in (path, sidecar_path(path), temporary_name(path)):
+    for candidate in (path, sidecar_path(path), *_temporaries_of(path)):
         _remove_quietly(candidate)
 
 
@@ -307,6 +321,7 @@ class WriterPool:
         self.pool_path, self.pool_size, self.log_level = pool_path, pool_size, log_level
         self.nice = nice
         self._next_job_id = 1
+        self._backlog: deque[WriteJob] = deque()
         self.slots: list[_WriterSlot] = []
         for index in range(count):
             endpoint = f"ipc://{runtime_dir}/writer-{os.getpid()}-{index}.sock"
@@ -352,13 +367,32 @@ class WriterPool:
                     self.handle(slot.socket)
 
     def submit(self, job: WriteJob) -> None:
-        """Send ``job`` to the live writer with the fewest jobs in flight."""
-        live = [s for s in self.slots if s.process and s.process.poll() is None] or self.slots
-        slot = min(live, key=lambda s: len(s.jobs))
-        job.id, job.writer = self._next_job_id, slot.index
+        """Queue ``job`` for the live writer with the fewest jobs in flight.
+
+        Never blocks: with no writer ready (all restarting), jobs wait in a backlog that
+        is sent when a writer reports ready.
+        """
+        job.id = self._next_job_id
         self._next_job_id += 1
-        slot.jobs[job.id] = job
-        slot.socket.send_multipart(protocol.encode(job.kind, job.id, job.body, job.frames))
+        self._backlog.append(job)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._backlog:
+            ready = [s for s in self.slots if s.ready and s.process and s.process.poll() is None]
+            if not ready:
+                return
+            slot = min(ready, key=lambda s: len(s.jobs))
+            job = self._backlog[0]
+            try:
+                slot.socket.send_multipart(protocol.encode(job.kind, job.id, job.body, job.frames),
+                                           flags=zmq.NOBLOCK)
+            except zmq.Again:  # its process went away after saying ready
+                slot.ready = False
+                continue
+            self._backlog.popleft()
+            job.writer = slot.index
+            slot.jobs[job.id] = job
 
     def handle(self, sock: zmq.Socket) -> None:
         """Read one message from a writer's socket and complete its job."""
@@ -366,6 +400,7 @@ class WriterPool:
         msg = protocol.decode(sock.recv_multipart())
         if msg.type == READY:
             slot.ready = True
+            self._dispatch()
             return
         job = slot.jobs.pop(msg.id, None)
         if job is not None:
@@ -376,20 +411,20 @@ class WriterPool:
         for slot in self.slots:
             if slot.process is None or slot.process.poll() is None:
                 continue
-            code = slot.process.returncode
+            code, dead_pid = slot.process.returncode, slot.process.pid
             log.error("writer process %d (pid %d) died with %s; failing %d job(s) and restarting it",
                       slot.index, slot.process.pid, code, len(slot.jobs))
             jobs, slot.jobs = slot.jobs, {}
             self._spawn(slot)
             for job in jobs.values():
-                _remove_quietly(temporary_name(job.body["path"]))
+                _remove_quietly(temporary_name(job.body["path"], dead_pid))
                 job.on_done(job, {"ok": False, "errno": None, "path": job.body["path"],
                                   "error": f"writer process died (exit status {code})"})
 
     @property
     def jobs_in_flight(self) -> int:
         """Jobs sent and not yet answered."""
-        return sum(len(s.jobs) for s in self.slots)
+        return len(self._backlog) + sum(len(s.jobs) for s in self.slots)
 
     def describe(self) -> list[dict]:
         """Per-writer state for status."""
@@ -414,7 +449,7 @@ class WriterPool:
                 slot.process.kill()
                 slot.process.wait()
             for job in slot.jobs.values():
-                _remove_quietly(temporary_name(job.body["path"]))
+                _remove_quietly(temporary_name(job.body["path"], slot.process.pid))
             slot.socket.close()
             _remove_quietly(slot.endpoint.removeprefix("ipc://"))
 

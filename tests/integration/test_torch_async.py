@@ -110,3 +110,21 @@ def test_every_rank_saves_its_own_file(daemon, tmp_path, world_size):
     for rank in range(world_size):
         assert_same(torch.load(os.path.join(daemon.roots[0], f"rank{rank}.pt"),
                                weights_only=True)["meta"], make_state(0)["meta"])
+
+
+def rank_saves_to_a_shared_path(rank, world_size, path):
+    checkpoint = TorchAsyncCheckpoint()
+    for _ in range(3):
+        checkpoint.async_save({"who": torch.full((1 << 18,), float(rank))}, path)
+    checkpoint.finalize_async_save(blocking=True, no_dist=False)
+    return True
+
+
+def test_concurrent_saves_to_one_path_never_mix_bytes(start_daemon, tmp_path):
+    daemon = start_daemon(writers=2)
+    path = os.path.join(daemon.roots[0], "latest.pt")
+    values(run_ranks(rank_saves_to_a_shared_path, 2, daemon.socket, tmp_path, args=(path,)))
+    verify_file(path)
+    who = torch.load(path, weights_only=True)["who"]
+    assert torch.equal(who, torch.full_like(who, who[0].item())) and who[0].item() in (0.0, 1.0)
+    assert [n for n in os.listdir(daemon.roots[0]) if "ckptd-tmp" in n] == []

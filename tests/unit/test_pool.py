@@ -91,3 +91,12 @@ def test_pools_of_dead_daemons_are_removed_and_live_ones_kept(tmp_path):
         path.write_bytes(b"x")
     assert remove_stale_pools(str(tmp_path)) == [str(dead)]
     assert live.exists() and other.exists() and not dead.exists()
+
+
+def test_cancelling_the_head_waiter_lets_the_next_one_in(pool):
+    held = pool.try_allocate(12 * EXTENT_ALIGNMENT)
+    pool.wait_for(8 * EXTENT_ALIGNMENT, "too big for now")
+    pool.wait_for(2 * EXTENT_ALIGNMENT, "fits already")
+    granted = pool.cancel_wait("too big for now")
+    assert [token for token, _ in granted] == ["fits already"]
+    pool.release(held)
