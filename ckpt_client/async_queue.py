@@ -312,6 +312,23 @@ class AsyncCallsQueue:
                         "call close() to finalize them", len(self._active))
 
 
+def all_reduce_ints(values: list[int], op=None, group=None) -> list[int]:
+    """All-reduce a few ints (default: sum) on the device the group's backend needs.
+
+    The one small collective the library uses to agree: CPU tensors for gloo, the current
+    GPU for NCCL.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensor = torch.tensor(values, dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
+    return tensor.tolist()
+
+
 def agree_on_completion(done: bool, error: str | None, no_dist: bool) -> tuple[bool, dict]:
     """Combine every rank's (done, error) with one small all-reduce.
 
@@ -320,19 +337,13 @@ def agree_on_completion(done: bool, error: str | None, no_dist: bool) -> tuple[b
     (all_done, failures)
         ``failures`` maps rank -> reason, identical on every rank.
     """
-    import torch
     import torch.distributed as dist
 
     distributed = not no_dist and dist.is_available() and dist.is_initialized()
     if not distributed:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return done, ({rank: error} if done and error else {})
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    flags = torch.tensor([0 if done else 1, 1 if error else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flags)
-    not_done, failed = flags.tolist()
+    not_done, failed = all_reduce_ints([0 if done else 1, 1 if error else 0])
     if not_done:
         return False, {}
     if not failed:

@@ -32,14 +32,14 @@ from torch.distributed.checkpoint.filesystem import (CURRENT_DCP_VERSION, _Stora
                                                      _StoragePrefix)
 from torch.distributed.checkpoint.filesystem import FileSystemReader as _StockReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriterBase
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncRequest, agree_on_completion
+from ckpt_client.async_queue import AsyncRequest, all_reduce_ints
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.staging import DaemonSave, RefusedSave, stage
@@ -287,11 +287,7 @@ class _Group:
     def all_true(self, flag: bool) -> bool:
         if not self.distributed:
             return flag
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(value.item())
+        return bool(all_reduce_ints([1 if flag else 0], dist.ReduceOp.MIN, self.group)[0])
 
 
 def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, group: _Group,

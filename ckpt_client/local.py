@@ -38,7 +38,7 @@ from ckptd import protocol
 from ckptd.checksum import (Checksum, ChecksumMismatchError, check_matches, read_sidecar,
                             verify_file)
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
+from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest, all_reduce_ints
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.staging import RefusedSave, describe, flatten_state_dict, stage
@@ -192,12 +192,7 @@ def _any_rank(flag: bool) -> bool:
     dist = _dist()
     if dist is None:
         return flag
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(all_reduce_ints([1 if flag else 0], dist.ReduceOp.MAX)[0])
 
 
 # ------------------------------------------------------------------ part files

@@ -154,11 +154,18 @@ def write_sidecar(path: str, checksum: Checksum) -> None:
     """Record ``checksum`` beside ``path`` (temp file, fsync, rename)."""
     target = sidecar_path(path)
     tmp = f"{target}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(checksum.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "w") as f:
+            f.write(checksum.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        try:  # a full disk must not leave a half-written record behind
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def verify_tree(path: str) -> list[str]:
