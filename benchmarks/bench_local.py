@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+from report import write_report
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MiB = 1 << 20
@@ -428,11 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     report["load_end"] = loadavg()
     text = render(report)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.out, text, report)
     return 0
 
 

@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import methods as m  # noqa: E402
+from report import write_report  # noqa: E402
 import procmem  # noqa: E402
 import workload  # noqa: E402
 
@@ -677,11 +678,7 @@ def main(argv: list[str] | None = None) -> int:
             report["interpretation"] = f.read()
     text = render(report)
     print("\n" + text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(report, f, indent=1)
+    write_report(args.out, text, report)
     return 0
 
 
