@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from report import write_report
+from report import stop_daemon, write_report
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,13 +100,8 @@ class Node:
         raise RuntimeError(f"node {self.index}'s ckptd not ready in 120 s")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_daemon(self.proc)
 
     def lose_disk_and_restart(self) -> None:
         self.stop()

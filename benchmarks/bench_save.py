@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import methods as m  # noqa: E402
-from report import write_report  # noqa: E402
+from report import stop_daemon, write_report  # noqa: E402
 import procmem  # noqa: E402
 import workload  # noqa: E402
 
@@ -172,13 +172,7 @@ class Daemon:
             return f.read().decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_daemon(self.proc)
         self._log.close()
         os.environ.pop("CKPTD_SOCKET", None)
         shutil.rmtree(self.rundir, ignore_errors=True)

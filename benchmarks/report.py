@@ -1,9 +1,12 @@
-"""Writing a benchmark's report: the Markdown table and the raw figures beside it."""
+"""What both benchmark scripts share around a run: stopping the daemon under test, and
+writing the report (the Markdown table and the raw figures beside it)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 
 
 def write_report(out: str | None, text: str, report: dict) -> None:
@@ -14,3 +17,15 @@ def write_report(out: str | None, text: str, report: dict) -> None:
         f.write(text)
     with open(os.path.splitext(out)[0] + ".json", "w") as f:
         json.dump(report, f, indent=1)
+
+
+def stop_daemon(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM a daemon (it drains its writes), SIGKILL it if it outlives ``timeout``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -66,7 +66,6 @@ class DaemonConfig:
     metrics_listen: tuple | None = None  # (host, port), checked by metrics.parse_listen_address
     metrics_labels: dict = field(default_factory=dict)  # added to every metric sample
     writer_start_timeout: float = 120.0
-    extra: dict = field(default_factory=dict)
 
 
 class AlreadyRunningError(RuntimeError):
@@ -475,22 +474,22 @@ class Daemon:
 
     # ------------------------------------------------------------------ save life cycle
     def _stage_cuda(self, request: SaveRequest, msg: protocol.Message, extent):
+        specs = msg.body.get("cuda")
+        refusal = None
         if self.cuda is None:
+            refusal = RequestError(ErrorCode.BAD_REQUEST, "this daemon has no CUDA device",
+                                   "send CPU copies through the staging pool instead")
+        elif extent is None:
+            refusal = RequestError(ErrorCode.POOL_TOO_SMALL,
+                                   "staging pool is full; CUDA staging does not queue",
+                                   "finalize earlier saves first or raise --pool-size")
+        elif not isinstance(specs, list) or len(specs) != len(request.buffers):
+            refusal = RequestError(ErrorCode.BAD_REQUEST, "'cuda' must describe every buffer, in order")
+        if refusal is not None:
             self.ledger.requests.pop(request.id, None)
             if extent is not None:
                 self._release(extent)
-            raise RequestError(ErrorCode.BAD_REQUEST, "this daemon has no CUDA device",
-                               "send CPU copies (the client falls back by itself when told)")
-        if extent is None:
-            self.ledger.requests.pop(request.id, None)
-            raise RequestError(ErrorCode.POOL_TOO_SMALL,
-                               "staging pool is full; CUDA staging does not queue",
-                               "finalize earlier saves first or raise --pool-size")
-        specs = msg.body.get("cuda")
-        if not isinstance(specs, list) or len(specs) != len(request.buffers):
-            self.ledger.requests.pop(request.id, None)
-            self._release(extent)
-            raise RequestError(ErrorCode.BAD_REQUEST, "'cuda' must describe every buffer, in order")
+            raise refusal
         request.extent = extent
         request.reply_to = (request.identity, msg.id)
         request.device_copy_pending = True

@@ -287,7 +287,6 @@ class WriteJob:
     on_done: Callable[["WriteJob", dict], None]
     frames: list = field(default_factory=list)
     id: int = 0
-    writer: int = -1
 
 
 @dataclass
@@ -391,7 +390,6 @@ class WriterPool:
                 slot.ready = False
                 continue
             self._backlog.popleft()
-            job.writer = slot.index
             slot.jobs[job.id] = job
 
     def handle(self, sock: zmq.Socket) -> None:
