@@ -6,6 +6,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 ckpt_dir=${CKPT_DIR:-/tmp/ckptd-demo-$(id -u)}
 rm -rf "$ckpt_dir"
 echo "== first run: steps 1-20, checkpoints in $ckpt_dir"
-torchrun --nproc-per-node 2 "$here/train.py" --ckpt-dir "$ckpt_dir" --steps 20
+python3 -m torch.distributed.run --nproc-per-node 2 "$here/train.py" --ckpt-dir "$ckpt_dir" --steps 20
 echo "== second run: resumes from the latest checkpoint and trains to step 40"
-torchrun --nproc-per-node 2 "$here/train.py" --ckpt-dir "$ckpt_dir" --steps 40
+python3 -m torch.distributed.run --nproc-per-node 2 "$here/train.py" --ckpt-dir "$ckpt_dir" --steps 40
