@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
+from ckpt_client.collectives import agree_on_completion
 from ckpt_client.errors import CheckpointException
 
 log = logging.getLogger(__name__)
@@ -310,44 +311,3 @@ class AsyncCallsQueue:
         if getattr(self, "_active", None):
             log.warning("AsyncCallsQueue dropped with %d unfinalized call(s); "
                         "call close() to finalize them", len(self._active))
-
-
-def all_reduce_ints(values: list[int], op=None, group=None) -> list[int]:
-    """All-reduce a few ints (default: sum) on the device the group's backend needs.
-
-    The one small collective the library uses to agree: CPU tensors for gloo, the current
-    GPU for NCCL.
-    """
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensor = torch.tensor(values, dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group)
-    return tensor.tolist()
-
-
-def agree_on_completion(done: bool, error: str | None, no_dist: bool) -> tuple[bool, dict]:
-    """Combine every rank's (done, error) with one small all-reduce.
-
-    Returns
-    -------
-    (all_done, failures)
-        ``failures`` maps rank -> reason, identical on every rank.
-    """
-    import torch.distributed as dist
-
-    distributed = not no_dist and dist.is_available() and dist.is_initialized()
-    if not distributed:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return done, ({rank: error} if done and error else {})
-    not_done, failed = all_reduce_ints([0 if done else 1, 1 if error else 0])
-    if not_done:
-        return False, {}
-    if not failed:
-        return True, {}
-    reasons: list = [None] * dist.get_world_size()
-    dist.all_gather_object(reasons, (dist.get_rank(), error))
-    return True, {rank: why for rank, why in reasons if why}

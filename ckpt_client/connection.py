@@ -18,37 +18,17 @@ import subprocess
 import sys
 import time
 
-from ckptd import protocol
+from ckptd import knobs, protocol
+from ckptd.protocol import process_alive
+from ckpt_client.collectives import initialized, rank_and_world
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)
 
-AUTO_START_ENV = "CKPTD_AUTO_START"
-ROOTS_ENV = "CKPTD_ROOTS"
-POOL_SIZE_ENV = "CKPTD_POOL_SIZE"
-HELLO_TIMEOUT = 5.0
-START_TIMEOUT = float(os.environ.get("CKPTD_START_TIMEOUT", "120"))
-CALL_TIMEOUT = float(os.environ.get("CKPTD_CALL_TIMEOUT", "60"))
-#: Auto-started daemons exit after this long without trainers.
-AUTO_EXIT_WHEN_IDLE = 120.0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
 
 def _default_rank() -> tuple[int, int]:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:
-        pass
+    if initialized() is not None:
+        return rank_and_world()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -82,13 +62,13 @@ class DaemonConnection:
     # ------------------------------------------------------------------ calls
     def ensure_daemon_alive(self) -> None:
         """Raise :class:`DaemonUnavailableError` if the daemon process is gone."""
-        if not _pid_alive(self.daemon_pid):
+        if not process_alive(self.daemon_pid):
             raise DaemonUnavailableError(
                 self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) serving "
                                   f"{self.socket_path} died")
 
     def call(self, msg_type: str, body: dict | None = None, frames=(),
-             timeout: float = CALL_TIMEOUT) -> dict:
+             timeout: float | None = None) -> dict:
         """Send one request and return the reply body.
 
         Raises
@@ -98,6 +78,7 @@ class DaemonConnection:
         DaemonRequestError
             If the daemon refused the request.
         """
+        timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
         try:
             return self.channel.call(msg_type, body, frames, timeout, self.ensure_daemon_alive).body
         except protocol.ErrorReply as exc:
@@ -172,13 +153,13 @@ def connect(socket: str | os.PathLike | None = None, auto_start: bool | None = N
     explicit = bool(socket) or bool(os.environ.get(protocol.SOCKET_ENV))
     socket_path = protocol.resolve_socket_path(socket)
     cached = _connections.get(socket_path)
-    if cached is not None and _pid_alive(cached.daemon_pid):
+    if cached is not None and process_alive(cached.daemon_pid):
         return cached
     if cached is not None:
         cached.close()
     if auto_start is None:
-        env = os.environ.get(AUTO_START_ENV)
-        auto_start = (env not in ("0", "false", "no")) if env is not None else not explicit
+        configured = knobs.AUTO_START.get()
+        auto_start = configured if configured is not None else not explicit
     default_rank, world_size = _default_rank()
     rank = default_rank if rank is None else rank
     conn = _hello(socket_path, rank, world_size)
@@ -199,7 +180,7 @@ def _hello(socket_path: str, rank: int, world_size: int) -> DaemonConnection | N
     try:
         reply = channel.call(protocol.MessageType.HELLO,
                              {"rank": rank, "pid": os.getpid(), "world_size": world_size},
-                             timeout=HELLO_TIMEOUT)
+                             timeout=knobs.HELLO_TIMEOUT.get())
     except protocol.ReplyTimeout:
         channel.close()
         return None
@@ -217,10 +198,10 @@ def _start_local_daemon(socket_path: str) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if protocol.socket_is_live(socket_path):
             return  # another rank of this node won the race
-        roots = [r for r in os.environ.get(ROOTS_ENV, "/").split(os.pathsep) if r]
+        roots = [r for r in knobs.AUTO_ROOTS.get().split(os.pathsep) if r]
         command = [sys.executable, "-m", "ckptd", "serve", "--socket", socket_path,
-                   "--pool-size", os.environ.get(POOL_SIZE_ENV, "1G"),
-                   "--exit-when-idle", str(AUTO_EXIT_WHEN_IDLE)]
+                   "--pool-size", str(knobs.POOL_SIZE.get()),
+                   "--exit-when-idle", str(knobs.AUTO_EXIT_WHEN_IDLE.get())]
         for root in roots:
             command += ["--root", root]
         log_path = os.path.join(runtime_dir, "ckptd.log")
@@ -233,7 +214,8 @@ def _start_local_daemon(socket_path: str) -> None:
 
 def _wait_until_ready(socket_path: str, process: subprocess.Popen, log_path: str) -> None:
     ready_file = protocol.ready_file_for(socket_path)
-    deadline = time.monotonic() + START_TIMEOUT
+    start_timeout = knobs.START_TIMEOUT.get()
+    deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise DaemonUnavailableError(
@@ -247,4 +229,4 @@ def _wait_until_ready(socket_path: str, process: subprocess.Popen, log_path: str
             pass
         time.sleep(0.05)  # polling the ready file; the daemon writes it atomically
     raise DaemonUnavailableError(socket_path, f"the auto-started ckptd was not ready within "
-                                              f"{START_TIMEOUT:.0f}s (see {log_path})")
+                                              f"{start_timeout:.0f}s (see {log_path})")

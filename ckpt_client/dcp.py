@@ -26,7 +26,6 @@ import secrets
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (CURRENT_DCP_VERSION, _StorageInfo,
                                                      _StoragePrefix)
@@ -39,7 +38,8 @@ from torch.futures import Future
 
 from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncRequest, all_reduce_ints
+from ckpt_client.async_queue import AsyncRequest
+from ckpt_client.collectives import Group
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.staging import DaemonSave, RefusedSave, stage
@@ -251,46 +251,7 @@ class _CachedPlan:
 _plan_cache: dict = {}
 
 
-class _Group:
-    """The process group a save runs over, or none (single process)."""
-
-    def __init__(self, process_group) -> None:
-        self.group = process_group
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(process_group) if self.distributed else 0
-        self.size = dist.get_world_size(process_group) if self.distributed else 1
-        self.coordinator_global = (dist.get_global_rank(process_group, 0)
-                                   if self.distributed and process_group is not None else 0)
-        self.is_coordinator = self.rank == 0
-
-    def gather_to_coordinator(self, value) -> list | None:
-        if not self.distributed:
-            return [value]
-        out = [None] * self.size if self.is_coordinator else None
-        dist.gather_object(value, out, dst=self.coordinator_global, group=self.group)
-        return out
-
-    def scatter_from_coordinator(self, values: list | None):
-        if not self.distributed:
-            return values[0]
-        out = [None]
-        dist.scatter_object_list(out, values, src=self.coordinator_global, group=self.group)
-        return out[0]
-
-    def broadcast_from_coordinator(self, value):
-        if not self.distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=self.coordinator_global, group=self.group)
-        return box[0]
-
-    def all_true(self, flag: bool) -> bool:
-        if not self.distributed:
-            return flag
-        return bool(all_reduce_ints([1 if flag else 0], dist.ReduceOp.MIN, self.group)[0])
-
-
-def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, group: _Group,
+def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, group: Group,
                enable_cache: bool) -> tuple[SavePlan, Metadata | None]:
     planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
                            is_coordinator=group.is_coordinator)
@@ -315,7 +276,7 @@ def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, gr
 
 
 def _finalize(writer: DaemonStorageWriter, save: DaemonSave, plan: SavePlan,
-              metadata: Metadata | None, group: _Group) -> None:
+              metadata: Metadata | None, group: Group) -> None:
     gathered = group.gather_to_coordinator(writer.write_results(save, plan))
     error = None
     if group.is_coordinator:
@@ -358,7 +319,7 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     """
     planner = planner or DefaultSavePlanner()
     writer = DaemonStorageWriter(checkpoint_id)
-    group = _Group(process_group)
+    group = Group(process_group)
     central_plan, metadata = _plan_save(state_dict, writer, planner, group, enable_cache)
     final_plan = planner.finish_plan(central_plan)
     try:

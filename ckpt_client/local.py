@@ -27,29 +27,24 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import zlib
 from functools import partial
-from typing import Any
 
-import torch
 
-from ckptd import protocol
-from ckptd.checksum import (Checksum, ChecksumMismatchError, check_matches, read_sidecar,
-                            verify_file)
+from ckptd import knobs, protocol
+from ckptd.checksum import ChecksumMismatchError
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest, all_reduce_ints
+from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
+from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.local_session import SessionRegistration
+from ckpt_client.parts import read_part
 from ckpt_client.staging import RefusedSave, describe, flatten_state_dict, stage
 
 log = logging.getLogger(__name__)
 
 #: ``(iteration, rank, session_id)``: which part ``load`` returned.
 CkptID = tuple[int, int, str]
-#: Seconds to wait for a daemon's inventory (it re-reads parts to verify them) or a fetch.
-LOAD_TIMEOUT = float(os.environ.get("CKPTD_LOCAL_LOAD_TIMEOUT", "600"))
-_SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]{0,128}")
 
 
 class BasicTensorAwareStateDict:
@@ -127,12 +122,10 @@ class CliqueReplicationStrategy:
             ``replication_jump * replication_factor``.
         """
         if world_size is None:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
+            if initialized() is None:
                 raise ValueError("from_replication_params needs world_size= or an initialized "
                                  "torch.distributed process group")
-            world_size = dist.get_world_size()
+            _, world_size = rank_and_world()
         for name, value in (("replication_jump", replication_jump),
                             ("replication_factor", replication_factor)):
             if not isinstance(value, int) or value < 1:
@@ -156,117 +149,6 @@ class CliqueReplicationStrategy:
     def replication_factor(self) -> int:
         """Copies of each part (clique size)."""
         return len(self.cliques[0]) if self.cliques else 1
-
-
-# ------------------------------------------------------------------ collectives
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _rank_and_world() -> tuple[int, int]:
-    dist = _dist()
-    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-
-def _all_gather(value: Any) -> list:
-    dist = _dist()
-    if dist is None:
-        return [value]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def _raise_if_any_failed(what: str, error: str | None) -> None:
-    """Share every rank's error; raise the same CheckpointException on all ranks."""
-    rank, _ = _rank_and_world()
-    failures = {r: e for r, e in _all_gather((rank, error)) if e}
-    if failures:
-        raise CheckpointException(what, failures)
-
-
-def _any_rank(flag: bool) -> bool:
-    dist = _dist()
-    if dist is None:
-        return flag
-    return bool(all_reduce_ints([1 if flag else 0], dist.ReduceOp.MAX)[0])
-
-
-# ------------------------------------------------------------------ part files
-
-class _ChecksummingReader:
-    """Reads a file once, folding every byte into a crc32 as it goes."""
-
-    def __init__(self, path: str) -> None:
-        self._file = open(path, "rb")
-        self.crc = 0
-        self.size = 0
-
-    def read(self, n: int) -> bytes:
-        data = self._file.read(n)
-        self.crc = zlib.crc32(data, self.crc)
-        self.size += len(data)
-        return data
-
-    def readinto(self, view: memoryview) -> int:
-        got = self._file.readinto(view)
-        self.crc = zlib.crc32(view[:got], self.crc)
-        self.size += got
-        return got
-
-    def close(self) -> None:
-        self._file.close()
-
-
-def _parse_part(path: str, f: _ChecksummingReader) -> tuple[dict, list]:
-    fixed = f.read(len(protocol.PART_MAGIC) + 8)
-    length = int.from_bytes(fixed[len(protocol.PART_MAGIC):], "little")
-    try:
-        header, _ = protocol.decode_part_header(fixed + f.read(min(length, protocol.MAX_HEADER_BYTES)))
-    except protocol.ProtocolError as exc:
-        raise ValueError(f"{path}: {exc.message}") from None
-    tensors = []
-    for dtype, shape, nbytes in header["buffers"]:
-        if dtype not in protocol.BUFFER_DTYPES or dtype == "bytes":
-            raise ValueError(f"{path}: buffer dtype {dtype!r} is not a tensor dtype")
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes and f.readinto(memoryview(raw.numpy())) != nbytes:
-            raise ValueError(f"{path} is truncated: a {nbytes}-byte tensor is incomplete")
-        tensors.append(raw.view(getattr(torch, dtype)).view(shape))
-    if f.read(1):
-        raise ValueError(f"{path} has bytes after its last tensor")
-    return header, tensors
-
-
-def read_part(path: str) -> tuple[dict, dict]:
-    """Read a local-checkpoint part in one pass, checking its checksum as it is read.
-
-    Returns
-    -------
-    (state_dict, header)
-        Tensors are fresh CPU tensors; nothing is unpickled.
-
-    Raises
-    ------
-    ChecksumMismatchError
-        If the part does not match the checksum recorded beside it.
-    ValueError
-        If the part is malformed (bad header, unknown dtype, truncated).
-    """
-    expected = read_sidecar(path)
-    stream = _ChecksummingReader(path)
-    try:
-        header, tensors = _parse_part(path, stream)
-    except ValueError:
-        verify_file(path)  # corruption is reported as such, not as a malformed part
-        raise
-    finally:
-        stream.close()
-    check_matches(path, Checksum(stream.crc, stream.size), expected)
-    return protocol.fill_skeleton(protocol.unpack_value(header["skeleton"]), tensors), header
 
 
 # ------------------------------------------------------------------ the manager
@@ -305,16 +187,12 @@ class LocalCheckpointManager:
     def __init__(self, root_local_ckpt_dir: str | os.PathLike, session_id: str = "",
                  repl_strategy: CliqueReplicationStrategy | None = None,
                  socket: str | None = None) -> None:
-        if not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id) \
-                or session_id in (".", ".."):
-            raise ValueError(f"session_id {session_id!r} must be a plain name (letters, digits, "
-                             "'_', '.', '-')")
+        protocol.check_session_id(session_id)
         self.root = os.path.abspath(os.fspath(root_local_ckpt_dir))
         self.session_id = session_id
         self.repl_strategy = repl_strategy
         self._socket = socket
-        self._registered_with: int | None = None  # daemon pid the session was registered with
-        self._table: list = []  # per rank: [address, key] or None
+        self._session = SessionRegistration(session_id, self.root, repl_strategy)
         self._latest: int | None = None
         self._holders: dict[int, list[str]] = {}
         self._own_paths: dict[int, str] = {}
@@ -326,65 +204,10 @@ class LocalCheckpointManager:
         return connect(self._socket)
 
     def _ensure_session(self, agree: bool = True) -> DaemonConnection:
-        """Register the session (the key exchange) on every rank if any rank needs it.
-
-        With ``agree=False`` (``save``, which must not add a collective that would order
-        the ranks' saves) only the first call registers; a daemon restarted since then
-        refuses the save with a clear error, and the next ``find_latest`` re-registers.
-        """
-        connection, error, unavailable = None, None, None
-        try:
-            connection = self._connection()
-        except DaemonUnavailableError as exc:
-            error, unavailable = str(exc), exc
-        stale = connection is None or self._registered_with != connection.daemon_pid
-        if agree:
-            stale = _any_rank(stale)
-        elif self._registered_with is not None:
-            if unavailable is not None:
-                raise unavailable
-            return connection
-        if not stale:
-            return connection
-        rank, world_size = _rank_and_world()
-        info = {}
-        try:
-            if connection is not None:
-                info = connection.call(MessageType.PEER_INFO)
-        except (DaemonUnavailableError, DaemonRequestError) as exc:
-            error = str(exc)
-        self._table = [[a, k] if a else None for a, k in
-                       _all_gather((info.get("address"), info.get("public_key")))]
-        _raise_if_any_failed("local checkpoints: asking the daemons for their peer keys failed",
-                             error)
-        cliques = self._cliques(world_size)
-        if any(len(c) > 1 for c in cliques):
-            missing = [r for r, entry in enumerate(self._table) if entry is None]
-            if missing:
-                raise ValueError(f"replication needs every node's ckptd to listen for peers, but "
-                                 f"the daemons of ranks {missing} have no --peer-listen address")
-        try:
-            connection.call(MessageType.LOCAL_SESSION, {
-                "session": self.session_id, "root": self.root, "world_size": world_size,
-                "peers": self._table, "cliques": cliques})
-        except (DaemonUnavailableError, DaemonRequestError, AttributeError) as exc:
-            error = f"rank {rank}: registering local session {self.session_id!r} at {self.root} " \
-                    f"failed: {exc}"
-        # every daemon knows every key before any part is pushed
-        _raise_if_any_failed("local checkpoints: registering the session failed", error)
-        self._registered_with = connection.daemon_pid
-        self._latest = None
-        log.info("rank %d: local session %r at %s registered (replication %s)", rank,
-                 self.session_id, self.root, cliques or "off")
+        connection, registered = self._session.ensure(self._connection, agree)
+        if registered:
+            self._latest = None
         return connection
-
-    def _cliques(self, world_size: int) -> list:
-        if self.repl_strategy is None:
-            return []
-        if self.repl_strategy.world_size != world_size:
-            raise ValueError(f"the replication strategy covers {self.repl_strategy.world_size} "
-                             f"ranks but the process group has {world_size}")
-        return self.repl_strategy.cliques
 
     # ------------------------------------------------------------------ save
     def save(self, ta_state_dict: BasicTensorAwareStateDict, iteration: int,
@@ -421,7 +244,7 @@ class LocalCheckpointManager:
                             f".state_dict), not {type(ta_state_dict).__name__}")
         if not isinstance(iteration, int) or iteration < 0:
             raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
-        rank, _ = _rank_and_world()
+        rank, _ = rank_and_world()
         skeleton, tensors = flatten_state_dict(ta_state_dict.state_dict)
         header = bytearray(protocol.encode_part_header(  # writable: torch.frombuffer needs it
             skeleton, [describe(t) for t in tensors], rank, iteration, self.session_id))
@@ -481,14 +304,14 @@ class LocalCheckpointManager:
             On every rank, if some rank's daemon could not list its parts.
         """
         connection = self._ensure_session()
-        rank, world_size = _rank_and_world()
+        rank, world_size = rank_and_world()
         inventory, error = None, None
         try:
             inventory = connection.call(MessageType.LOCAL_INVENTORY, {"session": self.session_id},
-                                        timeout=LOAD_TIMEOUT)
+                                        timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             error = f"rank {rank}: listing local parts failed: {exc}"
-        gathered = _all_gather((rank, inventory, error))
+        gathered = all_gather((rank, inventory, error))
         failures = {r: e for r, _, e in gathered if e}
         if failures:
             raise CheckpointException("find_latest failed", failures)
@@ -513,28 +336,12 @@ class LocalCheckpointManager:
                 self._latest = iteration
                 break
         if self._latest >= 0:
-            self._holders = {owner: self._order_holders(owner, holders[(self._latest, owner)])
+            self._holders = {owner: self._session.order_holders(owner, holders[(self._latest, owner)])
                              for owner in range(world_size)}
             self._own_paths = {p["owner"]: p["path"] for p in own
                                if p["iteration"] == self._latest and p["verified"]}
         log.info("rank %d: latest complete local checkpoint: %d", rank, self._latest)
         return self._latest
-
-    def _order_holders(self, owner: int, nodes: list) -> list:
-        """Holders of ``owner``'s part, in a fixed order: clique mates after the owner, then
-        the other nodes by their lowest rank."""
-        first_rank = {}
-        for r, entry in enumerate(self._table):
-            if entry is not None:
-                first_rank.setdefault(entry[0], r)
-        order = []
-        if self.repl_strategy is not None:
-            clique = self.repl_strategy.clique_of(owner)
-            at = clique.index(owner)
-            order = [self._table[m][0] for m in clique[at + 1:] + clique[:at] if self._table[m]]
-        rank_of = lambda node: (order.index(node) if node in order else len(order),
-                                first_rank.get(node, 1 << 30), node)
-        return sorted(set(nodes), key=rank_of)
 
     def load(self) -> tuple[BasicTensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (call on all ranks).
@@ -557,7 +364,7 @@ class LocalCheckpointManager:
         """
         if self._latest is None:
             self.find_latest()
-        rank, _ = _rank_and_world()
+        rank, _ = rank_and_world()
         if self._latest < 0:
             raise FileNotFoundError(f"rank {rank}: no complete local checkpoint of session "
                                     f"{self.session_id!r} under {self.root} on any node")
@@ -565,14 +372,14 @@ class LocalCheckpointManager:
         path = self._own_paths.get(rank)
         self.last_load_report = {"iteration": iteration, "source": "local", "tried": []}
         if path is None:
-            own = self._table[rank][0] if self._table and self._table[rank] else None
+            own = self._session.address_of(rank)
             holders = [h for h in self._holders.get(rank, []) if h != own]
             log.info("rank %d: part of iteration %d missing here; fetching from %s", rank,
                      iteration, holders)
             reply = self._connection().call(
                 MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
                                           "owner": rank, "holders": holders},
-                timeout=LOAD_TIMEOUT)
+                timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
             path = reply["path"]
             self.last_load_report.update(source=reply.get("holder"), tried=reply.get("tried", []))
         try:

@@ -20,15 +20,12 @@ from typing import Any
 
 import torch
 
-from ckptd import protocol
+from ckptd import knobs, protocol
 from ckptd.protocol import MessageType, Phase, TensorRef
-from ckpt_client.connection import CALL_TIMEOUT, DaemonConnection
+from ckpt_client.connection import DaemonConnection
 from ckpt_client.errors import DaemonUnavailableError, DaemonRequestError
 
 log = logging.getLogger(__name__)
-
-#: How long a save may wait for staging space freed by earlier saves (back-pressure).
-STAGE_TIMEOUT = float(os.environ.get("CKPTD_STAGE_TIMEOUT", "600"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -219,9 +216,9 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     if exported is not None:
         body["transport"] = "cuda"
         body["cuda"] = exported
-        reply = connection.call(MessageType.STAGE, body, timeout=STAGE_TIMEOUT)
+        reply = connection.call(MessageType.STAGE, body, timeout=knobs.STAGE_TIMEOUT.get())
         return DaemonSave(connection, reply["request_id"], body["path"], body["files"])
-    reply = connection.call(MessageType.STAGE, body, timeout=STAGE_TIMEOUT)
+    reply = connection.call(MessageType.STAGE, body, timeout=knobs.STAGE_TIMEOUT.get())
     save = DaemonSave(connection, reply["request_id"], body["path"], body["files"])
     offsets, _ = protocol.layout_extent([b[2] for b in buffers])
     try:
@@ -231,5 +228,5 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     except BaseException:
         save.abort()
         raise
-    connection.call(MessageType.STAGED, {"request_id": save.request_id}, timeout=CALL_TIMEOUT)
+    connection.call(MessageType.STAGED, {"request_id": save.request_id}, timeout=knobs.CALL_TIMEOUT.get())
     return save

@@ -1,18 +1,30 @@
 """ckptd: the per-node checkpoint daemon.
 
-Module map (the tree follows the architecture):
+The tree follows the execution boundaries (where each piece of code runs):
 
-- ``protocol``   the wire contract, shared with ``ckpt_client`` (with ``checksum``, the
-                 only modules the client may import)
-- ``server``     the serve loop and the life of each save request
-- ``pool``       the shared-memory staging pool and its allocator
-- ``cuda_staging`` opening trainers' CUDA IPC handles and copying device-to-host
-- ``writers``    writer processes that make files durable
-- ``ledger``     ranks, requests and the status document
-- ``roots``      which paths may be written
-- ``readiness``  ready line, ready file, sd_notify
-- ``status``     the ``ckptd status`` client (must not import torch)
-- ``cli``        the ``ckptd`` command
+- ``server/``       the serve loop's thread: daemon wiring and life, the client endpoint
+                    and its handler table, ranks, save requests and their lifecycle (the
+                    only writer of a request's phase, and the extent lease), the save and
+                    local-checkpoint services;
+- ``staging/``      the staging pool (shared memory, back-pressure allocator) and the CUDA
+                    stager thread (IPC handles, device-to-host copies);
+- ``storage/``      writer processes and the one durable-write module, allowed roots, the
+                    node-local checkpoint store;
+- ``replication/``  the replicator thread: peer transport (CURVE), heartbeats, part
+                    streams, push / fetch / serve;
+
+and, at the top, what several of them (or the client) share:
+
+- ``protocol``  the wire contract with ``ckpt_client``: framing, typed bodies, limits,
+                shared rules (with ``checksum`` and ``knobs``, the only modules the client
+                may import; each declares ``__all__``)
+- ``checksum``  checksum records beside every file, and their verification
+- ``knobs``     every tunable and its environment override, read at call time
+- ``mailbox``   typed hand-over between the serve loop and worker threads
+- ``metrics``   Prometheus families, textfile and loopback endpoint
+- ``readiness`` ready line, ready file, sd_notify
+- ``status``    the ``ckptd status`` client (must not import torch)
+- ``cli``       the ``ckptd`` command
 """
 
 __version__ = "0.1.0"

@@ -1,9 +1,10 @@
 """Checksums of written parts and the sidecar file that records them.
 
 Every file ckptd writes gets ``<file>.ckptd-sum`` beside it: a small JSON document with
-the algorithm, the value and the size. Writers produce it while writing; loaders (ours,
-and ``ckptd verify``) check a file against it before trusting the bytes. Shared by the
-daemon and the client; importable without torch.
+the algorithm, the value and the size. Writers produce it while writing (the daemon's
+``ckptd.storage.durable`` writes it); loaders (ours, and ``ckptd verify``) check a file
+against it before trusting the bytes. Shared by the daemon and the client; importable
+without torch. ``__all__`` is what ``ckpt_client`` may use.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ import os
 import zlib
 from dataclasses import dataclass
 
+__all__ = [
+    "SIDECAR_SUFFIX", "TMP_MARKER", "ALGORITHM", "ChecksumMismatchError", "Checksum",
+    "ChecksumWriter", "sidecar_path", "checksum_file", "checksum_bytes", "read_sidecar",
+    "verify_file", "check_matches", "verify_tree",
+]
+
 SIDECAR_SUFFIX = ".ckptd-sum"
+#: Every temporary name ckptd writes under ends with this (never a checkpoint file).
+TMP_MARKER = ".ckptd-tmp"
 ALGORITHM = "crc32"
 _READ_CHUNK = 16 * 1024 * 1024
 
@@ -150,24 +159,6 @@ def check_matches(path: str, actual: Checksum, expected: Checksum) -> None:
             "do not load it, use another copy")
 
 
-def write_sidecar(path: str, checksum: Checksum) -> None:
-    """Record ``checksum`` beside ``path`` (temp file, fsync, rename)."""
-    target = sidecar_path(path)
-    tmp = f"{target}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(checksum.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:  # a full disk must not leave a half-written record behind
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def verify_tree(path: str) -> list[str]:
     """Verify a file, or every checkpoint file under a directory, against its record.
 
@@ -190,7 +181,7 @@ def verify_tree(path: str) -> list[str]:
     checked = []
     for directory, _, names in os.walk(path):
         for name in sorted(names):
-            if name.endswith(SIDECAR_SUFFIX) or ".ckptd-tmp" in name or ".tmp-" in name:
+            if name.endswith(SIDECAR_SUFFIX) or name.endswith(TMP_MARKER):
                 continue
             full = os.path.join(directory, name)
             verify_file(full)

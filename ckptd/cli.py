@@ -16,20 +16,15 @@ import time
 
 import click
 
-from ckptd import __version__, protocol
-
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+from ckptd import __version__, knobs, protocol
 
 
 def parse_size(text: str) -> int:
-    """Parse ``512M``, ``2G``, ``1.5GiB`` or a plain byte count."""
-    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = cleaned[-1] if cleaned and cleaned[-1] in _SIZE_UNITS else ""
-    number = cleaned[:-1] if unit else cleaned
+    """Parse ``512M``, ``2G``, ``1.5GiB`` or a plain byte count (a click error if not)."""
     try:
-        return int(float(number) * _SIZE_UNITS[unit])
-    except ValueError:
-        raise click.BadParameter(f"{text!r} is not a size (try 512M or 4G)") from None
+        return knobs.parse_size(text)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 @click.group()
@@ -47,10 +42,10 @@ def main() -> None:
                    "current directory).")
 @click.option("--local-dir", type=click.Path(), default=None,
               help="Node-local directory for local checkpoints and replicas.")
-@click.option("--pool-size", default="1G", show_default=True,
-              help="Shared-memory staging pool size (e.g. 512M, 8G).")
-@click.option("--writers", type=click.IntRange(1, 64), default=2, show_default=True,
-              help="Number of writer processes.")
+@click.option("--pool-size", default=knobs.POOL_SIZE.get, show_default=knobs.POOL_SIZE.default,
+              help="Shared-memory staging pool size (e.g. 512M, 8G; env CKPTD_POOL_SIZE).")
+@click.option("--writers", type=click.IntRange(1, 64), default=knobs.WRITERS.get,
+              show_default=knobs.WRITERS.default, help="Number of writer processes.")
 @click.option("--peer-listen", default=None,
               help="tcp address peers reach this daemon on, e.g. tcp://10.0.0.5:7740.")
 @click.option("--log-level", default="INFO", show_default=True,
@@ -59,7 +54,8 @@ def main() -> None:
               help="Where to write the ready file (default: ckptd.ready beside the socket).")
 @click.option("--exit-when-idle", type=float, default=None,
               help="Exit after this many seconds with no trainers and no saves.")
-@click.option("--drain-timeout", type=float, default=60.0, show_default=True,
+@click.option("--drain-timeout", type=float, default=knobs.DRAIN_TIMEOUT.get,
+              show_default=knobs.DRAIN_TIMEOUT.default,
               help="On SIGTERM, seconds to let in-flight writes finish before abandoning them.")
 @click.option("--metrics-textfile", type=click.Path(dir_okay=False), default=None,
               help="Keep Prometheus metrics in this file (node-exporter textfile collector; "
@@ -77,7 +73,8 @@ def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, log_le
     """Run the daemon in the foreground until SIGTERM."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s ckptd[%(process)d] %(levelname)s %(name)s: %(message)s")
-    from ckptd.server import AlreadyRunningError, Daemon, DaemonConfig
+    from ckptd.server.config import DaemonConfig
+    from ckptd.server.daemon import AlreadyRunningError, Daemon
 
     listen, labels = _metrics_options(metrics_listen, metrics_allow_remote, metrics_labels)
     config = DaemonConfig(

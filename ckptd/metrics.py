@@ -1,41 +1,46 @@
-"""Prometheus metrics for one daemon: text exposition, textfile export, loopback endpoint.
+"""Prometheus metrics for one daemon: rendering, textfile export, loopback endpoint.
 
 Owns three things and nothing else:
 
 - :func:`render` turns a status document (the one ``ckptd status --json`` prints) into
-  Prometheus text exposition format 0.0.4;
+  metric families, rendered by ``prometheus_client`` in the text exposition format;
 - :class:`SaveStats` keeps what the status document cannot: a cumulative histogram of
   save durations and a count of aborted saves, fed from the requests the daemon sees
   finish;
 - :class:`MetricsExporter`, called from the serve loop's tick, renders every
-  :data:`EXPORT_INTERVAL` seconds, writes a node-exporter textfile atomically (temp file
-  + rename in the same directory) and serves the same text from a small HTTP server on a
-  loopback address.
+  :data:`ckptd.knobs.METRICS_INTERVAL` seconds, replaces a node-exporter textfile
+  atomically, and serves the same families over HTTP on a loopback address
+  (``prometheus_client``'s WSGI app, restricted to ``/metrics``).
 
-Pattern: the serve loop is single-threaded and owns the ledger, so the HTTP thread never
-touches daemon state: it serves the last text the tick rendered. Nothing here imports
+Pattern: the serve loop is single-threaded and owns the daemon's state, so the HTTP
+thread never touches it: it serves the families the last tick built. Nothing here imports
 torch (``ckptd status`` shares the import path).
 """
 
 from __future__ import annotations
 
-import http.server
 import ipaddress
 import logging
-import math
-import os
 import socket
 import threading
 import time
 from typing import Callable, Iterable
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+from prometheus_client.exposition import (CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer,
+                                          _SilentHandler, make_wsgi_app)
+
+from ckptd import knobs
+from ckptd.storage.durable import write_small_file
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two renders (textfile write and HTTP refresh).
-EXPORT_INTERVAL = 2.0
 #: Upper bounds of the save-duration histogram buckets, in seconds.
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 _FINISHED = ("done", "failed", "aborted")
 #: In-flight phases always exported (0 when empty), so alert expressions find the series.
 _IN_FLIGHT_PHASES = ("waiting_for_pool", "staging", "writing", "replicating")
@@ -48,44 +53,50 @@ class MetricsAddressError(ValueError):
     """A ``--metrics-listen`` address that is malformed or not allowed."""
 
 
-# --------------------------------------------------------------------- exposition text
+# --------------------------------------------------------------------- families
 
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class _Families:
+    """Builds metric families, each carrying the daemon's constant labels."""
 
-
-def _labels(labels: dict) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-class _Exposition:
-    """Accumulates metric families, each announced once with HELP and TYPE."""
+    _KINDS = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
     def __init__(self, const_labels: dict) -> None:
-        self.const_labels = dict(const_labels)
-        self.lines: list[str] = []
+        self.const = dict(const_labels)
+        self.families: list = []
+        self._current = None
 
-    def family(self, name: str, kind: str, help_text: str) -> None:
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
+    def family(self, name: str, kind: str, help_text: str, labels: tuple = ()) -> None:
+        """Start a family; its samples follow with :meth:`sample`."""
+        self._labels = tuple(self.const) + tuple(labels)
+        self._current = self._KINDS[kind](name, help_text, labels=self._labels)
+        self.families.append(self._current)
 
-    def sample(self, name: str, value: float, **labels: str) -> None:
-        self.lines.append(f"{name}{_labels({**self.const_labels, **labels})} {_number(value)}")
+    def sample(self, value: float, **labels: str) -> None:
+        """One sample of the current family."""
+        values = {**self.const, **labels}
+        self._current.add_metric([str(values[k]) for k in self._labels], float(value))
 
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
+    def histogram(self, name: str, help_text: str, buckets: list, total: float) -> None:
+        """A whole histogram family (``buckets``: cumulative ``(le, count)`` pairs)."""
+        family = HistogramMetricFamily(name, help_text, labels=tuple(self.const))
+        family.add_metric([str(v) for v in self.const.values()], buckets, total)
+        self.families.append(family)
+
+
+class _Latest:
+    """A collector that yields the families the last render built (HTTP thread side)."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return list(self.families)
+
+
+def _text(families: list) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Latest(families))
+    return generate_latest(registry).decode()
 
 
 # --------------------------------------------------------------------- save statistics
@@ -144,162 +155,160 @@ class SaveStats:
 
 # --------------------------------------------------------------------- rendering
 
-def render(doc: dict | None, stats: SaveStats | None = None,
-           const_labels: dict | None = None) -> str:
-    """Render a status document as Prometheus text exposition.
+def families_of(doc: dict | None, stats: SaveStats | None = None,
+                const_labels: dict | None = None) -> list:
+    """The metric families of a status document.
 
     Parameters
     ----------
     doc : dict or None
         The status document; ``None`` means the daemon is not serving (only
-        ``ckptd_up 0`` is written).
+        ``ckptd_up 0`` is exported).
     stats : SaveStats, optional
         Duration histogram and aborted count (omitted: histogram empty, aborted 0).
     const_labels : dict, optional
         Labels added to every sample (e.g. ``{"slurm_job_id": "42"}``), so daemons of
         several jobs on one node do not collide in one node-exporter.
+    """
+    out = _Families(const_labels or {})
+    out.family("ckptd_up", "gauge", "Whether the daemon is serving (1) or stopped (0).")
+    out.sample(0 if doc is None else 1)
+    if doc is not None:
+        _daemon(out, doc)
+        _saves(out, doc, stats or SaveStats())
+        _pool(out, doc["pool"])
+        _ranks_and_writers(out, doc)
+        _replication(out, doc)
+    return out.families
+
+
+def render(doc: dict | None, stats: SaveStats | None = None,
+           const_labels: dict | None = None) -> str:
+    """Render a status document as Prometheus text exposition (format 0.0.4).
 
     Returns
     -------
     str
-        Text in the Prometheus 0.0.4 exposition format, ending with a newline.
+        The text, as ``prometheus_client`` renders it (see :func:`families_of`).
     """
-    out = _Exposition(const_labels or {})
-    out.family("ckptd_up", "gauge", "Whether the daemon is serving (1) or stopped (0).")
-    out.sample("ckptd_up", 0 if doc is None else 1)
-    if doc is None:
-        return out.text()
-    stats = stats or SaveStats()
-    _render_daemon(out, doc)
-    _render_saves(out, doc, stats)
-    _render_pool(out, doc["pool"])
-    _render_ranks_and_writers(out, doc)
-    _render_replication(out, doc)
-    return out.text()
+    return _text(families_of(doc, stats, const_labels))
 
 
-def _render_daemon(out: _Exposition, doc: dict) -> None:
-    out.family("ckptd_info", "gauge", "Constant 1, labelled with version, host and socket.")
-    out.sample("ckptd_info", 1, version=doc["version"], host=doc["host"], socket=doc["socket"])
+def _daemon(out: _Families, doc: dict) -> None:
+    out.family("ckptd_info", "gauge", "Constant 1, labelled with version, host and socket.",
+               ("version", "host", "socket"))
+    out.sample(1, version=doc["version"], host=doc["host"], socket=doc["socket"])
     out.family("ckptd_start_time_seconds", "gauge", "Unix time the daemon started.")
-    out.sample("ckptd_start_time_seconds", float(doc["started_at"]))
+    out.sample(float(doc["started_at"]))
     out.family("ckptd_draining", "gauge", "1 while the daemon drains after SIGTERM.")
-    out.sample("ckptd_draining", 1 if doc["state"] == "draining" else 0)
+    out.sample(1 if doc["state"] == "draining" else 0)
 
 
-def _render_saves(out: _Exposition, doc: dict, stats: SaveStats) -> None:
+def _saves(out: _Families, doc: dict, stats: SaveStats) -> None:
     totals = doc["totals"]
-    out.family("ckptd_bytes_written_total", "counter",
-               "Bytes made durable by successful saves.")
-    out.sample("ckptd_bytes_written_total", int(totals["bytes_written"]))
-    out.family("ckptd_saves_total", "counter", "Finished save requests (one per rank and save).")
-    out.sample("ckptd_saves_total", int(totals["saves_done"]), outcome="done")
-    out.sample("ckptd_saves_total", int(totals["saves_failed"]), outcome="failed")
-    out.sample("ckptd_saves_total", stats.aborted, outcome="aborted")
-    out.family("ckptd_save_duration_seconds", "histogram",
-               "Seconds from a save request to its files being durable (successful saves).")
-    for bound, count in zip(stats.buckets, stats.bucket_counts):
-        out.sample("ckptd_save_duration_seconds_bucket", count, le=_number(float(bound)))
-    out.sample("ckptd_save_duration_seconds_bucket", stats.count, le="+Inf")
-    out.sample("ckptd_save_duration_seconds_sum", float(stats.sum))
-    out.sample("ckptd_save_duration_seconds_count", stats.count)
+    out.family("ckptd_bytes_written", "counter", "Bytes made durable by successful saves.")
+    out.sample(int(totals["bytes_written"]))
+    out.family("ckptd_saves", "counter", "Finished save requests (one per rank and save).",
+               ("outcome",))
+    out.sample(int(totals["saves_done"]), outcome="done")
+    out.sample(int(totals["saves_failed"]), outcome="failed")
+    out.sample(stats.aborted, outcome="aborted")
+    buckets = [(_bound(b), c) for b, c in zip(stats.buckets, stats.bucket_counts)]
+    out.histogram("ckptd_save_duration_seconds",
+                  "Seconds from a save request to its files being durable (successful saves).",
+                  buckets + [("+Inf", stats.count)], float(stats.sum))
     if stats.last_success is not None:
         out.family("ckptd_last_success_timestamp_seconds", "gauge",
                    "Unix time the last successful save became durable.")
-        out.sample("ckptd_last_success_timestamp_seconds", float(stats.last_success))
+        out.sample(float(stats.last_success))
     in_flight = [r for r in doc["requests"] if r["phase"] not in _FINISHED]
-    out.family("ckptd_requests_in_flight", "gauge", "Save requests not finished, by phase.")
+    out.family("ckptd_requests_in_flight", "gauge", "Save requests not finished, by phase.",
+               ("phase",))
     phases = list(_IN_FLIGHT_PHASES) + sorted({r["phase"] for r in in_flight} - set(_IN_FLIGHT_PHASES))
     for phase in phases:
-        out.sample("ckptd_requests_in_flight", sum(r["phase"] == phase for r in in_flight),
-                   phase=phase)
+        out.sample(sum(r["phase"] == phase for r in in_flight), phase=phase)
     out.family("ckptd_in_flight_bytes", "gauge",
-               "Bytes of unfinished saves: total staged, and written so far.")
-    out.sample("ckptd_in_flight_bytes", sum(r["bytes_total"] for r in in_flight), state="staged")
-    out.sample("ckptd_in_flight_bytes", sum(r["bytes_written"] for r in in_flight),
-               state="written")
+               "Bytes of unfinished saves: total staged, and written so far.", ("state",))
+    out.sample(sum(r["bytes_total"] for r in in_flight), state="staged")
+    out.sample(sum(r["bytes_written"] for r in in_flight), state="written")
     out.family("ckptd_recent_errors", "gauge", "Failures kept in the status document.")
-    out.sample("ckptd_recent_errors", len(doc["recent_errors"]))
+    out.sample(len(doc["recent_errors"]))
 
 
-def _render_pool(out: _Exposition, pool: dict) -> None:
+def _bound(seconds: float) -> str:
+    return repr(float(seconds))
+
+
+def _pool(out: _Families, pool: dict) -> None:
     out.family("ckptd_staging_pool_size_bytes", "gauge", "Size of the staging pool.")
-    out.sample("ckptd_staging_pool_size_bytes", int(pool["size_bytes"]))
-    out.family("ckptd_staging_pool_bytes", "gauge", "Staging pool bytes by state.")
-    out.sample("ckptd_staging_pool_bytes", int(pool["used_bytes"]), state="used")
-    out.sample("ckptd_staging_pool_bytes", int(pool["free_bytes"]), state="free")
+    out.sample(int(pool["size_bytes"]))
+    out.family("ckptd_staging_pool_bytes", "gauge", "Staging pool bytes by state.", ("state",))
+    out.sample(int(pool["used_bytes"]), state="used")
+    out.sample(int(pool["free_bytes"]), state="free")
     out.family("ckptd_staging_pool_waiting_requests", "gauge",
                "Save requests waiting for staging space (back-pressure).")
-    out.sample("ckptd_staging_pool_waiting_requests", int(pool["waiting_requests"]))
+    out.sample(int(pool["waiting_requests"]))
 
 
-def _render_ranks_and_writers(out: _Exposition, doc: dict) -> None:
+def _ranks_and_writers(out: _Families, doc: dict) -> None:
     out.family("ckptd_ranks_registered", "gauge", "Trainer processes registered.")
-    out.sample("ckptd_ranks_registered", len(doc["ranks"]))
+    out.sample(len(doc["ranks"]))
     writers = doc["writers"]
-    out.family("ckptd_writers", "gauge", "Writer processes by state.")
-    out.sample("ckptd_writers", sum(1 for w in writers if w["alive"]), state="alive")
-    out.sample("ckptd_writers", sum(1 for w in writers if not w["alive"]), state="dead")
+    out.family("ckptd_writers", "gauge", "Writer processes by state.", ("state",))
+    out.sample(sum(1 for w in writers if w["alive"]), state="alive")
+    out.sample(sum(1 for w in writers if not w["alive"]), state="dead")
 
 
-def _render_replication(out: _Exposition, doc: dict) -> None:
+def _replication(out: _Families, doc: dict) -> None:
     # Without replication the peers list is empty and the lag is 0. Each peer reports
     # "lag_s", the age of the oldest part still streaming to it.
     peers = doc.get("peers", [])
     lags = [float(p["lag_s"]) for p in peers if p.get("lag_s") is not None]
     out.family("ckptd_replication_lag_seconds", "gauge",
                "Age of the oldest local part still streaming to a peer (0: none).")
-    out.sample("ckptd_replication_lag_seconds", max(lags, default=0.0))
+    out.sample(max(lags, default=0.0))
     out.family("ckptd_peers", "gauge", "Peer daemons known to this daemon.")
-    out.sample("ckptd_peers", len(peers))
+    out.sample(len(peers))
     if peers:
-        _render_peers(out, peers)
+        _peers(out, peers)
     parts = doc.get("local_checkpoints", [])
     out.family("ckptd_local_checkpoint_parts", "gauge",
-               "Local checkpoint parts held on this node, own and replicas of peers.")
+               "Local checkpoint parts held on this node, own and replicas of peers.", ("kind",))
     for kind in sorted({"own", "replica"} | {p.get("kind", "unknown") for p in parts}):
-        out.sample("ckptd_local_checkpoint_parts", sum(p.get("kind") == kind for p in parts),
-                   kind=kind)
+        out.sample(sum(p.get("kind") == kind for p in parts), kind=kind)
     out.family("ckptd_local_checkpoint_bytes", "gauge", "Bytes of local checkpoint parts held.")
-    out.sample("ckptd_local_checkpoint_bytes", sum(int(p.get("size", 0)) for p in parts))
+    out.sample(sum(int(p.get("size", 0)) for p in parts))
 
 
-def _render_peers(out: _Exposition, peers: list) -> None:
-    out.family("ckptd_peer_up", "gauge", "1 when the peer daemon answers its heartbeats.")
+def _peers(out: _Families, peers: list) -> None:
+    out.family("ckptd_peer_up", "gauge", "1 when the peer daemon answers its heartbeats.",
+               ("peer",))
     for p in peers:
-        out.sample("ckptd_peer_up", 1 if p.get("health") == "up" else 0, peer=p["address"])
-    out.family("ckptd_replication_bytes_sent_total", "counter",
-               "Bytes of local checkpoint parts streamed to a peer.")
+        out.sample(1 if p.get("health") == "up" else 0, peer=p["address"])
+    for name, key, help_text in (
+            ("ckptd_replication_bytes_sent", "bytes_sent",
+             "Bytes of local checkpoint parts streamed to a peer."),
+            ("ckptd_replication_bytes_received", "bytes_received",
+             "Bytes of replicas (or fetched parts) received from a peer.")):
+        out.family(name, "counter", help_text, ("peer",))
+        for p in peers:
+            out.sample(int(p.get(key, 0)), peer=p["address"])
+    out.family("ckptd_replication_streams", "counter", "Part streams to or from a peer.",
+               ("peer", "outcome"))
     for p in peers:
-        out.sample("ckptd_replication_bytes_sent_total", int(p.get("bytes_sent", 0)),
-                   peer=p["address"])
-    out.family("ckptd_replication_bytes_received_total", "counter",
-               "Bytes of replicas (or fetched parts) received from a peer.")
-    for p in peers:
-        out.sample("ckptd_replication_bytes_received_total", int(p.get("bytes_received", 0)),
-                   peer=p["address"])
-    out.family("ckptd_replication_streams_total", "counter", "Part streams to or from a peer.")
-    for p in peers:
-        out.sample("ckptd_replication_streams_total", int(p.get("streams_ok", 0)),
-                   peer=p["address"], outcome="ok")
-        out.sample("ckptd_replication_streams_total", int(p.get("streams_failed", 0)),
-                   peer=p["address"], outcome="failed")
+        out.sample(int(p.get("streams_ok", 0)), peer=p["address"], outcome="ok")
+        out.sample(int(p.get("streams_failed", 0)), peer=p["address"], outcome="failed")
 
 
 # --------------------------------------------------------------------- export targets
 
 def write_textfile(path: str, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically (temp file in the same directory + rename).
+    """Replace ``path`` with ``text`` atomically, readable by node-exporter's user.
 
     node-exporter's textfile collector may read at any moment; it must never see a
-    half-written file.
+    half-written file. Not fsynced: a textfile from before a crash is worthless.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)  # node-exporter runs as another user
-    os.replace(tmp, path)
+    write_small_file(path, text.encode(), mode=0o644, fsync=False, make_parents=False)
 
 
 def parse_listen_address(text: str, allow_remote: bool = False) -> tuple[str, int]:
@@ -341,32 +350,14 @@ def parse_listen_address(text: str, allow_remote: bool = False) -> tuple[str, in
     return host, int(port_text)
 
 
-class _MetricsServer(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], text: Callable[[], str]) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        self.current_text = text
-        super().__init__(address, _MetricsHandler)
-
-
-class _MetricsHandler(http.server.BaseHTTPRequestHandler):
-    server: _MetricsServer
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-            self.send_error(404, "only /metrics is served here")
-            return
-        body = self.server.current_text().encode()
-        self.send_response(200)
-        self.send_header("Content-Type", CONTENT_TYPE)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args) -> None:  # scrapes are not news
-        log.debug("metrics %s: " + format, self.client_address[0], *args)
+def _metrics_only(app):
+    """Serve ``app`` (prometheus_client's) at ``/metrics`` and ``/``; 404 elsewhere."""
+    def restricted(environ, start_response):
+        if environ.get("PATH_INFO", "/") not in ("/metrics", "/"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"only /metrics is served here\n"]
+        return app(environ, start_response)
+    return restricted
 
 
 class MetricsExporter:
@@ -381,22 +372,28 @@ class MetricsExporter:
         :func:`parse_listen_address`.
     const_labels : dict, optional
         Labels on every sample (``--metrics-label``).
-    interval : float
-        Seconds between renders.
+    interval : float, optional
+        Seconds between renders (default :data:`ckptd.knobs.METRICS_INTERVAL`).
     """
 
     def __init__(self, textfile: str | None = None, listen: tuple[str, int] | None = None,
-                 const_labels: dict | None = None, interval: float = EXPORT_INTERVAL) -> None:
+                 const_labels: dict | None = None, interval: float | None = None) -> None:
         self.textfile = textfile
         self.listen = listen
         self.const_labels = dict(const_labels or {})
-        self.interval = interval
+        self.interval = knobs.METRICS_INTERVAL.get() if interval is None else interval
         self.stats = SaveStats()
-        self.text = render(None, const_labels=self.const_labels)
+        self._latest = _Latest(families_of(None, const_labels=self.const_labels))
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(self._latest)
         self._next_render = 0.0
-        self._server: _MetricsServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server = None
         self._last_failure: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The exposition text of the last render (what the endpoint serves)."""
+        return generate_latest(self._registry).decode()
 
     @property
     def bound_address(self) -> tuple[str, int] | None:
@@ -413,17 +410,20 @@ class MetricsExporter:
         """
         if self.listen is None:
             return
+        host, port = self.listen
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("_Server", (ThreadingWSGIServer,), {"address_family": family})
         try:
-            self._server = _MetricsServer(self.listen, lambda: self.text)
+            self._server = make_server(host, port, _metrics_only(make_wsgi_app(self._registry)),
+                                       server_class, handler_class=_SilentHandler)
         except OSError as exc:
-            raise OSError(exc.errno, f"cannot serve metrics on {self.listen[0]}:{self.listen[1]}: "
+            raise OSError(exc.errno, f"cannot serve metrics on {host}:{port}: "
                           f"{exc.strerror}; choose another --metrics-listen port") from None
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="ckptd-metrics", daemon=True)
-        self._thread.start()
-        host, port = self.bound_address
-        log.info("metrics served at http://%s:%d/metrics", host if ":" not in host
-                 else f"[{host}]", port)
+        threading.Thread(target=self._server.serve_forever, name="ckptd-metrics",
+                         daemon=True).start()
+        bound_host, bound_port = self.bound_address
+        log.info("metrics served at http://%s:%d/metrics",
+                 bound_host if ":" not in bound_host else f"[{bound_host}]", bound_port)
 
     def tick(self, requests: Iterable[dict], status: Callable[[], dict]) -> None:
         """Count finished requests; every ``interval`` render and export.
@@ -449,14 +449,14 @@ class MetricsExporter:
             self._report_failure(exc)
 
     def export(self, doc: dict | None) -> None:
-        """Render ``doc`` and publish it to the endpoint and the textfile.
+        """Build the families of ``doc``; publish them to the endpoint and the textfile.
 
         Raises
         ------
         OSError
             If the textfile cannot be written.
         """
-        self.text = render(doc, self.stats, self.const_labels)
+        self._latest.families = families_of(doc, self.stats, self.const_labels)
         if self.textfile:
             write_textfile(self.textfile, self.text)
         self._last_failure = None
@@ -478,3 +478,4 @@ class MetricsExporter:
             log.warning("metrics export failed (%s); the daemon keeps serving. Check that "
                         "the --metrics-textfile directory exists and is writable", reason)
             self._last_failure = reason
+

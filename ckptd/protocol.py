@@ -10,20 +10,46 @@ Nothing here pickles: headers are msgpack with two extension types (tensor refer
 tuple) used to describe the *shape* of a state dict; tensor bytes never travel in
 messages on one node (they go through the shared-memory staging pool).
 
-This module also owns endpoint discovery (where the socket lives) and the tensor
-layout rule inside a staging extent, because both sides must compute them the same
-way. It must stay importable without torch.
+This module also owns the rules both sides must compute the same way: endpoint discovery
+(where the socket lives), the tensor layout inside a staging extent, the local-checkpoint
+part header, the session-id rule, the order in which a clique's nodes hold a rank's
+replicas, and how either side decides that the process at the other end is alive.
+Request bodies are typed (:class:`Body` subclasses, checked by :meth:`Body.from_wire`),
+so no handler checks a dict by hand. It must stay importable without torch; ``__all__``
+is the contract ``ckpt_client`` may use.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket as _socket
 import stat
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import msgpack
+
+__all__ = [
+    # framing and errors
+    "SCHEMA_VERSION", "MessageType", "Phase", "SaveFormat", "ErrorCode", "BUFFER_DTYPES",
+    "ProtocolError", "TensorRef", "Message", "encode", "decode", "error_body",
+    "pack_value", "unpack_value", "fill_skeleton",
+    # typed bodies of the client channel
+    "Body", "Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile",
+    "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Empty",
+    # staging layout and local parts
+    "align_up", "layout_extent", "encode_part_header", "decode_part_header",
+    "read_part_header", "PART_FRAME_BYTES",
+    # shared rules
+    "check_session_id", "holder_order", "process_alive",
+    # endpoint discovery and the request channel
+    "SOCKET_ENV", "default_runtime_dir", "resolve_socket_path", "ready_file_for",
+    "endpoint_for", "socket_is_live", "ensure_private_dir",
+    "Channel", "ReplyTimeout", "ErrorReply",
+]
 
 SCHEMA_VERSION = 1
 
@@ -64,15 +90,7 @@ class MessageType:
     LOCAL_INVENTORY = "local_inventory"  # parts held for a session, verified
     LOCAL_FETCH = "local_fetch"          # get a missing part from peer daemons
     LOCAL_COMMIT = "local_commit"        # all ranks agreed: mark committed, drop older
-    # daemon <-> daemon over the CURVE peer socket (ckptd.replication)
-    PEER_PING = "peer_ping"
-    PEER_PONG = "peer_pong"
-    PART_GET = "part_get"      # ask a holder to stream a part back
-    PART_BEGIN = "part_begin"  # a part stream starts: size (and crc when known)
-    PART_CHUNK = "part_chunk"  # one raw frame of the part at an offset
-    PART_END = "part_end"      # all chunks sent: crc32 of the whole stream
-    PART_ACK = "part_ack"      # receiver: bytes received so far (flow control)
-    PART_DONE = "part_done"    # receiver: durable and verified (or why not)
+    # (daemon <-> daemon messages are the peer channel's: ckptd.replication.wire)
 
 
 class Phase:
@@ -122,6 +140,7 @@ class ErrorCode:
     WRITE_FAILED = "write_failed"
     NOT_CONFIGURED = "not_configured"      # e.g. local checkpoints without --peer-listen
     PART_UNAVAILABLE = "part_unavailable"  # no holder had a verified copy of a part
+    ABORTED = "aborted"                    # the save was aborted before it was staged
     INTERNAL = "internal"
 
 
@@ -286,6 +305,242 @@ def error_body(code: str, message: str, hint: str = "", **context: Any) -> dict:
     return {"code": code, "message": message, "hint": hint, **context}
 
 
+# --------------------------------------------------------------------- typed bodies
+
+def _conforms(value: Any, annotation: Any) -> bool:
+    """Whether a decoded msgpack value has the type a body field declares."""
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, option) for option in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(annotation) or (Any,)
+        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation in (list, dict, str, bytes, bool):
+        return isinstance(value, annotation)
+    raise TypeError(f"body fields cannot be declared as {annotation!r}")
+
+
+def check(predicate: Callable[[Any], bool], expected: str, default: Any = MISSING) -> Any:
+    """A body field with a check beyond its type (``expected`` says what is wanted)."""
+    metadata = {"check": predicate, "expected": expected}
+    if default is MISSING:
+        return field(metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+class Body:
+    """Base of a typed message body: the fields of a frozen dataclass are the schema.
+
+    A subclass names its message type in its bases (``class Staged(Body,
+    message="staged")``) and declares its fields; it becomes a frozen dataclass.
+    :meth:`from_wire` checks every field against its annotation (and its :func:`check`,
+    if any) and raises :class:`ProtocolError` with code ``bad_request`` naming the field,
+    so a handler receives only well-formed bodies. Unknown keys are ignored, which lets
+    a newer client add optional fields.
+    """
+
+    message_type: ClassVar[str] = ""
+
+    def __init_subclass__(cls, message: str = "", **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.message_type = message
+        dataclass(frozen=True)(cls)
+
+    @classmethod
+    def from_wire(cls, body: dict) -> "Body":
+        """Build and check a body from a decoded message.
+
+        Raises
+        ------
+        ProtocolError
+            If a required field is missing or a field has the wrong type or value.
+        """
+        hints = _hints(cls)
+        values = {}
+        for f in fields(cls):
+            if f.name in body:
+                value = body[f.name]
+            elif f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            else:
+                raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                    f"{cls.message_type or cls.__name__} needs '{f.name}'",
+                                    "install the same ckptd version for daemon and trainers")
+            predicate = f.metadata.get("check")
+            if not _conforms(value, hints[f.name]) or (predicate and not predicate(value)):
+                expected = f.metadata.get("expected") or str(hints[f.name])
+                raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                    f"{cls.message_type or cls.__name__}: '{f.name}' = "
+                                    f"{_short(value)} is not {expected}")
+            values[f.name] = value
+        body = cls(**values)
+        body.check_together()
+        return body
+
+    def check_together(self) -> None:
+        """Checks that involve several fields; raise :class:`ProtocolError` (override)."""
+
+    def to_wire(self) -> dict:
+        """The body as a msgpack-encodable map."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_hint_cache: dict[type, dict] = {}
+
+
+def _hints(cls: type) -> dict:
+    if cls not in _hint_cache:
+        _hint_cache[cls] = typing.get_type_hints(cls)
+    return _hint_cache[cls]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _non_negative(value: Any) -> bool:
+    return value is None or value >= 0
+
+
+def _valid_buffer(entry: Any) -> bool:
+    return (isinstance(entry, list) and len(entry) == 3 and entry[0] in BUFFER_DTYPES
+            and isinstance(entry[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1])
+            and isinstance(entry[2], int) and not isinstance(entry[2], bool) and entry[2] >= 0)
+
+
+def _plain_file_name(name: Any) -> bool:
+    return (isinstance(name, str) and bool(name) and "/" not in name and "\x00" not in name
+            and not name.startswith("."))
+
+
+def _valid_files(entries: Any) -> bool:
+    return all(isinstance(e, list) and len(e) == 2 and _plain_file_name(e[0])
+               and isinstance(e[1], list)
+               and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in e[1])
+               for e in entries)
+
+
+def _valid_peers(peers: Any) -> bool:
+    return all(p is None or (isinstance(p, list) and len(p) == 2
+                             and all(isinstance(x, str) for x in p)) for p in peers)
+
+
+class Empty(Body):
+    """A request with nothing in its body (status, ping, goodbye, peer info)."""
+
+
+class Hello(Body, message="hello"):
+    """A trainer process registers with its daemon."""
+
+    rank: int = check(lambda v: v >= 0, "a rank >= 0")
+    pid: int = check(lambda v: v > 0, "a process id")
+    world_size: int = check(lambda v: v >= 1, "a world size >= 1", 1)
+
+
+class Stage(Body, message="stage"):
+    """Reserve staging space for a save (CPU path) or hand over CUDA IPC handles.
+
+    ``buffers`` lists ``[dtype, shape, nbytes]`` in staging order; ``files`` (DCP) maps
+    each output file name to the buffer indices it holds.
+    """
+    format: str = check(lambda v: v in (SaveFormat.TORCH, SaveFormat.DCP, SaveFormat.LOCAL),
+                        "one of torch, dcp, local")
+    path: str
+    buffers: list = check(lambda v: all(_valid_buffer(b) for b in v),
+                          "a list of [dtype name, shape list, byte count]")
+    skeleton: bytes = b""
+    files: list = check(_valid_files, "a list of [plain file name, [buffer indices]]", [])
+    transport: str = check(lambda v: v in ("shm", "cuda"), "shm or cuda", "shm")
+    cuda: list | None = None
+    session: str | None = None
+    iteration: int | None = check(_non_negative, "an iteration >= 0", None)
+
+    def check_together(self) -> None:
+        """File entries name existing buffers; a local part names its iteration."""
+        for name, indices in self.files:
+            if any(i >= len(self.buffers) for i in indices):
+                raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                    f"stage: file {name!r} names a buffer beyond the "
+                                    f"{len(self.buffers)} described")
+        if self.format == SaveFormat.LOCAL and self.iteration is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: a local part needs 'iteration'")
+
+
+class Staged(Body, message="staged"):
+    """The client finished copying a request's tensors into its extent."""
+
+    request_id: int
+
+
+class Poll(Body, message="poll"):
+    """Phase and results of some of this connection's requests."""
+
+    request_ids: list[int] = field(default_factory=list)
+
+
+class Forget(Body, message="forget"):
+    """Drop finished requests (and the files of failed ones)."""
+
+    request_ids: list[int] = field(default_factory=list)
+    delete_files: bool = False
+
+
+class Abort(Body, message="abort"):
+    """Drop in-flight requests of this connection (all of them when ``request_ids`` is None)."""
+
+    request_ids: list[int] | None = None
+
+
+class CommitFile(Body, message="commit_file"):
+    """Write one small file atomically (DCP ``.metadata``); its bytes are the one frame."""
+
+    path: str
+
+
+class LocalSession(Body, message="local_session"):
+    """Register a local-checkpoint session: its root, every rank's daemon, the cliques."""
+
+    root: str
+    session: str = ""
+    world_size: int = 1
+    peers: list = check(_valid_peers, "a list of [address, key] (or null) per rank", [])
+    cliques: list[list[int]] = field(default_factory=list)
+
+
+class LocalInventory(Body, message="local_inventory"):
+    """The parts this node holds for a session, verified."""
+
+    session: str = ""
+
+
+class LocalFetch(Body, message="local_fetch"):
+    """Get a part this node lacks from the holders, in the order given."""
+
+    iteration: int = check(lambda v: v >= 0, "an iteration >= 0")
+    owner: int = check(lambda v: v >= 0, "a rank >= 0")
+    session: str = ""
+    holders: list[str] = field(default_factory=list)
+
+
+class LocalCommit(Body, message="local_commit"):
+    """Every rank's save of an iteration is durable: mark it committed, drop older ones."""
+
+    iteration: int = check(lambda v: v >= 0, "an iteration >= 0")
+    session: str = ""
+
+
 # ------------------------------------------------------------------- staging layout
 
 def align_up(value: int, alignment: int) -> int:
@@ -351,6 +606,59 @@ def decode_part_header(prefix: bytes) -> tuple[dict, int]:
     if not isinstance(header, dict) or not isinstance(header.get("buffers"), list):
         raise ProtocolError(ErrorCode.MALFORMED, "part header is not a map with 'buffers'")
     return header, fixed + length
+
+
+def read_part_header(read: Callable[[int], bytes]) -> tuple[dict, int]:
+    """Read and parse a part header from a stream (``read(n)`` returns up to ``n`` bytes).
+
+    Raises
+    ------
+    ProtocolError
+        As :func:`decode_part_header`.
+    """
+    fixed = read(len(PART_MAGIC) + 8)
+    length = int.from_bytes(fixed[len(PART_MAGIC):], "little") if len(fixed) == len(PART_MAGIC) + 8 else 0
+    return decode_part_header(fixed + read(min(length, MAX_HEADER_BYTES)))
+
+
+# ------------------------------------------------------------------ shared rules
+
+_SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]{0,128}")
+
+
+def check_session_id(session_id: Any) -> str:
+    """Return ``session_id`` if it is a safe single path component (or empty).
+
+    Raises
+    ------
+    ValueError
+        For ids with ``/``, ``..`` or characters other than letters, digits, ``_.-``.
+    """
+    if (not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id)
+            or session_id in (".", "..")):
+        raise ValueError(f"session id {session_id!r} is not a plain name; use letters, "
+                         "digits, '_', '.', '-' (at most 128)")
+    return session_id
+
+
+def holder_order(clique: Sequence[int], owner: int) -> list[int]:
+    """The clique mates that keep ``owner``'s replicas, in the order they are used.
+
+    The mates after the owner in clique order, wrapping around: the daemon pushes to
+    them in this order and the client fetches from them in this order, so both agree.
+    """
+    at = list(clique).index(owner)
+    return list(clique[at + 1:]) + list(clique[:at])
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (how each side watches the other)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 # ------------------------------------------------------------------ endpoint discovery

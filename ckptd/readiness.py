@@ -14,6 +14,8 @@ import os
 import socket
 import sys
 
+from ckptd.storage.durable import write_small_file
+
 log = logging.getLogger(__name__)
 
 READY_LINE_PREFIX = "ckptd ready"
@@ -46,10 +48,8 @@ def sd_notify(state: str) -> bool:
 
 def announce_ready(socket_path: str, ready_file: str, info: dict) -> None:
     """Emit all readiness signals for a daemon serving ``socket_path``."""
-    tmp = f"{ready_file}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"socket": socket_path, **info}, f)
-    os.replace(tmp, ready_file)
+    write_small_file(ready_file, json.dumps({"socket": socket_path, **info}).encode(),
+                     mode=0o644, make_parents=False)
     print(f"{READY_LINE_PREFIX} socket={socket_path} pid={os.getpid()}", flush=True)
     sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {socket_path}")
 

@@ -19,6 +19,7 @@ from test_local_checkpoints import (BIG, SESSION, find_and_load,  # noqa: F401 (
 
 from ckptd import protocol
 from ckptd.protocol import MessageType
+from ckptd.replication.wire import PartAck, PartBegin, PartEnd, PartGet
 
 
 def flip_byte(path: str) -> None:
@@ -209,10 +210,10 @@ def test_unknown_key_cannot_push_or_fetch(make_nodes, tmp_path, zmq_context):
         channel.call(MessageType.LOCAL_SESSION, session)
         stranger = zmq.curve_keypair()
         sock, monitor = _client(zmq_context, info["address"], info["public_key"], stranger)
-        push = {"xfer": 1, "session": SESSION, "owner": 5, "iteration": 9, "size": 4}
-        sock.send_multipart(protocol.encode(MessageType.PART_BEGIN, 0, push))
-        sock.send_multipart(protocol.encode(MessageType.PART_GET, 0, {
-            "xfer": 2, "session": SESSION, "owner": 5, "iteration": 9}))
+        push = PartBegin(xfer=1, size=4, session=SESSION, owner=5, iteration=9)
+        sock.send_multipart(protocol.encode(PartBegin.message_type, 0, push.to_wire()))
+        get = PartGet(xfer=2, session=SESSION, owner=5, iteration=9)
+        sock.send_multipart(protocol.encode(PartGet.message_type, 0, get.to_wire()))
         assert _handshake_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
         assert not sock.poll(500), "an unknown key got an answer"
         assert not os.path.exists(os.path.join(nodes.roots(1)[0], SESSION, "iter_0000009"))
@@ -222,12 +223,12 @@ def test_unknown_key_cannot_push_or_fetch(make_nodes, tmp_path, zmq_context):
         session["peers"].append(["tcp://127.0.0.254:1", stranger[0].decode()])
         channel.call(MessageType.LOCAL_SESSION, session)
         sock2, monitor2 = _client(zmq_context, info["address"], info["public_key"], stranger)
-        sock2.send_multipart(protocol.encode(MessageType.PART_BEGIN, 0, push))
+        sock2.send_multipart(protocol.encode(PartBegin.message_type, 0, push.to_wire()))
         assert _handshake_event(monitor2) == zmq.EVENT_HANDSHAKE_SUCCEEDED
         assert sock2.poll(30_000), "a known key got no answer"
         reply = protocol.decode(sock2.recv_multipart())
-        assert reply.type == MessageType.PART_ACK and reply.body["received"] == 0
-        sock2.send_multipart(protocol.encode(MessageType.PART_END, 0,
-                                             {"xfer": 1, "abort": True, "error": "test"}))
+        assert reply.type == PartAck.message_type and reply.body["received"] == 0
+        end = PartEnd(xfer=1, abort=True, error="test")
+        sock2.send_multipart(protocol.encode(PartEnd.message_type, 0, end.to_wire()))
     finally:
         channel.close()

@@ -1,6 +1,6 @@
 """Metrics: the status document as Prometheus text, parsed back with prometheus_client.
 
-Documents come from the real ``Ledger.snapshot`` (the producer of the status schema);
+Documents come from the real ``RequestTable.snapshot`` (the producer of the status schema);
 the textfile and the HTTP endpoint are real files and real sockets.
 """
 
@@ -11,7 +11,9 @@ import stat
 
 import pytest
 
-from ckptd.ledger import Ledger, RankInfo, SaveRequest
+from ckptd.protocol import Hello
+from ckptd.server.ranks import RankRegistry
+from ckptd.server.requests import RequestTable, SaveRequest
 from ckptd.metrics import (DURATION_BUCKETS, MetricsAddressError, MetricsExporter, SaveStats,
                            parse_listen_address, render, write_textfile)
 from ckptd.protocol import Phase
@@ -33,15 +35,30 @@ def value(fams: dict, family: str, sample: str | None = None, **labels) -> float
     return matches[0]
 
 
+class Ledger:
+    """The daemon's books as the status document sees them: requests and ranks."""
+
+    def __init__(self) -> None:
+        self.table = RequestTable()
+        self.ranks = RankRegistry()
+
+    def record_outcome(self, request: SaveRequest) -> None:
+        self.table.record_outcome(request)
+
+    def snapshot(self, **fields) -> dict:
+        in_flight = lambda identity: len(self.table.of_connection(identity))
+        return self.table.snapshot(self.ranks.describe(in_flight), **fields)
+
+
 def request(ledger: Ledger, phase: str, nbytes: int, written: int = 0, rank: int = 0,
             created: float = 1000.0, duration: float | None = None) -> SaveRequest:
-    r = SaveRequest(id=ledger.new_request_id(), rank=rank, identity=b"id%d" % rank,
+    r = SaveRequest(id=ledger.table.new_id(), rank=rank, identity=b"id%d" % rank,
                     format="torch", path=f"/ckpt/{rank}.pt", buffers=[["uint8", [nbytes], nbytes]],
                     offsets=[0], extent_length=nbytes, phase=phase, bytes_written=written,
                     created_at=created)
     if duration is not None:
         r.finished_at = created + duration
-    ledger.requests[r.id] = r
+    ledger.table.add(r)
     return r
 
 
@@ -61,8 +78,8 @@ def snapshot(ledger: Ledger, **overrides) -> dict:
 def busy_ledger() -> Ledger:
     """Two finished saves (1.5 s and 40 s), one failure, one abort, two in flight."""
     ledger = Ledger()
-    ledger.ranks[b"id0"] = RankInfo(b"id0", 0, os.getpid(), 2)
-    ledger.ranks[b"id1"] = RankInfo(b"id1", 1, os.getpid(), 2)
+    ledger.ranks.register(b"id0", Hello(0, os.getpid(), 2))
+    ledger.ranks.register(b"id1", Hello(1, os.getpid(), 2))
     for duration, nbytes in ((1.5, 4096), (40.0, 8192)):
         done = request(ledger, Phase.DONE, nbytes, written=nbytes, duration=duration)
         ledger.record_outcome(done)
@@ -153,7 +170,7 @@ def test_a_request_that_finishes_later_is_counted_when_it_finishes():
     stats.observe([r.describe()])
     assert stats.count == 0
     r.bytes_written = 10
-    r.finish(Phase.DONE)
+    r.phase, r.finished_at = Phase.DONE, 1005.0  # as the save lifecycle ends it
     stats.observe([r.describe()])
     stats.observe([r.describe()])
     assert stats.count == 1 and stats.last_success == r.finished_at

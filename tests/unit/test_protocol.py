@@ -72,3 +72,51 @@ def test_private_dir_is_closed_to_others(tmp_path):
     os.chmod(path, 0o755)
     protocol.ensure_private_dir(str(path))
     assert os.stat(path).st_mode & 0o777 == 0o700
+
+
+# ------------------------------------------------------------------ typed bodies and shared rules
+
+def test_a_stage_body_is_checked_field_by_field_and_as_a_whole():
+    good = {"format": "dcp", "path": "/ckpt/s", "buffers": [["float32", [2, 2], 16]],
+            "files": [["__0_0.distcp", [0]]]}
+    stage = protocol.Stage.from_wire(good)
+    assert stage.files == [["__0_0.distcp", [0]]] and stage.transport == "shm"
+    for field, bad in (("buffers", [["float32", [2], -1]]), ("buffers", [["object", [1], 8]]),
+                       ("files", [[".metadata", [0]]]), ("files", [["a/b", [0]]]),
+                       ("format", "pickle"), ("transport", "tcp")):
+        with pytest.raises(ProtocolError, match=f"'{field}'") as info:
+            protocol.Stage.from_wire({**good, field: bad})
+        assert info.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(ProtocolError, match="beyond the 1 described"):
+        protocol.Stage.from_wire({**good, "files": [["f.distcp", [0, 1]]]})
+    with pytest.raises(ProtocolError, match="needs 'iteration'"):
+        protocol.Stage.from_wire({**good, "format": "local"})
+
+
+def test_unknown_fields_are_ignored_so_a_newer_client_can_add_optional_ones():
+    assert protocol.Hello.from_wire({"rank": 1, "pid": 2, "new_field": 3}).rank == 1
+
+
+def test_holders_follow_the_owner_in_clique_order():
+    assert protocol.holder_order([4, 5, 6, 7], 6) == [7, 4, 5]
+    assert protocol.holder_order([3], 3) == []
+
+
+@pytest.mark.parametrize("session", ["", "job-42", "a.b_c"])
+def test_plain_session_ids_are_accepted(session):
+    assert protocol.check_session_id(session) == session
+
+
+@pytest.mark.parametrize("session", ["..", ".", "a/b", "x" * 129, "sp ace", 7])
+def test_unsafe_session_ids_are_refused(session):
+    with pytest.raises(ValueError, match="not a plain name"):
+        protocol.check_session_id(session)
+
+
+def test_process_alive_sees_this_process_and_not_a_reaped_one():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert protocol.process_alive(os.getpid()) and not protocol.process_alive(child.pid)

@@ -4,8 +4,9 @@ Owns the daemon's CUDA side: the page-locked registration of the staging pool, a
 context on each device before a handle is opened, device matching by UUID, the cache of
 opened mappings per trainer process (reused across saves, dropped when a save no longer
 names them or the trainer goes away), and a worker thread that does the copies so the
-serve loop keeps answering. Results go back to the loop through an inproc socket.
-Only loaded when the node has an NVIDIA driver.
+serve loop keeps answering. Jobs and results are typed (:class:`CudaJob`,
+:class:`CudaStaged`) and cross threads through :class:`ckptd.mailbox.Mailbox` es; the
+stager never sees a request object. Only loaded when the node has an NVIDIA driver.
 """
 
 from __future__ import annotations
@@ -14,12 +15,42 @@ import logging
 import os
 import queue
 import threading
+from dataclasses import dataclass
 
 import zmq
 
 from ckptd import protocol
+from ckptd.mailbox import Mailbox
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CudaJob:
+    """Copy a request's CUDA tensors (client IPC descriptions) into its extent."""
+
+    request_id: int
+    base: int       # the extent's offset in the pool
+    offsets: list   # of each buffer, relative to ``base``
+    buffers: list   # [dtype, shape, nbytes] as the request declared them
+    specs: list     # the client's IPC descriptions, one per buffer
+    pid: int        # the trainer process that exported the handles
+
+
+@dataclass(frozen=True)
+class CudaStaged:
+    """A :class:`CudaJob` finished: ``error`` is ``None`` when every byte is in the pool."""
+
+    request_id: int
+    error: str | None
+
+
+@dataclass(frozen=True)
+class _ForgetProcess:
+    pid: int
+
+
+_STOP = object()
 
 
 class CudaStager:
@@ -46,62 +77,47 @@ class CudaStager:
         self.devices = {str(torch.cuda.get_device_properties(i).uuid): i
                         for i in range(torch.cuda.device_count())}
         self._opened: dict[int, dict] = {}  # trainer pid -> {(handle, offset): storage}
+        # Jobs wait in a plain queue (the stager thread blocks on it); results go back to
+        # the serve loop through a mailbox it polls.
         self._jobs: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        context = zmq.Context.instance()
-        endpoint = f"inproc://ckptd-cuda-{id(self)}"
-        self.wake_socket = context.socket(zmq.PAIR)
-        self.wake_socket.bind(endpoint)
-        self._notify = context.socket(zmq.PAIR)
-        self._notify.connect(endpoint)
+        #: Results for the serve loop: poll ``results.doorbell``, then ``results.drain``.
+        self.results = Mailbox(zmq.Context.instance(), "cuda-staged")
         self._thread = threading.Thread(target=self._run, name="ckptd-cuda-staging", daemon=True)
         self._thread.start()
 
-    def submit(self, request, specs: list, pid: int) -> None:
-        """Queue the D2H copy of ``specs`` (client IPC descriptions) for ``request``."""
-        self._jobs.put((request, specs, pid))
-
-    def drain(self, on_staged) -> None:
-        """Deliver finished stagings to ``on_staged(request, error)`` on the loop thread."""
-        while self.wake_socket.poll(0):
-            self.wake_socket.recv()
-        while True:
-            try:
-                request, error = self._done.get_nowait()
-            except queue.Empty:
-                return
-            on_staged(request, error)
+    def submit(self, job: CudaJob) -> None:
+        """Queue a device-to-host copy; a :class:`CudaStaged` comes back in :attr:`results`."""
+        self._jobs.put(job)
 
     def forget_process(self, pid: int) -> None:
         """Drop the mappings opened for a trainer that went away."""
-        self._jobs.put((None, None, pid))
+        self._jobs.put(_ForgetProcess(pid))
 
     def _run(self) -> None:
         while True:
-            request, specs, pid = self._jobs.get()
-            if request is None and specs is None and pid is None:
+            job = self._jobs.get()
+            if job is _STOP:
                 return
-            if request is None:
-                self._opened.pop(pid, None)
+            if isinstance(job, _ForgetProcess):
+                self._opened.pop(job.pid, None)
                 continue
             try:
-                self._stage(request, specs, pid)
+                self._stage(job)
                 error = None
             except Exception as exc:  # reported to the trainer, never kills the thread
-                log.exception("CUDA staging of request %d failed", request.id)
+                log.exception("CUDA staging of request %d failed", job.request_id)
                 error = f"CUDA staging failed on the daemon: {type(exc).__name__}: {exc}"
-            self._done.put((request, error))
-            self._notify.send(b"")
+            self.results.post(CudaStaged(job.request_id, error))
 
-    def _stage(self, request, specs: list, pid: int) -> None:
+    def _stage(self, job: CudaJob) -> None:
         torch = self.torch
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        cache = self._opened.setdefault(pid, {})
+        cache = self._opened.setdefault(job.pid, {})
         used = {}
-        base = request.extent.offset
+        base = job.base
         streams = {}
-        for spec, offset, (_, _, expected_nbytes) in zip(specs, request.offsets, request.buffers):
+        for spec, offset, (_, _, expected_nbytes) in zip(job.specs, job.offsets, job.buffers):
             device = self.devices.get(spec["device_uuid"])
             if device is None:
                 raise RuntimeError(f"the trainer's GPU {spec['device_uuid']} is not visible to "
@@ -135,8 +151,7 @@ class CudaStager:
         cache.update(used)
 
     def close(self) -> None:
-        """Stop the worker thread and close the wake sockets."""
-        self._jobs.put((None, None, None))
+        """Stop the worker thread and close the result mailbox."""
+        self._jobs.put(_STOP)
         self._thread.join(timeout=5)
-        self.wake_socket.close()
-        self._notify.close()
+        self.results.close()

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from ckptd.pool import Extent, PoolTooSmallError, StagingPool
+from ckptd.staging.pool import Extent, PoolTooSmallError, StagingPool
 from ckptd.protocol import EXTENT_ALIGNMENT
 
 
@@ -80,7 +80,7 @@ def test_a_pool_that_does_not_fit_fails_at_start_with_a_clear_error(tmp_path):
 
 
 def test_pools_of_dead_daemons_are_removed_and_live_ones_kept(tmp_path):
-    from ckptd.pool import remove_stale_pools
+    from ckptd.staging.pool import remove_stale_pools
 
     finished = subprocess.Popen(["true"])
     finished.wait()

@@ -3,8 +3,9 @@
 Owns the segment's life (create, pre-fault, page-lock when a GPU is present, unlink) and
 the extent allocator with back-pressure: a request that does not fit *now* waits in FIFO
 order until writers release space; a request larger than the whole pool is refused at
-once. An extent is released only by its owner request once every reader (writers and,
-later, replicators) is done with it, so staged bytes are never overwritten.
+once. An extent is released only through its lease (``ckptd.server.lifecycle``) once every
+reader (device copy, writers, replicas) dropped its hold, so staged bytes are never
+overwritten.
 
 Pattern: first-fit free list over one ``mmap``; clients map the same file by path.
 It must not know about requests, files or sockets.
@@ -19,22 +20,12 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from ckptd.protocol import EXTENT_ALIGNMENT, align_up
+from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive
 
 log = logging.getLogger(__name__)
 
 
 SHM_DIR = "/dev/shm"
-
-
-def _pid_is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_pools(directory: str = SHM_DIR) -> list[str]:
@@ -51,7 +42,7 @@ def remove_stale_pools(directory: str = SHM_DIR) -> list[str]:
         parts = name.split("-")
         if not name.startswith(prefix) or len(parts) != 4 or not parts[2].isdigit():
             continue
-        if _pid_is_running(int(parts[2])):
+        if process_alive(int(parts[2])):
             continue
         try:
             os.unlink(os.path.join(directory, name))

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ckptd.roots import AllowedRoots, PathRefusedError
+from ckptd.storage.roots import AllowedRoots, PathRefusedError
 
 
 @pytest.fixture

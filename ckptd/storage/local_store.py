@@ -5,13 +5,13 @@ Owns the on-disk layout under the directory a trainer's ``LocalCheckpointManager
 
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part            a part
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.ckptd-sum  its crc32
-    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/.rank_<r>.part.<pid>.ckptd-tmp dirty, in progress
-    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/committed               all ranks agreed
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/.rank_<r>.part.<pid>.<token>.ckptd-tmp  dirty
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/committed (+ its .ckptd-sum) all ranks agreed
 
 One part per owner rank and iteration; a replica held for another rank has exactly the
 name and bytes its owner's daemon wrote, so "own" and "replica" differ only in who asked
 for it. A part is written under its dirty name, fsynced, checksummed, renamed clean and
-the directory fsynced (see :func:`ckptd.writers.write_file_atomically`); the part format
+the directory fsynced (see :mod:`ckptd.storage.durable`); the part format
 (:func:`ckptd.protocol.encode_part_header`) loads without unpickling anything.
 
 Space rule (from the reference guide): the directory must hold two parts per rank (the
@@ -32,38 +32,23 @@ import os
 import re
 import shutil
 import threading
-import zlib
 from dataclasses import dataclass
 
-from ckptd.checksum import Checksum, ChecksumMismatchError, verify_file, write_sidecar
-from ckptd.roots import AllowedRoots, PathRefusedError
-from ckptd.writers import fsync_directory, remove_written, temporary_name
+from ckptd.checksum import Checksum, ChecksumMismatchError, verify_file
+from ckptd.protocol import check_session_id
+from ckptd.storage.durable import (DurableFile, fsync_directory, make_directories,
+                                   remove_written, write_small_file)
+from ckptd.storage.roots import AllowedRoots, PathRefusedError
 
 log = logging.getLogger(__name__)
 
 COMMITTED_MARKER = "committed"
-_SESSION_RE = re.compile(r"[A-Za-z0-9_.\-]{0,128}")
 _ITER_RE = re.compile(r"iter_(\d+)")
 _PART_RE = re.compile(r"rank_(\d+)\.part")
 
 
 class LocalStoreError(Exception):
     """A local-checkpoint request the store cannot serve (with a hint in the text)."""
-
-
-def check_session_id(session_id: str) -> str:
-    """Return ``session_id`` if it is a safe single path component (or empty).
-
-    Raises
-    ------
-    LocalStoreError
-        For ids with ``/``, ``..`` or characters other than letters, digits, ``_.-``.
-    """
-    if (not isinstance(session_id, str) or not _SESSION_RE.fullmatch(session_id)
-            or session_id in (".", "..")):
-        raise LocalStoreError(f"session id {session_id!r} is not a plain name; use letters, "
-                              "digits, '_', '.', '-' (at most 128)")
-    return session_id
 
 
 @dataclass(frozen=True)
@@ -119,14 +104,17 @@ class LocalStore:
         LocalStoreError
             If the session id is unsafe or the root lies outside ``--local-dir``.
         """
-        check_session_id(session_id)
+        try:
+            check_session_id(session_id)
+        except ValueError as exc:
+            raise LocalStoreError(str(exc)) from None
         try:
             resolved = self.allowed.check(root)
         except PathRefusedError as exc:
             raise LocalStoreError(f"local checkpoint directory refused: {exc} (start ckptd "
                                   "with --local-dir covering it)") from None
         session = LocalSession(session_id, resolved)
-        os.makedirs(session.directory, exist_ok=True)
+        make_directories(session.directory)
         with self._lock:
             previous = self._sessions.get(session_id)
             self._sessions[session_id] = session
@@ -243,7 +231,7 @@ class LocalStore:
         """A new save of ``iteration`` starts: it is not committed until all ranks agree."""
         marker = os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER)
         if os.path.exists(marker):
-            os.unlink(marker)
+            remove_written(marker)
             fsync_directory(session.iteration_dir(iteration))
 
     def commit(self, session: LocalSession, iteration: int) -> list[int]:
@@ -257,14 +245,8 @@ class LocalStore:
         list of int
             The iterations removed.
         """
-        directory = session.iteration_dir(iteration)
-        os.makedirs(directory, exist_ok=True)
-        marker = os.path.join(directory, COMMITTED_MARKER)
-        with open(marker, "w") as f:
-            f.write(f"{iteration}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_directory(directory)
+        marker = os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER)
+        write_small_file(marker, f"{iteration}\n".encode(), checksum=True)
         removed = [old for old in self.iterations(session) if old < iteration]
         for old in removed:
             shutil.rmtree(session.iteration_dir(old), ignore_errors=True)
@@ -292,20 +274,16 @@ class PartWriter:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.tmp = temporary_name(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._file = open(self.tmp, "wb", buffering=0)
-        self.crc = 0
-        self.size = 0
+        self._file = DurableFile(path)
+
+    @property
+    def size(self) -> int:
+        """Bytes received so far."""
+        return self._file.stream.size
 
     def write(self, data) -> None:
-        """Append ``data`` and fold it into the running crc32."""
-        view = memoryview(data).cast("B")
-        self.crc = zlib.crc32(view, self.crc)
-        self.size += view.nbytes
-        while view:
-            written = self._file.write(view)
-            view = view[written:]
+        """Append ``data`` (folded into the running crc32 as it is written)."""
+        self._file.stream.write(data)
 
     def finish(self, expected_crc: int | None = None) -> Checksum:
         """Make the part durable under its clean name.
@@ -315,27 +293,14 @@ class PartWriter:
         ChecksumMismatchError
             If the bytes received do not have ``expected_crc``; the dirty file is removed.
         """
-        try:
-            if expected_crc is not None and expected_crc != self.crc:
-                raise ChecksumMismatchError(
-                    f"{self.path}: received bytes have crc32 {self.crc:08x}, the sender "
-                    f"declared {expected_crc:08x}; the copy is discarded")
-            os.fsync(self._file.fileno())
-            self._file.close()
-            checksum = Checksum(self.crc, self.size)
-            write_sidecar(self.path, checksum)
-            os.replace(self.tmp, self.path)
-            fsync_directory(os.path.dirname(self.path))
-            return checksum
-        except BaseException:
+        received = self._file.stream.crc
+        if expected_crc is not None and expected_crc != received:
             self.discard()
-            raise
+            raise ChecksumMismatchError(
+                f"{self.path}: received bytes have crc32 {received:08x}, the sender "
+                f"declared {expected_crc:08x}; the copy is discarded")
+        return self._file.commit()
 
     def discard(self) -> None:
         """Drop the dirty file (a stream that failed or was cancelled)."""
-        if not self._file.closed:
-            self._file.close()
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
+        self._file.discard()

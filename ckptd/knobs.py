@@ -1,0 +1,216 @@
+"""Every tunable of ckptd and ckpt_client, with its environment override, in one place.
+
+A knob is read when it is used (``knobs.PEER_TIMEOUT.get()``), never at import time, so a
+test or an operator can change it without re-importing anything: set the environment
+variable (for daemons, writers and ranks started later), or, inside one process, use
+:func:`override`. Defaults of ``ckptd serve``'s options that the client's auto-start shares
+(pool size, writers) live here too, so the CLI and the client cannot drift apart.
+
+Shared by the daemon and the client (like :mod:`ckptd.protocol`); importable without torch
+or zmq. Wire limits that both sides must agree on are not knobs: they are in
+:mod:`ckptd.protocol`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+__all__ = [
+    "Knob", "override", "all_knobs", "parse_bool", "parse_size",
+    "POOL_SIZE", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
+    "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS",
+    "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES",
+    "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
+    "PEER_IO_THREADS", "REPLICATOR_TICK", "METRICS_INTERVAL",
+    "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
+    "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT",
+]
+
+
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` -> True, ``0/false/no/off`` -> False (case-insensitive)."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (use 1/0, true/false, yes/no)")
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``512M``, ``2G``, ``1.5GiB`` or a plain byte count.
+
+    Raises
+    ------
+    ValueError
+        If ``text`` is not a size.
+    """
+    if isinstance(text, int):
+        return text
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = cleaned[-1] if cleaned and cleaned[-1] in _SIZE_UNITS else ""
+    number = cleaned[:-1] if unit else cleaned
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (try 512M or 4G)") from None
+    if size < 0:
+        raise ValueError(f"{text!r} is negative")
+    return size
+
+
+_overrides: dict[str, Any] = {}
+_registry: dict[str, "Knob"] = {}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tunable: a default, an optional environment variable, and how to parse it.
+
+    Parameters
+    ----------
+    name : str
+        Python-side name (also the key for :func:`override`).
+    default : object
+        Value when neither an override nor the environment says otherwise.
+    env : str or None
+        Environment variable that overrides the default.
+    parse : callable
+        Turns the environment's text into a value.
+    doc : str
+        What the knob changes, for ``docs/`` and error messages.
+    """
+
+    name: str
+    default: Any
+    env: str | None
+    parse: Callable[[str], Any]
+    doc: str
+
+    def get(self) -> Any:
+        """The current value: an :func:`override`, else the environment, else the default.
+
+        Raises
+        ------
+        ValueError
+            If the environment variable is set to something that does not parse; the
+            message names the variable.
+        """
+        if self.name in _overrides:
+            return _overrides[self.name]
+        raw = os.environ.get(self.env) if self.env else None
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.env}={raw!r} is invalid: {exc}; "
+                             f"unset it to use the default {self.default!r}") from None
+
+
+def _knob(name: str, default: Any, parse: Callable[[str], Any], doc: str,
+          env: str | None = "") -> Knob:
+    knob = Knob(name, default, f"CKPTD_{name}" if env == "" else env, parse, doc)
+    _registry[name] = knob
+    return knob
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Set knobs for the duration of a ``with`` block in this process (tests).
+
+    Raises
+    ------
+    KeyError
+        If a name is not a knob.
+    """
+    unknown = set(values) - set(_registry)
+    if unknown:
+        raise KeyError(f"no knob named {', '.join(sorted(unknown))}")
+    saved = {name: _overrides[name] for name in values if name in _overrides}
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        for name in values:
+            _overrides.pop(name, None)
+        _overrides.update(saved)
+
+
+def all_knobs() -> list[Knob]:
+    """Every knob, in definition order (for documentation)."""
+    return list(_registry.values())
+
+
+# Each knob: name, default, parser, what it changes. Its variable is CKPTD_<name>.
+
+# ---------------------------------------------------------------- the daemon (ckptd serve)
+POOL_SIZE = _knob(
+    "POOL_SIZE", "1G", str, "Staging pool size (serve's --pool-size default; auto-start's)")
+WRITERS = _knob(
+    "WRITERS", 2, int, "Writer processes (serve's --writers default)")
+DRAIN_TIMEOUT = _knob(
+    "DRAIN_TIMEOUT", 60.0, float, "Seconds SIGTERM lets in-flight saves finish (--drain-timeout)")
+WRITER_START_TIMEOUT = _knob(
+    "WRITER_START_TIMEOUT", 120.0, float, "Seconds writer processes may take to start")
+SERVE_TICK = _knob(
+    "SERVE_TICK", 0.25, float, "Seconds between the serve loop's housekeeping rounds")
+UNCLAIMED_RESULT_SECONDS = _knob(
+    "UNCLAIMED_RESULT_SECONDS", 3600.0, float, "Finished requests nobody polled are dropped after")
+RECENT_REQUESTS = _knob(
+    "RECENT_REQUESTS", 32, int, "Requests kept in the status document")
+RECENT_ERRORS = _knob(
+    "RECENT_ERRORS", 16, int, "Failures kept in the status document")
+# Writers run at a lower CPU priority than the trainers: a save that is durable a bit
+# later costs nothing, a training step slowed by serialization costs GPU time.
+WRITER_NICE = _knob(
+    "WRITER_NICE", 10, int, "nice value of writer processes")
+CHECKSUM_OVERLAP_MIN_BYTES = _knob(
+    "CHECKSUM_OVERLAP_MIN_BYTES", 1 << 20, int, "Chunks checksummed beside their write from")
+WRITEBACK_EVERY_BYTES = _knob(
+    "WRITEBACK_EVERY_BYTES", 64 << 20, int, "Start writeback (sync_file_range) every so many")
+METRICS_INTERVAL = _knob(
+    "METRICS_INTERVAL", 2.0, float, "Seconds between two renders of the Prometheus metrics")
+
+# ---------------------------------------------------------------- replication between daemons
+PEER_TIMEOUT = _knob(
+    "PEER_TIMEOUT", 30.0, float, "Seconds a part stream may go without progress")
+PEER_PING_INTERVAL = _knob(
+    "PEER_PING_INTERVAL", 1.0, float, "Seconds between heartbeats to each peer")
+PEER_MISS_BUDGET = _knob(
+    "PEER_MISS_BUDGET", 3, int, "Heartbeats a peer may miss before it is reported down")
+# Enough to keep a stream busy across the receiver's disk writes (4 was ~35% slower on
+# loopback); each stream queues at most this many frames in ZeroMQ.
+REPLICATION_WINDOW = _knob(
+    "REPLICATION_WINDOW", 16, int, "Part frames in flight without acknowledgement")
+# CURVE encryption runs in ZeroMQ's I/O threads: two let a node encrypt what it pushes
+# while it decrypts what it receives.
+PEER_IO_THREADS = _knob(
+    "PEER_IO_THREADS", 2, int, "ZeroMQ I/O threads of the peer context")
+REPLICATOR_TICK = _knob(
+    "REPLICATOR_TICK", 0.1, float, "Seconds between the replicator's timer checks")
+
+# ---------------------------------------------------------------- the client (ckpt_client)
+AUTO_START = _knob(
+    "AUTO_START", None, parse_bool, "Start a daemon when none answers (unset: if no socket set)")
+AUTO_EXIT_WHEN_IDLE = _knob(
+    "AUTO_EXIT_WHEN_IDLE", 120.0, float, "Seconds without trainers before auto-started ones exit")
+START_TIMEOUT = _knob(
+    "START_TIMEOUT", 120.0, float, "Seconds an auto-started daemon may take to become ready")
+HELLO_TIMEOUT = _knob(
+    "HELLO_TIMEOUT", 5.0, float, "Seconds to wait for the daemon's hello")
+CALL_TIMEOUT = _knob(
+    "CALL_TIMEOUT", 60.0, float, "Seconds to wait for an ordinary reply")
+STAGE_TIMEOUT = _knob(
+    "STAGE_TIMEOUT", 600.0, float, "Seconds a save may wait for staging space (back-pressure)")
+LOCAL_LOAD_TIMEOUT = _knob(
+    "LOCAL_LOAD_TIMEOUT", 600.0, float, "Seconds to wait for a daemon's inventory or a fetch")
+# Named CKPTD_ROOTS since the first release.
+AUTO_ROOTS = _knob(
+    "AUTO_ROOTS", "/", str, "':'-separated roots an auto-started daemon allows", "CKPTD_ROOTS")

@@ -1,0 +1,90 @@
+"""The replicator's mailbox vocabulary: commands from the serve loop, events back to it.
+
+Plain dataclasses that cross threads inside one process through
+:class:`ckptd.mailbox.Mailbox` (nothing is serialized). Each side dispatches on the class
+through one handler table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """Which part: ``owner``'s part of ``iteration`` in local-checkpoint ``session``."""
+
+    session: str
+    owner: int
+    iteration: int
+
+
+# ---------------------------------------------------------------- serve loop -> replicator
+
+@dataclass(frozen=True)
+class SetPeers:
+    """The trainers' table: peer daemons (address, public key) and every key allowed in."""
+
+    peers: list          # [(address, key)] of this session's daemons
+    allowed_keys: list   # keys of every registered session's daemons
+
+
+@dataclass(frozen=True)
+class ConnectPeers:
+    """Dial every known peer now (every daemon has the key table by then)."""
+
+
+@dataclass(frozen=True)
+class StopReplicator:
+    """Drop streams in flight and end the thread."""
+
+
+@dataclass(frozen=True)
+class Push:
+    """Stream a staged part from the pool to its holders."""
+
+    request_id: int
+    part: PartRef
+    holders: list   # [(address, key)] in holder order
+    items: list     # [(pool offset, nbytes)] back to back
+
+
+@dataclass(frozen=True)
+class CancelPush:
+    """Stop the pushes of an aborted save (each answers with a failed :class:`PushDone`)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """Get a part this node lacks from the holders, trying them in order."""
+
+    fetch_id: int
+    part: PartRef
+    path: str       # where the part goes on this node
+    holders: list   # [(address, key)]
+
+
+# ---------------------------------------------------------------- replicator -> serve loop
+
+@dataclass(frozen=True)
+class PushDone:
+    """One holder's replica of a push is durable (``ok``) or failed."""
+
+    request_id: int
+    holder: str
+    error: str | None  # None when ok
+    ok: bool
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FetchDone:
+    """A fetch ended: the part is at ``path``, or no holder had a verified copy."""
+
+    fetch_id: int
+    ok: bool
+    path: str | None
+    holder: str | None
+    tried: list     # [{"holder", "error"}] of holders that failed first

@@ -1,0 +1,243 @@
+"""The sockets a daemon talks to its peer daemons with: CURVE, an authenticator, links.
+
+Owns:
+
+- the peer context and this daemon's CURVE key pair;
+- a ROUTER bound on ``--peer-listen`` (tcp), a CURVE server whose ZAP authenticator
+  admits only the public keys the trainers handed this daemon through their own process
+  group; any other client fails the handshake and never reaches the replicator;
+- one DEALER per peer daemon (a :class:`PeerLink`, CURVE client pinned to that peer's
+  key), dialed on demand and redialed when the peer stopped answering;
+- non-blocking *senders*: ``send(body, frames) -> bool`` (``False``: would block, try
+  later), raising :class:`PeerGone` when the peer is unreachable.
+
+Pattern: pyzmq's ironhouse (CURVE + ZAP callback). It runs on the replicator thread only,
+and knows nothing of parts or requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket as _socket
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from ckptd import knobs, protocol
+from ckptd.protocol import PART_FRAME_BYTES, Body
+from ckptd.replication.health import PeerHealth
+
+log = logging.getLogger(__name__)
+
+#: ZAP domain of the peer socket (the authenticator answers only for it).
+ZAP_DOMAIN = "ckptd-peers"
+#: Largest peer message: one part frame plus its header.
+MAX_PEER_MESSAGE = PART_FRAME_BYTES + (1 << 20)
+
+#: ``send(body, frames=()) -> bool``: False when it would block.
+Sender = Callable[..., bool]
+
+
+class PeerGone(Exception):
+    """The other end of a connection cannot be reached any more."""
+
+
+def send_quietly(send: Sender, body: Body, frames=()) -> bool:
+    """Send if possible; an unreachable peer is reported by its stream's timeout instead."""
+    try:
+        return send(body, frames)
+    except PeerGone:
+        return False
+
+
+class _AllowedKeys:
+    """ZAP credentials provider: admits the CURVE public keys of this job's daemons."""
+
+    def __init__(self) -> None:
+        self.keys: frozenset = frozenset()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self.keys
+        if not allowed:
+            log.warning("refused a peer connection with unknown CURVE key %s (domain %s): it "
+                        "is not one of this job's daemons", key.decode(errors="replace"), domain)
+        return allowed
+
+
+def advertised_address(endpoint: str) -> str:
+    """The address peers should dial for a bound ``tcp://host:port`` endpoint."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if host in ("0.0.0.0", "*", "[::]", "::"):
+        host = _socket.gethostbyname(_socket.gethostname())
+    return f"tcp://{host}:{port}"
+
+
+@dataclass
+class PeerStats:
+    """What this daemon exchanged with one peer; survives redials of its link."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    streams_ok: int = 0
+    streams_failed: int = 0
+    last_error: str | None = None
+
+    def stream_ended(self, ok: bool, error: str | None) -> None:
+        """Count a finished stream with this peer."""
+        if ok:
+            self.streams_ok += 1
+        else:
+            self.streams_failed += 1
+            self.last_error = error
+
+
+@dataclass
+class PeerLink:
+    """The DEALER this daemon dials one peer daemon with, and what it knows of the peer."""
+
+    address: str
+    key: bytes
+    socket: zmq.Socket
+    health: PeerHealth
+    stats: PeerStats = field(default_factory=PeerStats)
+
+
+def _send_multipart(sock: zmq.Socket, prefix: list, body: Body, frames) -> bool:
+    try:
+        sock.send_multipart([*prefix, *protocol.encode(body.message_type, 0, body.to_wire(),
+                                                       frames)],
+                            flags=zmq.NOBLOCK, copy=False)
+        return True
+    except zmq.Again:
+        return False
+    except zmq.ZMQError as exc:  # EHOSTUNREACH: that peer disconnected
+        raise PeerGone(str(exc)) from None
+
+
+class PeerTransport:
+    """The peer context, the authenticated listening socket and the links to peers.
+
+    Parameters
+    ----------
+    listen : str
+        ``tcp://host:port`` to bind the peer ROUTER on.
+
+    Attributes
+    ----------
+    address : str
+        The address peers dial (the bound endpoint, port resolved).
+    public_key : str
+        This daemon's CURVE public key (z85), handed to peers through the trainers.
+    router : zmq.Socket
+        The listening socket (poll it for messages from peers that dialed us).
+    """
+
+    def __init__(self, listen: str) -> None:
+        if not listen.startswith("tcp://"):
+            raise ValueError(f"--peer-listen {listen!r} must be a tcp://host:port address")
+        self.context = zmq.Context(io_threads=knobs.PEER_IO_THREADS.get())
+        self._public, self._secret = zmq.curve_keypair()
+        self.public_key = self._public.decode()
+        self._allowed = _AllowedKeys()
+        self.auth = ThreadAuthenticator(self.context, log=logging.getLogger(f"{__name__}.zap"))
+        self.auth.start()
+        self.auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self._allowed)
+        self.router = self.context.socket(zmq.ROUTER)
+        self.router.linger = 0
+        self.router.curve_server = True
+        self.router.curve_publickey = self._public
+        self.router.curve_secretkey = self._secret
+        self.router.zap_domain = ZAP_DOMAIN.encode()
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_MESSAGE)
+        try:
+            self.router.bind(listen)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise OSError(f"cannot listen for peer daemons on {listen}: {exc}; pick a free "
+                          "address for --peer-listen") from None
+        self.address = advertised_address(self.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self.links: dict[str, PeerLink] = {}
+        self.known: dict[str, bytes] = {}  # peer address -> public key, from the trainers
+        self._stats: dict[str, PeerStats] = {}
+
+    # ------------------------------------------------------------ keys
+    def allow(self, keys) -> None:
+        """Admit exactly these public keys (z85 strings) on the listening socket."""
+        self._allowed.keys = frozenset(k.encode() if isinstance(k, str) else k for k in keys)
+
+    def learn(self, address: str, key: str) -> None:
+        """Remember a peer's key; a link to it with another key (it restarted) is dropped."""
+        if address == self.address:
+            return
+        self.known[address] = key.encode()
+        link = self.links.get(address)
+        if link is not None and link.key != key.encode():
+            self.drop(link)
+
+    # ------------------------------------------------------------ links
+    def link(self, address: str, key: str | bytes | None = None) -> PeerLink:
+        """The link to ``address`` (dialed now if there is none, or the key changed)."""
+        key_bytes = key.encode() if isinstance(key, str) else (key or self.known[address])
+        link = self.links.get(address)
+        if link is not None and link.key == key_bytes:
+            return link
+        if link is not None:  # the peer restarted with a new key
+            self.drop(link)
+        sock = self.context.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.curve_serverkey = key_bytes
+        sock.curve_publickey = self._public
+        sock.curve_secretkey = self._secret
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_MESSAGE)
+        sock.connect(address)
+        link = PeerLink(address, key_bytes, sock, PeerHealth(address),
+                        self._stats.setdefault(address, PeerStats()))
+        self.links[address] = link
+        return link
+
+    def drop(self, link: PeerLink) -> None:
+        """Close a link (what is queued on it is discarded)."""
+        link.socket.close(linger=0)
+        if self.links.get(link.address) is link:
+            del self.links[link.address]
+
+    def redial(self, link: PeerLink) -> PeerLink:
+        """Replace a link whose peer stopped answering; its health history carries over."""
+        self.drop(link)
+        fresh = self.link(link.address, link.key)
+        fresh.health = link.health.redialed()
+        return fresh
+
+    def link_of(self, sock: zmq.Socket) -> PeerLink | None:
+        """The link that owns ``sock`` (None once it was dropped)."""
+        return next((l for l in self.links.values() if l.socket is sock), None)
+
+    def stats_of(self, address: str) -> PeerStats:
+        """Counters of the exchange with ``address``."""
+        return self._stats.setdefault(address, PeerStats())
+
+    # ------------------------------------------------------------ senders
+    def link_sender(self, address: str) -> Sender:
+        """Send to ``address`` over its current link (follows redials)."""
+        def send(body: Body, frames=()) -> bool:
+            link = self.links.get(address)
+            if link is None:
+                raise PeerGone(f"no link to {address}")
+            return _send_multipart(link.socket, [], body, frames)
+        return send
+
+    def router_sender(self, identity: bytes) -> Sender:
+        """Answer a peer that dialed us, by its connection identity."""
+        return lambda body, frames=(): _send_multipart(self.router, [identity], body, frames)
+
+    # ------------------------------------------------------------ end
+    def close(self) -> None:
+        """Stop the authenticator and destroy every socket."""
+        try:
+            self.auth.stop()
+        except Exception:  # stopping twice or after a failed start must not raise
+            pass
+        self.context.destroy(linger=0)

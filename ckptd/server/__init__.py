@@ -1,0 +1,15 @@
+"""The serve loop: the daemon process and everything that runs on its one thread.
+
+- ``daemon``     composition root: start, readiness, housekeeping, drain and stop; the
+                 process-level messages (hello, goodbye, ping, status);
+- ``config``     ``ckptd serve``'s options and their defaults;
+- ``loop``       the reactor that polls every socket of the daemon;
+- ``endpoint``   the client socket, its handler table, and the :class:`Call` handle that
+                 answers each request exactly once (now or deferred);
+- ``ranks``      the registered trainer processes and their liveness;
+- ``requests``   save requests, replicas, history and the status document;
+- ``lifecycle``  the only writer of a request's phase, and the extent lease whose named
+                 holds decide when staged bytes may be reused;
+- ``saves``      the save messages and the work each lifecycle step needs;
+- ``local``      the local-checkpoint messages and the replication step of a save.
+"""

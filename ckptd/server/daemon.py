@@ -1,0 +1,286 @@
+"""The daemon process: wiring the components, readiness, housekeeping, a clean stop.
+
+Owns the process's life: it creates the socket directory, the staging pool, the writer
+processes, the CUDA stager (when there is a GPU), the local-checkpoint service (and its
+replicator), binds the client endpoint, announces readiness, serves until SIGTERM (or the
+idle timeout), drains in-flight saves for at most ``--drain-timeout``, and cleans up.
+It answers the process-level messages itself (``hello``, ``goodbye``, ``ping``,
+``status``) and runs the housekeeping tick: dead writers are replaced, the saves of
+trainers that died are aborted, unclaimed results are dropped, metrics are exported.
+
+Pattern: composition root. Everything that runs is registered on one
+:class:`~ckptd.server.loop.EventLoop`; the components own their state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from ckptd import __version__, knobs, protocol
+from ckptd.metrics import MetricsExporter
+from ckptd.protocol import Empty, Hello, MessageType
+from ckptd.readiness import announce_ready, announce_stopping
+from ckptd.server.config import DaemonConfig
+from ckptd.server.endpoint import Call, ClientEndpoint
+from ckptd.server.local import LocalService
+from ckptd.server.loop import EventLoop
+from ckptd.server.ranks import RankRegistry
+from ckptd.server.requests import RequestTable, host_name
+from ckptd.server.saves import SaveService
+from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
+from ckptd.storage.roots import AllowedRoots
+from ckptd.storage.writer_pool import WriterPool
+
+log = logging.getLogger(__name__)
+
+
+class AlreadyRunningError(RuntimeError):
+    """Another daemon already answers on the configured socket."""
+
+
+class Daemon:
+    """A ckptd daemon for one node and job.
+
+    Parameters
+    ----------
+    config : DaemonConfig
+        Socket, roots, pool size, writers, and the rest of ``ckptd serve``'s options.
+    """
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.socket_path = config.socket_path
+        self.runtime_dir = os.path.dirname(self.socket_path)
+        self.ready_file = config.ready_file or protocol.ready_file_for(self.socket_path)
+        self.roots = AllowedRoots.of(config.roots)
+        self.table = RequestTable()
+        self.ranks = RankRegistry()
+        self.started_at = time.time()
+        self.stopping_since: float | None = None
+        self.idle_since: float | None = time.monotonic()
+        self.saves = SaveService(self)
+        self.local = LocalService(self)
+        self.loop = EventLoop()
+        self.context: zmq.Context | None = None
+        self.endpoint: ClientEndpoint | None = None
+        self.pool: StagingPool | None = None
+        self.writers: WriterPool | None = None
+        self.cuda = None
+        self.metrics: MetricsExporter | None = None
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a stop was requested (new saves are refused)."""
+        return self.stopping_since is not None
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Create the socket directory, pool and writers; bind; announce readiness.
+
+        Raises
+        ------
+        AlreadyRunningError
+            If a live daemon already serves the socket path.
+        """
+        protocol.ensure_private_dir(self.runtime_dir)
+        endpoint = protocol.endpoint_for(self.socket_path)
+        if os.path.exists(self.socket_path):
+            if protocol.socket_is_live(self.socket_path):
+                raise AlreadyRunningError(
+                    f"another ckptd already serves {self.socket_path}; stop it first "
+                    f"(ckptd status --socket {self.socket_path}) or choose another --socket")
+            os.unlink(self.socket_path)  # stale, from a daemon that was killed
+        remove_stale_pools()
+        self.pool = StagingPool(pool_path_for_this_daemon(), self.config.pool_size)
+        self.context = zmq.Context()
+        self.writers = WriterPool(self.config.writers, self.context, self.runtime_dir,
+                                  self.pool.path, self.pool.size, self.config.log_level)
+        self.writers.wait_ready(self.config.writer_start_timeout)
+        self.cuda = self._start_cuda_stager()
+        self.saves.start()
+        self.local.start()  # node-local store; peer socket and replicator with --peer-listen
+        self._wire_endpoint()
+        self.endpoint.bind(endpoint)
+        os.chmod(self.socket_path, 0o600)
+        self._register_with_loop()
+        if self.config.metrics_textfile or self.config.metrics_listen:
+            self.metrics = MetricsExporter(self.config.metrics_textfile, self.config.metrics_listen,
+                                           self.config.metrics_labels)
+            self.metrics.start()
+        announce_ready(self.socket_path, self.ready_file,
+                       {"pid": os.getpid(), "version": __version__, "pool": self.pool.path,
+                        "pool_size": self.pool.size, "writers": self.config.writers})
+        log.info("serving %s: pool %d MiB at %s, %d writers, roots %s", self.socket_path,
+                 self.pool.size >> 20, self.pool.path, self.config.writers,
+                 ", ".join(self.roots.roots))
+
+    def _start_cuda_stager(self):
+        try:
+            from ckptd.staging.cuda import CudaStager
+        except ImportError:
+            return None
+        return CudaStager.create_if_available(self.pool)
+
+    def _wire_endpoint(self) -> None:
+        self.endpoint = ClientEndpoint(self.context)
+        self.endpoint.route(Hello, self.on_hello)
+        for message_type, handler in ((MessageType.GOODBYE, self.on_goodbye),
+                                      (MessageType.PING, self.on_ping),
+                                      (MessageType.STATUS, self.on_status),
+                                      (MessageType.PEER_INFO, self.local.on_peer_info)):
+            self.endpoint.route(Empty, handler, message_type)
+        for routes in (self.saves.routes(), self.local.routes()):
+            for body_type, handler in routes.items():
+                self.endpoint.route(body_type, handler)
+
+    def _register_with_loop(self) -> None:
+        self.loop.watch(self.endpoint.socket, self.endpoint.serve_one)
+        for sock in self.writers.sockets:
+            self.loop.watch(sock, lambda sock=sock: self.writers.handle(sock))
+        if self.cuda is not None:
+            self.loop.watch(self.cuda.results.doorbell,
+                            lambda: self.cuda.results.drain(self.saves.on_device_copied))
+        if self.local.replicator is not None:
+            events = self.local.replicator.events
+            self.loop.watch(events.doorbell, lambda: events.drain(self.local.on_event))
+        self.loop.every(knobs.SERVE_TICK.get, self._tick)
+
+    def request_stop(self, *_: object) -> None:
+        """Begin a graceful stop: refuse new saves, drain in-flight ones."""
+        if self.stopping_since is None:
+            log.info("stop requested: draining %d in-flight request(s), at most %.0fs",
+                     len(self.table.in_flight()), self.config.drain_timeout)
+            self.stopping_since = time.monotonic()
+
+    def serve_forever(self) -> None:
+        """Run until stopped by SIGTERM/SIGINT or the idle timeout."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        try:
+            self.loop.run(self._finished_stopping)
+        finally:
+            self.shutdown()
+
+    def _finished_stopping(self) -> bool:
+        if self.stopping_since is None:
+            return False
+        # Aborted or failed requests may still have a device copy, a writer job or a push
+        # on their extent: wait for those answers too, so outputs are removed, not left.
+        if not self.table.in_flight() and not self.table.holding_space() \
+                and not self.writers.jobs_in_flight:
+            return True
+        if time.monotonic() - self.stopping_since > self.config.drain_timeout:
+            self.saves.abandon_all("ckptd shut down before this save finished")
+            return True
+        return False
+
+    def shutdown(self) -> None:
+        """Stop writers, close sockets, unlink the pool and the socket file."""
+        announce_stopping(self.ready_file)
+        if self.metrics is not None:
+            self.metrics.close()  # publishes ckptd_up 0
+        if self.writers is not None:
+            self.writers.stop()
+        for request in list(self.table.requests.values()):
+            if request.finished and request.phase != protocol.Phase.DONE:
+                self.saves.remove_outputs(request)
+        if self.cuda is not None:
+            self.cuda.close()
+        self.local.stop()
+        if self.endpoint is not None:
+            self.endpoint.close()
+        if self.context is not None:
+            self.context.term()
+        if self.pool is not None:
+            self.pool.close()
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        log.info("stopped")
+
+    # ------------------------------------------------------------------ process-level messages
+    def on_hello(self, call: Call, body: Hello) -> dict:
+        """Register a trainer process."""
+        rank = self.ranks.register(call.identity, body)
+        log.info("rank %d registered (pid %d)", rank.rank, rank.pid)
+        return {"daemon_pid": os.getpid(), "version": __version__, "pool_path": self.pool.path,
+                "pool_size": self.pool.size, "writers": self.config.writers,
+                "host": host_name(), "cuda": self.cuda is not None}
+
+    def on_goodbye(self, call: Call, body: Empty) -> dict:
+        """A trainer disconnects: space reserved for copies that will never come is freed;
+        writes already under way finish."""
+        rank = self.ranks.remove(call.identity)
+        if rank is not None:
+            log.info("rank %d said goodbye", rank.rank)
+            self.saves.abort_connection(call.identity, "the trainer disconnected before "
+                                        "staging finished", only_unstaged=True)
+            if self.cuda is not None:
+                self.cuda.forget_process(rank.pid)
+        return {}
+
+    def on_ping(self, call: Call, body: Empty) -> dict:
+        """Liveness."""
+        return {"pid": os.getpid()}
+
+    def on_status(self, call: Call, body: Empty) -> dict:
+        """The status document."""
+        return self.status()
+
+    def note_busy(self) -> None:
+        """A save arrived: the idle timer restarts."""
+        self.idle_since = None
+
+    # ------------------------------------------------------------------ housekeeping
+    def _tick(self) -> None:
+        if self.stopping_since is None:
+            self.writers.reap_dead()
+        for rank in self.ranks.gone():
+            log.warning("rank %d (pid %d) is gone; aborting its in-flight saves", rank.rank,
+                        rank.pid)
+            self.ranks.remove(rank.identity)
+            self.saves.abort_connection(rank.identity,
+                                        f"trainer process {rank.pid} exited during the save")
+            if self.cuda is not None:
+                self.cuda.forget_process(rank.pid)
+        self.table.forget_unclaimed(time.time())
+        self._check_idle()
+        if self.metrics is not None:
+            self.metrics.tick([r.describe() for r in (*self.table.requests.values(),
+                                                      *self.table.recent)], self.status)
+
+    def _check_idle(self) -> None:
+        if self.config.exit_when_idle is None:
+            return
+        if len(self.ranks) or self.table.in_flight():
+            self.idle_since = None
+            return
+        now = time.monotonic()
+        if self.idle_since is None:
+            self.idle_since = now
+        elif now - self.idle_since > self.config.exit_when_idle:
+            log.info("no trainers for %.0fs; exiting", self.config.exit_when_idle)
+            self.request_stop()
+
+    def status(self) -> dict:
+        """The status document ``ckptd status --json`` prints."""
+        pool = self.pool
+        return self.table.snapshot(
+            self.ranks.describe(lambda identity: len(self.table.of_connection(identity))),
+            version=__version__, pid=os.getpid(), host=host_name(), socket=self.socket_path,
+            started_at=self.started_at, uptime_s=time.time() - self.started_at,
+            state="draining" if self.stopping_since is not None else "serving",
+            roots=list(self.roots.roots),
+            pool={"path": pool.path, "size_bytes": pool.size, "used_bytes": pool.used_bytes,
+                  "free_bytes": pool.free_bytes, "waiting_requests": pool.waiting,
+                  "pinned": pool.registered_with_cuda},
+            writers=self.writers.describe(),
+            peers=self.local.peers_status(), local_checkpoints=self.local.checkpoints_status(),
+            replication=self.local.replication_status(),
+        )

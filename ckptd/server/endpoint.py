@@ -1,0 +1,136 @@
+"""The client endpoint: one ROUTER socket, one handler table, every request gets a reply.
+
+Owns the socket trainers (and ``ckptd status``) talk to. :meth:`ClientEndpoint.serve_one`
+decodes a message, checks its body against the typed schema of its type
+(:class:`ckptd.protocol.Body`), and calls the handler registered for it with a
+:class:`Call`: the handle to answer that one request. A handler returns a reply body, or
+:data:`DEFERRED` when the answer comes later (staging space freed, a file durable, a part
+fetched) through ``call.reply`` / ``call.fail``; whoever holds the call owes the answer.
+Any exception becomes a structured error reply and the endpoint keeps serving.
+
+Pattern: ipyparallel's hub: ``msg_type -> handler``; errors are replies, never crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from ckptd import protocol
+from ckptd.protocol import Body, ErrorCode, MessageType
+
+log = logging.getLogger(__name__)
+
+#: A handler's return value when it answers later through its :class:`Call`.
+DEFERRED = object()
+
+
+class RequestError(Exception):
+    """A request the daemon refuses; becomes an error reply with a code and a hint."""
+
+    def __init__(self, code: str, message: str, hint: str = "", **context) -> None:
+        super().__init__(message)
+        self.code, self.message, self.hint, self.context = code, message, hint, context
+
+
+@dataclass
+class Call:
+    """One client request and the right to answer it, exactly once.
+
+    Attributes
+    ----------
+    identity : bytes
+        The client connection (ROUTER identity).
+    msg_id : int
+        The request's id, echoed in the answer.
+    frames : list
+        Raw payload frames that came after the header.
+    """
+
+    endpoint: "ClientEndpoint"
+    identity: bytes
+    msg_id: int
+    frames: list = field(default_factory=list)
+    answered: bool = False
+
+    def reply(self, body: dict) -> None:
+        """Answer with a reply body (ignored if already answered)."""
+        self._answer(MessageType.REPLY, body)
+
+    def fail(self, code: str, message: str, hint: str = "", **context) -> None:
+        """Answer with an error reply (ignored if already answered)."""
+        self._answer(MessageType.ERROR, protocol.error_body(code, message, hint, **context))
+
+    def _answer(self, msg_type: str, body: dict) -> None:
+        if self.answered:
+            return
+        self.answered = True
+        self.endpoint.send(self.identity, msg_type, self.msg_id, body)
+
+
+#: ``handler(call, body) -> reply body | DEFERRED``
+Handler = Callable[[Call, Body], object]
+
+
+class ClientEndpoint:
+    """The ROUTER socket clients talk to, and its dispatch table.
+
+    Parameters
+    ----------
+    context : zmq.Context
+        The daemon's context.
+    """
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.linger = 0
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._routes: dict[str, tuple[type, Handler]] = {}
+
+    def route(self, body_type: type, handler: Handler, message_type: str | None = None) -> None:
+        """Send messages of ``body_type`` (or named ``message_type``) to ``handler``."""
+        self._routes[message_type or body_type.message_type] = (body_type, handler)
+
+    def bind(self, endpoint: str) -> None:
+        """Bind the socket."""
+        self.socket.bind(endpoint)
+
+    def serve_one(self) -> None:
+        """Receive one message and answer it (now, or later through its Call)."""
+        frames = self.socket.recv_multipart(copy=False)
+        identity, payload = frames[0].bytes, frames[1:]
+        call = Call(self, identity, -1)
+        try:
+            message = protocol.decode([f.buffer for f in payload])
+            call.msg_id, call.frames = message.id, message.frames
+            route = self._routes.get(message.type)
+            if route is None:
+                raise RequestError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {message.type!r}",
+                                   f"known types: {', '.join(sorted(self._routes))}")
+            body_type, handler = route
+            result = handler(call, body_type.from_wire(message.body))
+        except (protocol.ProtocolError, RequestError) as exc:
+            log.warning("refused a message from %s: %s", identity.hex(), exc.message)
+            call.fail(exc.code, exc.message, exc.hint, **getattr(exc, "context", {}))
+            return
+        except Exception as exc:  # keep serving whatever one handler did
+            log.exception("handler failed for message %d", call.msg_id)
+            call.fail(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}",
+                      "this is a ckptd bug; the daemon keeps serving")
+            return
+        if result is not DEFERRED:
+            call.reply(result)
+
+    def send(self, identity: bytes, msg_type: str, msg_id: int, body: dict) -> None:
+        """Send one message to a client; a client that is gone is not an error."""
+        try:
+            self.socket.send_multipart([identity, *protocol.encode(msg_type, msg_id, body)])
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: that client is gone
+            log.info("could not reply to %s (message %d): %s", identity.hex(), msg_id, exc)
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.socket.close(linger=0)

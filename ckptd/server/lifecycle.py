@@ -1,0 +1,306 @@
+"""The life of a save request: the only code that sets a request's phase or frees its space.
+
+Two owners, one per piece of state:
+
+- :class:`ExtentLease` owns a request's staging extent and the named *holds* on it:
+  ``client-copy`` (the trainer copies in), ``device-copy`` (the CUDA stager copies in),
+  ``writers`` (writer jobs read it), ``replica:<address>`` (a push streams it). The
+  extent goes back to the pool exactly once, when the last hold drops, whatever order the
+  holders finish in, so staged bytes are never overwritten while someone reads them.
+- :class:`SaveLifecycle` owns ``request.phase``::
+
+      waiting_for_pool -> staging -> writing -> [replicating] -> done
+                  \\__________\\__________\\____________\\________-> failed | aborted
+
+  It reacts to events (space granted, bytes staged, a writer's result, a replica's
+  outcome, a failure or an abort), decides the outcome, and asks its
+  :class:`SaveEffects` to do the work that goes with each step (answer the client,
+  submit writer jobs, start or cancel pushes, remove outputs of a failed save).
+
+No sockets, files or threads here: the effects do I/O, so the whole state machine is
+testable on its own (``tests/unit/server/test_lifecycle.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterable, Protocol
+
+from ckptd.protocol import ErrorCode, Phase
+from ckptd.server.endpoint import RequestError
+from ckptd.server.requests import RequestTable, SaveRequest
+from ckptd.staging.pool import Extent, StagingPool
+
+log = logging.getLogger(__name__)
+
+CLIENT_COPY = "client-copy"
+DEVICE_COPY = "device-copy"
+WRITERS = "writers"
+
+
+def replica_hold(holder: str) -> str:
+    """The hold a push to ``holder`` keeps on the extent it streams from."""
+    return f"replica:{holder}"
+
+
+class ExtentLease:
+    """A staging extent and the named holds on it; given back when the last hold drops.
+
+    Parameters
+    ----------
+    extent : Extent
+        The bytes leased.
+    give_back : callable
+        Called exactly once with the extent when the last hold drops.
+    holds : iterable of str
+        The holds the lease starts with (a lease without holds would be free already).
+    """
+
+    def __init__(self, extent: Extent, give_back: Callable[[Extent], None],
+                 holds: Iterable[str]) -> None:
+        self.extent = extent
+        self._give_back = give_back
+        self._holds = set(holds)
+        if not self._holds:
+            raise ValueError("a lease starts with at least one hold")
+        self.released = False
+
+    @property
+    def holds(self) -> frozenset:
+        """The holds still on the extent."""
+        return frozenset(self._holds)
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` still holds the extent."""
+        return name in self._holds
+
+    def hold(self, name: str) -> None:
+        """Add a hold (only while some other hold keeps the extent)."""
+        if self.released:
+            raise RuntimeError(f"extent {self.extent} was already given back; cannot hold it "
+                               f"for {name}")
+        self._holds.add(name)
+
+    def drop(self, name: str) -> None:
+        """Remove a hold; the last one gives the extent back. Unknown names are ignored."""
+        if name not in self._holds:
+            return
+        self._holds.discard(name)
+        if not self._holds and not self.released:
+            self.released = True
+            self._give_back(self.extent)
+
+
+class SaveEffects(Protocol):
+    """The work that goes with each step of a save (done by the save service)."""
+
+    def space_granted(self, request: SaveRequest) -> None:
+        """A queued request got its extent: answer its STAGE (or start its device copy)."""
+
+    def write(self, request: SaveRequest) -> int:
+        """Submit the writer jobs of a staged request; returns how many."""
+
+    def replicate(self, request: SaveRequest) -> list[str]:
+        """Start pushing a staged local part; returns the holders streamed to."""
+
+    def cancel_replication(self, request: SaveRequest) -> None:
+        """Stop a request's pushes (each still reports its outcome)."""
+
+    def remove_outputs(self, request: SaveRequest) -> None:
+        """Delete what a failed or aborted save wrote."""
+
+
+class SaveLifecycle:
+    """Moves save requests through their phases (see the module docstring).
+
+    Parameters
+    ----------
+    pool : StagingPool
+        Where extents come from and go back to.
+    table : RequestTable
+        Where outcomes are counted.
+    effects : SaveEffects
+        Does the I/O that goes with each step.
+    """
+
+    def __init__(self, pool: StagingPool, table: RequestTable, effects: SaveEffects) -> None:
+        self.pool = pool
+        self.table = table
+        self.effects = effects
+
+    # ------------------------------------------------------------------ space
+    def admit(self, request: SaveRequest, copiers: tuple[str, ...] = (CLIENT_COPY,),
+              may_wait: bool = True) -> bool:
+        """Give ``request`` staging space now, or queue it.
+
+        Parameters
+        ----------
+        copiers : tuple of str
+            Who fills the extent (:data:`CLIENT_COPY`, :data:`DEVICE_COPY`); each holds
+            it until it reports with :meth:`copied`.
+        may_wait : bool
+            Queue for space when the pool is full (False: refuse instead).
+
+        Returns
+        -------
+        bool
+            True when the extent is leased now (phase ``staging``), False when the request
+            waits for space (phase ``waiting_for_pool``).
+
+        Raises
+        ------
+        ckptd.staging.pool.PoolTooSmallError
+            If the request can never fit.
+        ckptd.server.endpoint.RequestError
+            If it does not fit now and ``may_wait`` is False.
+        """
+        extent = self.pool.try_allocate(request.extent_length)
+        request.copiers = copiers
+        if extent is None and not may_wait:
+            raise RequestError(ErrorCode.POOL_TOO_SMALL,
+                               "staging pool is full; CUDA staging does not queue",
+                               "finalize earlier saves first or raise --pool-size")
+        self.table.add(request)
+        if extent is not None:
+            self._lease(request, extent)
+            return True
+        request.phase = Phase.WAITING_FOR_POOL
+        self.pool.wait_for(request.extent_length, request)
+        log.info("request %d (rank %d) waits for %d bytes of staging space", request.id,
+                 request.rank, request.extent_length)
+        return False
+
+    def _lease(self, request: SaveRequest, extent: Extent) -> None:
+        request.lease = ExtentLease(extent, lambda e: self._give_back(request, e),
+                                    request.copiers)
+        request.phase = Phase.STAGING
+
+    def _give_back(self, request: SaveRequest, extent: Extent) -> None:
+        self.table.space_released(request)
+        for waiter, granted in self.pool.release(extent):
+            self._granted(waiter, granted)
+
+    def _granted(self, request: SaveRequest, extent: Extent) -> None:
+        self._lease(request, extent)
+        log.info("request %d (rank %d) got its staging space", request.id, request.rank)
+        self.effects.space_granted(request)
+
+    # ------------------------------------------------------------------ progress
+    def copied(self, request: SaveRequest, copier: str, error: str | None = None) -> None:
+        """``copier`` finished filling the extent (or failed: ``error``).
+
+        When the last copier is done, the request starts writing (and replicating).
+        """
+        lease = request.lease
+        if request.finished or error is not None:
+            if not request.finished:
+                self._stop(request, Phase.FAILED, error)
+            lease.drop(copier)  # only now may a stopped request's extent be reused
+            return
+        if any(lease.has(c) for c in request.copiers if c != copier):
+            lease.drop(copier)
+            return
+        request.staged_at = time.time()
+        request.phase = Phase.WRITING
+        lease.hold(WRITERS)
+        lease.drop(copier)
+        request.jobs_pending = self.effects.write(request)
+        for holder in self.effects.replicate(request):
+            lease.hold(replica_hold(holder))
+        log.info("request %d (rank %d) staged in %.3fs; writing %d file(s)", request.id,
+                 request.rank, request.staged_at - request.created_at, request.jobs_pending)
+        if request.jobs_pending == 0:
+            self._writers_finished(request)
+
+    def job_done(self, request: SaveRequest, path: str, ok: bool, written: dict | None,
+                 nbytes: int, error: str | None = None, errno: int | None = None) -> None:
+        """One writer job of ``request`` finished."""
+        request.jobs_pending -= 1
+        if ok:
+            request.bytes_written += nbytes
+            request.written.append(written)
+        else:
+            errno_text = f" errno {errno}" if errno else ""
+            request.add_error(f"writing {path} failed:{errno_text} {error}", path, errno)
+        if request.jobs_pending == 0:
+            self._writers_finished(request)
+
+    def replica_done(self, request: SaveRequest, holder: str, ok: bool, error: str | None,
+                     nbytes: int) -> None:
+        """The push to ``holder`` ended."""
+        request.replicas.finished(holder, ok, error, nbytes)
+        if not request.replicas.sending:
+            failures = request.replicas.failures
+            if failures:
+                log.warning("request %d (rank %d) has reduced redundancy: %s", request.id,
+                            request.rank, "; ".join(f"{a}: {e}" for a, e in failures.items()))
+            else:
+                log.info("request %d (rank %d) replicated to %s", request.id, request.rank,
+                         ", ".join(request.replicas.holders))
+        request.lease.drop(replica_hold(holder))
+        if not request.finished and not request.replicas.sending \
+                and not request.lease.has(WRITERS):
+            self._settle(request)
+
+    def _writers_finished(self, request: SaveRequest) -> None:
+        if request.finished:  # stopped while writing: only now is every file renamed
+            self.effects.remove_outputs(request)
+        elif request.replicas is not None and request.replicas.sending:
+            request.phase = Phase.REPLICATING
+            log.info("request %d (rank %d) written locally; replicating to %s", request.id,
+                     request.rank, ", ".join(request.replicas.holders))
+        else:
+            self._settle(request)
+        request.lease.drop(WRITERS)
+
+    def _settle(self, request: SaveRequest) -> None:
+        """Writes and replicas all answered: decide the outcome."""
+        if request.errors:
+            self.effects.remove_outputs(request)  # nothing from a failed save stays
+            self._finish(request, Phase.FAILED)
+            log.error("request %d (rank %d) failed: %s", request.id, request.rank, request.error)
+        else:
+            self._finish(request, Phase.DONE)
+            log.info("request %d (rank %d) durable: %d bytes in %.3fs after staging",
+                     request.id, request.rank, request.bytes_written,
+                     request.finished_at - request.staged_at)
+
+    # ------------------------------------------------------------------ endings
+    def fail(self, request: SaveRequest, reason: str) -> None:
+        """End ``request`` as failed (daemon-side reasons: shutdown, a device copy error)."""
+        self._stop(request, Phase.FAILED, reason)
+
+    def abort(self, request: SaveRequest, reason: str) -> None:
+        """End ``request`` as aborted (the trainer asked, or went away)."""
+        log.info("request %d (rank %d) aborted: %s", request.id, request.rank, reason)
+        self._stop(request, Phase.ABORTED, reason)
+
+    def _stop(self, request: SaveRequest, phase: str, reason: str) -> None:
+        if request.finished:
+            return
+        previous = request.phase
+        request.add_error(reason)
+        self._finish(request, phase)
+        if previous == Phase.WAITING_FOR_POOL:
+            for waiter, granted in self.pool.cancel_wait(request):
+                self._granted(waiter, granted)
+        lease = request.lease
+        if lease is not None and any(h.startswith("replica:") for h in lease.holds):
+            self.effects.cancel_replication(request)  # each push answers; its hold drops then
+        if lease is None or not lease.has(WRITERS):
+            self.effects.remove_outputs(request)  # else: when the writers have answered
+        if lease is not None:
+            # A trainer's copy ends with the save (its later STAGED is refused); a device
+            # copy and writer jobs still run and drop their holds when they answer.
+            lease.drop(CLIENT_COPY)
+
+    def _finish(self, request: SaveRequest, phase: str) -> None:
+        request.phase = phase
+        request.finished_at = time.time()
+        self.table.record_outcome(request)
+        call, request.pending_reply = request.pending_reply, None
+        if call is not None and phase != Phase.DONE:
+            call.fail(ErrorCode.INTERNAL if phase == Phase.FAILED else ErrorCode.ABORTED,
+                      request.error or f"request {request.id} was {phase}",
+                      "the save did not happen; save again")

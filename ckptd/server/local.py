@@ -1,0 +1,282 @@
+"""The local-checkpoint service: sessions, the replication step of a save, inventory, fetch.
+
+Owns the daemon's half of ``ckpt_client.LocalCheckpointManager``:
+
+- ``PEER_INFO`` / ``LOCAL_SESSION``: the key exchange. Each rank asks its daemon for its
+  peer address and CURVE public key, the trainers all-gather them over their own process
+  group, and every rank hands its daemon the whole table (rank -> address, key) and the
+  replication cliques. Only keys in those tables may connect to the peer socket.
+- the replication step of a ``local`` save: once staged, :meth:`start_replication` has the
+  replicator stream the extent to the daemons of the owner's clique mates (in the shared
+  :func:`ckptd.protocol.holder_order`) while the writers write the local part; each
+  push's outcome goes to the save lifecycle, which keeps the extent until the last one.
+  A failed or timed-out peer makes the save *reduced redundancy*, never a hang.
+- ``LOCAL_INVENTORY`` (parts held, verified), ``LOCAL_FETCH`` (a missing part from the
+  holders, in the order given, answered when the replicator reports) and ``LOCAL_COMMIT``
+  (all ranks agreed: mark committed, drop older iterations).
+
+Files are ``ckptd.storage.local_store``'s business, the network ``ckptd.replication``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from ckptd.protocol import (Empty, ErrorCode, LocalCommit, LocalFetch, LocalInventory,
+                            LocalSession, SaveFormat, holder_order)
+from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDone, PartRef,
+                                        Push, PushDone, SetPeers)
+from ckptd.replication.replicator import Replicator
+from ckptd.server.endpoint import DEFERRED, Call, RequestError
+from ckptd.server.requests import ReplicaSet, SaveRequest, host_name
+from ckptd.storage.durable import make_directories
+from ckptd.storage.local_store import LocalStore, LocalStoreError
+from ckptd.storage.local_store import LocalSession as StoredSession
+from ckptd.storage.roots import AllowedRoots
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionPeers:
+    """What the trainers told this daemon about one session's daemons and cliques."""
+
+    peers: list  # per rank: [address, public key] or None
+    cliques: list = field(default_factory=list)
+
+    def key_of(self, address: str) -> str | None:
+        """The public key the trainers gave for the daemon at ``address``."""
+        return next((entry[1] for entry in self.peers if entry and entry[0] == address), None)
+
+    def clique_of(self, rank: int) -> list:
+        """The clique ``rank`` belongs to (``[rank]`` without replication)."""
+        return next((list(c) for c in self.cliques if rank in c), [rank])
+
+    def entry_of(self, rank: int) -> list | None:
+        """``[address, key]`` of ``rank``'s daemon, if known."""
+        return self.peers[rank] if 0 <= rank < len(self.peers) else None
+
+
+class LocalService:
+    """The daemon's local-checkpoint service (see the module docstring).
+
+    Parameters
+    ----------
+    daemon : ckptd.server.daemon.Daemon
+        For the configuration, ranks, the staging pool and the save lifecycle.
+    """
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+        self.store: LocalStore | None = None
+        self.replicator: Replicator | None = None
+        self.sessions: dict[str, SessionPeers] = {}
+        self._fetches: dict[int, tuple[Call, LocalFetch]] = {}  # answered on FetchDone
+        self._next_fetch = 1
+
+    def routes(self) -> dict:
+        """Message body type -> handler (``PEER_INFO`` has an empty body)."""
+        return {LocalSession: self.on_local_session, LocalInventory: self.on_local_inventory,
+                LocalFetch: self.on_local_fetch, LocalCommit: self.on_local_commit}
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Open the store; start the replicator when ``--peer-listen`` was given."""
+        config = self.daemon.config
+        if config.local_dir:
+            make_directories(config.local_dir)
+            allowed = AllowedRoots.of([config.local_dir])
+        else:
+            allowed = self.daemon.roots
+        self.store = LocalStore(allowed)
+        if config.peer_listen:
+            pool = self.daemon.pool
+            self.replicator = Replicator(config.peer_listen, self.store, pool.path, pool.size)
+            self.replicator.start()
+
+    @property
+    def address(self) -> str | None:
+        """This daemon's peer address (``None`` without ``--peer-listen``)."""
+        return self.replicator.address if self.replicator is not None else None
+
+    def on_event(self, event) -> None:
+        """A :class:`PushDone` or :class:`FetchDone` from the replicator."""
+        if isinstance(event, PushDone):
+            request = self.daemon.table.find(event.request_id)
+            if request is not None:
+                self.daemon.saves.lifecycle.replica_done(request, event.holder, event.ok,
+                                                         event.error, event.nbytes)
+        elif isinstance(event, FetchDone):
+            self._fetch_done(event)
+
+    def stop(self) -> None:
+        """Stop replicating (streams in flight are dropped; peers time them out)."""
+        if self.replicator is not None:
+            self.replicator.stop()
+            self.replicator = None
+
+    # ------------------------------------------------------------------ handlers
+    def _session(self, session_id: str) -> StoredSession:
+        try:
+            return self.store.session(session_id)
+        except LocalStoreError as exc:
+            raise RequestError(ErrorCode.NOT_CONFIGURED, str(exc)) from None
+
+    def on_peer_info(self, call: Call, body: Empty) -> dict:
+        """This daemon's peer address and CURVE public key (``None`` without peers)."""
+        return {"address": self.address,
+                "public_key": self.replicator.public_key if self.replicator else None,
+                "local_dir": self.daemon.config.local_dir, "host": host_name(),
+                "pid": os.getpid()}
+
+    def on_local_session(self, call: Call, body: LocalSession) -> dict:
+        """Register a session's root, its peer table and cliques."""
+        rank = self.daemon.ranks.of(call.identity)
+        if any(len(c) > 1 for c in body.cliques) and self.replicator is None:
+            raise RequestError(ErrorCode.NOT_CONFIGURED,
+                               f"rank {rank.rank}: replication needs peer daemons, but this "
+                               "ckptd has no peer socket",
+                               "start ckptd with --peer-listen tcp://<node address>:<port>")
+        try:
+            session = self.store.register(body.session, body.root)
+        except LocalStoreError as exc:
+            raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
+        self.sessions[session.session_id] = SessionPeers(body.peers, body.cliques)
+        if self.replicator is not None:
+            every = [p for sp in self.sessions.values() for p in sp.peers if p]
+            self.replicator.command(SetPeers(sorted({tuple(p) for p in body.peers if p}),
+                                             sorted({p[1] for p in every})))
+        return {"directory": session.directory, "address": self.address}
+
+    def on_local_inventory(self, call: Call, body: LocalInventory) -> dict:
+        """The parts this node holds for a session, each verified against its checksum."""
+        session = self._session(body.session)
+        if self.replicator is not None:  # every daemon has the key table by now: dial peers
+            self.replicator.command(ConnectPeers())
+        parts = self.store.inventory(session, verify=True)
+        return {"address": self.address, "host": host_name(),
+                "parts": [{k: p[k] for k in ("iteration", "owner", "size", "verified", "committed",
+                                             "path")} for p in parts]}
+
+    def on_local_commit(self, call: Call, body: LocalCommit) -> dict:
+        """Every rank's save of an iteration is durable: mark it, drop older iterations."""
+        rank = self.daemon.ranks.of(call.identity)
+        session = self._session(body.session)
+        removed = self.store.commit(session, body.iteration)
+        log.info("rank %d committed iteration %d of session %r", rank.rank, body.iteration,
+                 session.session_id)
+        return {"removed": removed}
+
+    def on_local_fetch(self, call: Call, body: LocalFetch):
+        """Fetch a part this node lacks from the holders, in the order the client gave."""
+        rank = self.daemon.ranks.of(call.identity)
+        session = self._session(body.session)
+        if self.replicator is None:
+            raise RequestError(ErrorCode.NOT_CONFIGURED,
+                               f"rank {rank.rank}: cannot fetch rank {body.owner}'s part of "
+                               f"iteration {body.iteration}: this ckptd has no peer socket",
+                               "start ckptd with --peer-listen")
+        peers = self.sessions.get(session.session_id) or SessionPeers([])
+        keyed = [(address, peers.key_of(address)) for address in body.holders
+                 if peers.key_of(address)]
+        fetch_id, self._next_fetch = self._next_fetch, self._next_fetch + 1
+        self._fetches[fetch_id] = (call, body)
+        log.info("rank %d: fetching rank %d's part of iteration %d from %s", rank.rank,
+                 body.owner, body.iteration, ", ".join(body.holders) or "(no holder)")
+        self.replicator.command(Fetch(fetch_id, PartRef(session.session_id, body.owner,
+                                                        body.iteration),
+                                      session.part_path(body.iteration, body.owner), keyed))
+        return DEFERRED
+
+    def _fetch_done(self, event: FetchDone) -> None:
+        pending = self._fetches.pop(event.fetch_id, None)
+        if pending is None:
+            return
+        call, body = pending
+        if event.ok:
+            log.info("got rank %d's part of iteration %d from %s", body.owner, body.iteration,
+                     event.holder)
+            call.reply({"path": event.path, "holder": event.holder, "tried": event.tried})
+            return
+        tried = "; ".join(f"{t['holder']}: {t['error']}" for t in event.tried) or "none"
+        message = (f"rank {body.owner}'s part of iteration {body.iteration} (session "
+                   f"{body.session!r}) is not available from any holder; holders tried: {tried}")
+        log.error("%s", message)
+        call.fail(ErrorCode.PART_UNAVAILABLE, message,
+                  "no node holds a verified copy any more; load an older iteration or a "
+                  "persistent checkpoint", rank=body.owner, iteration=body.iteration,
+                  holders_tried=event.tried)
+
+    # ------------------------------------------------------------------ saves
+    def part_path_for(self, rank: int, session_id: str | None, iteration: int) -> str:
+        """Destination of a ``local`` save (the store names it; a new save uncommits it)."""
+        session = self._session(session_id)
+        self.store.begin_iteration(session, iteration)
+        return session.part_path(iteration, rank)
+
+    def holders_for(self, session_id: str, owner: int) -> tuple[list, int]:
+        """Daemons that keep ``owner``'s replicas (in holder order), and how many replicas
+        the clique asks for."""
+        peers = self.sessions.get(session_id)
+        if peers is None or self.replicator is None:
+            return [], 0
+        clique = peers.clique_of(owner)
+        seen, holders = {self.address}, []
+        for mate in holder_order(clique, owner):
+            entry = peers.entry_of(mate)
+            if entry and entry[0] not in seen:
+                seen.add(entry[0])
+                holders.append(tuple(entry))
+        return holders, len(clique) - 1
+
+    def start_replication(self, request: SaveRequest) -> list[str]:
+        """Stream a staged local part to its holders; returns their addresses."""
+        if request.format != SaveFormat.LOCAL:
+            return []
+        holders, wanted = self.holders_for(request.session, request.rank)
+        request.replicas = ReplicaSet.sending_to(wanted, [address for address, _ in holders])
+        if wanted and len(holders) < wanted:
+            log.warning("request %d (rank %d): only %d of %d clique mates live on other nodes; "
+                        "choose replication_jump = ranks per node", request.id, request.rank,
+                        len(holders), wanted)
+        if holders:
+            base = request.extent.offset
+            self.replicator.command(Push(
+                request.id, PartRef(request.session, request.rank, request.iteration), holders,
+                [(base + offset, buffer[2])
+                 for offset, buffer in zip(request.offsets, request.buffers)]))
+        return [address for address, _ in holders]
+
+    def cancel_replication(self, request: SaveRequest) -> None:
+        """Stop a save's pushes (they answer with failed outcomes)."""
+        if self.replicator is not None:
+            self.replicator.command(CancelPush(request.id))
+
+    # ------------------------------------------------------------------ status
+    def peers_status(self) -> list:
+        """Peer daemons and their health, for the status document."""
+        return list(self.replicator.snapshot["peers"]) if self.replicator is not None else []
+
+    def checkpoints_status(self) -> list:
+        """Local checkpoint parts held here (own and replicas), for the status document."""
+        if self.store is None:
+            return []
+        held = []
+        for session in self.store.sessions():
+            peers = self.sessions.get(session.session_id)
+            for part in self.store.inventory(session, verify=False):
+                entry = peers.entry_of(part["owner"]) if peers else None
+                kind = "unknown" if not entry else "own" if entry[0] == self.address else "replica"
+                if self.address is None:
+                    kind = "own"
+                held.append({**part, "kind": kind})
+        return held
+
+    def replication_status(self) -> dict:
+        """This daemon's peer address, key and the part streams in flight."""
+        if self.replicator is None:
+            return {"address": None, "public_key": None, "streams": []}
+        return {"address": self.address, "public_key": self.replicator.public_key,
+                "streams": list(self.replicator.snapshot["streams"])}

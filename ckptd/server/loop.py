@@ -1,0 +1,60 @@
+"""The serve loop: one thread waits on every socket of the daemon and runs what is ready.
+
+Owns the poller. Components register the sockets they read (:meth:`EventLoop.watch`:
+the client endpoint, each writer, the CUDA stagers' and the replicator's mailboxes) and
+periodic housekeeping (:meth:`EventLoop.every`). A step that raises is logged and the
+loop keeps serving: a bug in one handler must not take the node's checkpoints down.
+
+Pattern: a single-threaded reactor over ``zmq.Poller``; all daemon state is touched
+from this thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+
+class EventLoop:
+    """Poll registered sockets and run periodic steps until told to stop."""
+
+    def __init__(self) -> None:
+        self._poller = zmq.Poller()
+        self._readers: dict[zmq.Socket, Callable[[], None]] = {}
+        self._timers: list[list] = []  # [period_fn, next_due, step]
+
+    def watch(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
+        """Call ``on_readable()`` whenever ``sock`` has a message."""
+        self._readers[sock] = on_readable
+        self._poller.register(sock, zmq.POLLIN)
+
+    def every(self, period: Callable[[], float], step: Callable[[], None]) -> None:
+        """Run ``step()`` every ``period()`` seconds (read each time: a knob)."""
+        self._timers.append([period, time.monotonic(), step])
+
+    def run(self, finished: Callable[[], bool]) -> None:
+        """Serve until ``finished()`` returns True (checked between rounds)."""
+        while not finished():
+            now = time.monotonic()
+            wait = min((t[1] for t in self._timers), default=now + 1.0) - now
+            for sock, _ in self._poller.poll(max(0, int(wait * 1000)) + 1):
+                keep_serving(self._readers[sock])
+            now = time.monotonic()
+            for timer in self._timers:
+                if now >= timer[1]:
+                    keep_serving(timer[2])
+                    timer[1] = time.monotonic() + timer[0]()
+
+
+def keep_serving(step: Callable, *args) -> None:
+    """Run one step of a loop; a bug in it is logged, and the loop goes on."""
+    try:
+        step(*args)
+    except Exception:
+        log.exception("internal error in %s; the daemon keeps serving",
+                      getattr(step, "__qualname__", step))

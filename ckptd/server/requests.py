@@ -1,0 +1,244 @@
+"""The daemon's books: save requests, their replicas, and the history status shows.
+
+Owns :class:`SaveRequest` (everything about one save of one rank, from reservation to
+durable files and replicas), :class:`ReplicaSet` (where a local part's copies went) and
+:class:`RequestTable` (requests not yet forgotten, recent history, totals, recent
+failures, and the status document built from them, schema :data:`STATUS_SCHEMA`).
+
+No sockets, no I/O. Fields are read by anyone; ``phase``, the lease and the counters of
+progress are written only by :class:`ckptd.server.lifecycle.SaveLifecycle`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ckptd import knobs
+from ckptd.protocol import Phase
+
+STATUS_SCHEMA = 1
+
+
+@dataclass
+class ReplicaSet:
+    """The replicas a local part should have, and how each holder's stream ended.
+
+    Attributes
+    ----------
+    wanted : int
+        Copies the clique asks for besides the owner's own.
+    holders : dict
+        Holder address -> ``{"state": "sending"|"done"|"failed", "error", "bytes"}``.
+    """
+
+    wanted: int
+    holders: dict = field(default_factory=dict)
+
+    @classmethod
+    def sending_to(cls, wanted: int, addresses: list[str]) -> "ReplicaSet":
+        """Replicas about to stream to ``addresses``."""
+        return cls(wanted, {a: {"state": "sending", "error": None, "bytes": 0} for a in addresses})
+
+    def finished(self, holder: str, ok: bool, error: str | None, nbytes: int) -> None:
+        """Record how the stream to ``holder`` ended."""
+        if holder in self.holders:
+            self.holders[holder].update(state="done" if ok else "failed", error=error,
+                                        bytes=nbytes)
+
+    @property
+    def sending(self) -> bool:
+        """Whether a stream is still running."""
+        return any(h["state"] == "sending" for h in self.holders.values())
+
+    @property
+    def failures(self) -> dict:
+        """Holder -> reason, for the streams that failed."""
+        return {a: h["error"] for a, h in self.holders.items() if h["state"] == "failed"}
+
+    @property
+    def reduced_redundancy(self) -> bool:
+        """Fewer holders than wanted, or a holder failed."""
+        return len(self.holders) < self.wanted or bool(self.failures)
+
+    def to_wire(self) -> dict:
+        """As the poll reply and the status document show it."""
+        return {"wanted": self.wanted, "reduced_redundancy": self.reduced_redundancy,
+                "holders": self.holders}
+
+
+@dataclass
+class SaveRequest:
+    """One save of one rank, from reservation to durable files."""
+
+    id: int
+    rank: int
+    identity: bytes
+    format: str
+    path: str
+    buffers: list  # [dtype, shape, nbytes] in staging order
+    offsets: list  # relative to the extent, from protocol.layout_extent
+    extent_length: int
+    skeleton: bytes = b""
+    files: list = field(default_factory=list)  # DCP: [name, [buffer indices]]
+    transport: str = "shm"
+    cuda_specs: list | None = None
+    copiers: tuple = ()            # who fills the extent (holds on it until they report)
+    session: str | None = None     # local parts: the session and iteration
+    iteration: int | None = None
+    phase: str = Phase.STAGING
+    lease: object | None = None    # ExtentLease while the request holds staging space
+    pending_reply: object | None = None  # a Call still owed an answer (deferred STAGE)
+    jobs_pending: int = 0
+    bytes_written: int = 0
+    written: list = field(default_factory=list)  # results of finished jobs
+    errors: list = field(default_factory=list)
+    replicas: ReplicaSet | None = None
+    created_at: float = field(default_factory=time.time)
+    staged_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes this request stages."""
+        return sum(b[2] for b in self.buffers)
+
+    @property
+    def error(self) -> str | None:
+        """The first failure, as one line."""
+        return self.errors[0]["message"] if self.errors else None
+
+    @property
+    def extent(self):
+        """The staging extent while the request holds one, else ``None``."""
+        return self.lease.extent if self.lease is not None and not self.lease.released else None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the outcome is decided (it may still hold staging space)."""
+        return self.phase in Phase.FINISHED
+
+    def add_error(self, message: str, path: str | None = None, errno: int | None = None) -> None:
+        """Record a failure (prefixed with the rank, as every rank will read it)."""
+        self.errors.append({"rank": self.rank, "path": path or self.path, "errno": errno,
+                            "message": f"rank {self.rank}: {message}"})
+
+    def describe(self) -> dict:
+        """This request's status entry."""
+        return {
+            "id": self.id, "rank": self.rank, "format": self.format, "path": self.path,
+            "phase": self.phase, "bytes_total": self.bytes_total,
+            "bytes_written": self.bytes_written, "created_at": self.created_at,
+            "staged_at": self.staged_at, "finished_at": self.finished_at,
+            "error": self.error,
+            "replication": self.replicas.to_wire() if self.replicas is not None else None,
+        }
+
+    def poll_entry(self) -> dict:
+        """What ``poll`` answers about this request."""
+        entry = {"phase": self.phase, "bytes_total": self.bytes_total,
+                 "bytes_written": self.bytes_written, "error": self.error, "errors": self.errors}
+        if self.phase == Phase.DONE:
+            entry["written"] = self.written
+        if self.replicas is not None:
+            entry["replication"] = self.replicas.to_wire()
+        return entry
+
+
+class RequestTable:
+    """Save requests by id, the recent history, and the daemon's totals."""
+
+    def __init__(self) -> None:
+        self.requests: dict[int, SaveRequest] = {}
+        self.recent: deque = deque(maxlen=knobs.RECENT_REQUESTS.get())
+        self.errors: deque = deque(maxlen=knobs.RECENT_ERRORS.get())
+        self.saves_done = 0
+        self.saves_failed = 0
+        self.bytes_written = 0
+        self._next_id = 1
+        # Forgotten requests whose extent is still held (a device copy, a writer job or a
+        # push still answers): out of sight, but their holders' reports find them here.
+        self._retiring: dict[int, SaveRequest] = {}
+
+    def new_id(self) -> int:
+        """A request id unique for this daemon's life."""
+        request_id, self._next_id = self._next_id, self._next_id + 1
+        return request_id
+
+    def add(self, request: SaveRequest) -> None:
+        """Start tracking ``request``."""
+        self.requests[request.id] = request
+
+    def get(self, request_id) -> SaveRequest | None:
+        """The request with this id, if not forgotten."""
+        return self.requests.get(request_id)
+
+    def find(self, request_id) -> SaveRequest | None:
+        """The request with this id, also if forgotten while its extent is still held."""
+        return self.requests.get(request_id) or self._retiring.get(request_id)
+
+    def space_released(self, request: SaveRequest) -> None:
+        """``request`` gave its extent back: nothing will report about it any more."""
+        self._retiring.pop(request.id, None)
+
+    def in_flight(self) -> list[SaveRequest]:
+        """Requests whose outcome is not decided yet."""
+        return [r for r in self.requests.values() if not r.finished]
+
+    def holding_space(self) -> list[SaveRequest]:
+        """Requests that still hold staging space (finished or not, forgotten or not)."""
+        return [r for r in (*self.requests.values(), *self._retiring.values())
+                if r.extent is not None]
+
+    def of_connection(self, identity: bytes) -> list[SaveRequest]:
+        """Unfinished requests of one client connection."""
+        return [r for r in self.in_flight() if r.identity == identity]
+
+    def record_outcome(self, request: SaveRequest) -> None:
+        """Count a finished request and remember its failure, if any."""
+        if request.phase == Phase.DONE:
+            self.saves_done += 1
+            self.bytes_written += request.bytes_written
+        elif request.phase == Phase.FAILED:
+            self.saves_failed += 1
+            self.errors.append({"time": request.finished_at, "request": request.id,
+                                "rank": request.rank, "path": request.path,
+                                "error": request.error})
+
+    def forget(self, request_id: int) -> SaveRequest | None:
+        """Drop a request from the active table, keeping it in history."""
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.recent.append(request)
+            if request.extent is not None:
+                self._retiring[request_id] = request
+        return request
+
+    def forget_unclaimed(self, now: float) -> None:
+        """Drop finished requests nobody polled for :data:`knobs.UNCLAIMED_RESULT_SECONDS`."""
+        limit = knobs.UNCLAIMED_RESULT_SECONDS.get()
+        for request in list(self.requests.values()):
+            if request.finished_at and request.extent is None and now - request.finished_at > limit:
+                self.forget(request.id)
+
+    def snapshot(self, ranks: list[dict], **daemon_fields) -> dict:
+        """The status document (schema :data:`STATUS_SCHEMA`)."""
+        shown = list(self.requests.values()) + [r for r in self.recent
+                                                if r.id not in self.requests]
+        shown.sort(key=lambda r: r.id)
+        return {
+            "schema": STATUS_SCHEMA,
+            **daemon_fields,
+            "ranks": ranks,
+            "requests": [r.describe() for r in shown[-knobs.RECENT_REQUESTS.get():]],
+            "totals": {"saves_done": self.saves_done, "saves_failed": self.saves_failed,
+                       "bytes_written": self.bytes_written},
+            "recent_errors": list(self.errors),
+        }
+
+
+def host_name() -> str:
+    """This node's short host name."""
+    return os.uname().nodename.split(".")[0]

@@ -1,0 +1,282 @@
+"""The save service: the client messages about saves, and the work each step needs.
+
+Handlers (registered on the client endpoint): ``stage`` (build a request, reserve or queue
+for staging space, or hand CUDA handles to the stager), ``staged`` (the trainer's copy is
+in), ``poll``, ``forget``, ``abort``, and ``commit_file`` (one small file made durable: DCP
+``.metadata``). It also implements :class:`ckptd.server.lifecycle.SaveEffects`: answering
+a queued STAGE, turning a staged request into writer jobs, removing what a failed save
+wrote, and feeding writer results and device-copy results back to the lifecycle.
+
+Phases and extents are the lifecycle's; files are the writers'; replication is the local
+service's. This module decides *what* to write for each save format.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ckptd import protocol
+from ckptd.protocol import (Abort, CommitFile, ErrorCode, Forget, Phase, Poll, SaveFormat,
+                            Stage, Staged)
+from ckptd.server.endpoint import DEFERRED, Call, RequestError
+from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
+from ckptd.server.ranks import RankInfo, RankRegistry
+from ckptd.server.requests import RequestTable, SaveRequest
+from ckptd.staging.pool import PoolTooSmallError
+from ckptd.storage.durable import remove_written
+from ckptd.storage.jobs import WriteBytes, WriteItems, WriteJob, WriteResult, WriteTorch
+from ckptd.storage.roots import AllowedRoots, PathRefusedError
+
+log = logging.getLogger(__name__)
+
+
+class SaveService:
+    """Save requests from reservation to durable files (see the module docstring).
+
+    Parameters
+    ----------
+    daemon : ckptd.server.daemon.Daemon
+        For the shared components: pool, writers, CUDA stager, local service, ranks.
+    """
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+        self.table: RequestTable = daemon.table
+        self.ranks: RankRegistry = daemon.ranks
+        self.roots: AllowedRoots = daemon.roots
+        self.lifecycle: SaveLifecycle | None = None  # made once the pool exists (start)
+
+    def start(self) -> None:
+        """Bind to the staging pool (created at daemon start)."""
+        self.lifecycle = SaveLifecycle(self.daemon.pool, self.table, self)
+
+    def routes(self) -> dict:
+        """Message body type -> handler, for the client endpoint."""
+        return {Stage: self.on_stage, Staged: self.on_staged, Poll: self.on_poll,
+                Forget: self.on_forget, Abort: self.on_abort, CommitFile: self.on_commit_file}
+
+    # ------------------------------------------------------------------ handlers
+    def on_stage(self, call: Call, body: Stage):
+        """Reserve staging space (or queue for it); CUDA saves start the device copy."""
+        rank = self.ranks.of(call.identity)
+        if self.daemon.stopping:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
+                               "the save was not started; retry once a daemon is running")
+        request = self._new_request(rank, body)
+        cuda = request.transport == "cuda"
+        if cuda:
+            self._check_cuda(request)
+        try:
+            leased = self.lifecycle.admit(request, (DEVICE_COPY,) if cuda else (CLIENT_COPY,),
+                                          may_wait=not cuda)
+        except PoolTooSmallError as exc:
+            raise RequestError(ErrorCode.POOL_TOO_SMALL, f"rank {rank.rank}: {exc}",
+                               "or save fewer bytes per rank at once") from None
+        self.daemon.note_busy()
+        if cuda:
+            request.pending_reply = call
+            self._copy_from_device(request)
+            return DEFERRED
+        if not leased:
+            request.pending_reply = call
+            return DEFERRED
+        log.info("request %d (rank %d) staging %d bytes for %s", request.id, rank.rank,
+                 request.bytes_total, request.path)
+        return self._extent_reply(request)
+
+    def _check_cuda(self, request: SaveRequest) -> None:
+        if self.daemon.cuda is None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "this daemon has no CUDA device",
+                               "send CPU copies through the staging pool instead")
+        if not isinstance(request.cuda_specs, list) or len(request.cuda_specs) != len(request.buffers):
+            raise RequestError(ErrorCode.BAD_REQUEST, "'cuda' must describe every buffer, in order")
+
+    def _new_request(self, rank: RankInfo, body: Stage) -> SaveRequest:
+        try:
+            if body.format == SaveFormat.LOCAL:  # the store names the part: session, iteration, rank
+                path = self.daemon.local.part_path_for(rank.rank, body.session, body.iteration)
+            else:
+                path = self.roots.check(body.path)
+        except PathRefusedError as exc:
+            raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
+        offsets, length = protocol.layout_extent([b[2] for b in body.buffers])
+        return SaveRequest(
+            id=self.table.new_id(), rank=rank.rank, identity=rank.identity, format=body.format,
+            path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
+            skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
+            transport=body.transport, cuda_specs=body.cuda, session=body.session,
+            iteration=body.iteration)
+
+    @staticmethod
+    def _extent_reply(request: SaveRequest) -> dict:
+        return {"request_id": request.id, "offset": request.extent.offset,
+                "length": request.extent.length, "phase": request.phase}
+
+    def _own_request(self, identity: bytes, request_id) -> SaveRequest:
+        request = self.table.get(request_id)
+        if request is None or request.identity != identity:
+            raise RequestError(ErrorCode.UNKNOWN_REQUEST,
+                               f"no request {request_id!r} of this connection is known",
+                               "was the daemon restarted? save again")
+        return request
+
+    def on_staged(self, call: Call, body: Staged) -> dict:
+        """The trainer copied its tensors in: start writing."""
+        request = self._own_request(call.identity, body.request_id)
+        if request.phase != Phase.STAGING:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"request {request.id} is {request.phase}, not staging")
+        self.lifecycle.copied(request, CLIENT_COPY)
+        return {"request_id": request.id, "phase": request.phase}
+
+    def on_poll(self, call: Call, body: Poll) -> dict:
+        """Phase and results of requests."""
+        return {"requests": {rid: self._poll_entry(rid) for rid in body.request_ids}}
+
+    def _poll_entry(self, request_id: int) -> dict:
+        request = self.table.get(request_id)
+        if request is None:
+            return {"phase": "unknown", "error": f"ckptd (pid {os.getpid()}) has no request "
+                    f"{request_id}; the daemon that took it is gone"}
+        return request.poll_entry()
+
+    def on_forget(self, call: Call, body: Forget) -> dict:
+        """Drop finished requests (and the files of failed ones, when asked)."""
+        forgotten = []
+        for request_id in body.request_ids:
+            request = self.table.get(request_id)
+            if request is None or request.identity != call.identity or not request.finished:
+                continue
+            if body.delete_files:
+                self.remove_outputs(request)
+            self.table.forget(request_id)
+            forgotten.append(request_id)
+        return {"forgotten": forgotten}
+
+    def on_abort(self, call: Call, body: Abort) -> dict:
+        """Drop in-flight requests of this connection."""
+        self.ranks.of(call.identity)
+        aborted = []
+        for request in self.table.of_connection(call.identity):
+            if body.request_ids is None or request.id in body.request_ids:
+                self.lifecycle.abort(request, "aborted by the trainer (close(abort=True))")
+                aborted.append(request.id)
+        return {"aborted": aborted}
+
+    def on_commit_file(self, call: Call, body: CommitFile):
+        """Write one small file atomically; answer once it is durable."""
+        rank = self.ranks.of(call.identity)
+        try:
+            path = self.roots.check(body.path)
+        except PathRefusedError as exc:
+            raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
+        if len(call.frames) != 1:
+            raise RequestError(ErrorCode.BAD_REQUEST, "commit_file needs exactly one payload frame")
+
+        def answer_when_durable(job: WriteJob, result: WriteResult) -> None:
+            if result.ok:
+                log.info("committed %s for rank %d", path, rank.rank)
+                call.reply({"path": path, "size": result.size})
+            else:
+                call.fail(ErrorCode.WRITE_FAILED, f"could not write {path}: {result.error}",
+                          "check free space and permissions of the checkpoint directory",
+                          errno=result.errno, path=path)
+
+        data = bytes(call.frames[0])
+        self.daemon.writers.submit(WriteJob(WriteBytes(path, len(data)), answer_when_durable,
+                                            frames=[data]))
+        return DEFERRED
+
+    # ------------------------------------------------------------------ ranks that leave
+    def abort_connection(self, identity: bytes, reason: str, only_unstaged: bool = False) -> None:
+        """Abort a connection's in-flight saves (all, or those not staged yet)."""
+        for request in self.table.of_connection(identity):
+            if not only_unstaged or request.phase in (Phase.STAGING, Phase.WAITING_FOR_POOL):
+                self.lifecycle.abort(request, reason)
+
+    def abandon_all(self, reason: str) -> None:
+        """Fail every in-flight save (shutdown after the drain timeout)."""
+        for request in self.table.in_flight():
+            log.warning("request %d (rank %d, %s) abandoned at shutdown in phase %s",
+                        request.id, request.rank, request.path, request.phase)
+            self.lifecycle.fail(request, reason)
+
+    # ------------------------------------------------------------------ SaveEffects
+    def space_granted(self, request: SaveRequest) -> None:
+        """A queued request got its extent: answer its STAGE."""
+        call, request.pending_reply = request.pending_reply, None
+        if call is not None:
+            call.reply(self._extent_reply(request))
+
+    def write(self, request: SaveRequest) -> int:
+        """Submit a staged request's writer jobs; returns how many."""
+        jobs = list(self._jobs_for(request))
+        for job in jobs:
+            self.daemon.writers.submit(job)
+        return len(jobs)
+
+    def replicate(self, request: SaveRequest) -> list[str]:
+        """Local parts stream to their holders while they are written."""
+        return self.daemon.local.start_replication(request)
+
+    def cancel_replication(self, request: SaveRequest) -> None:
+        """Stop an aborted local part's pushes."""
+        self.daemon.local.cancel_replication(request)
+
+    def remove_outputs(self, request: SaveRequest) -> None:
+        """Delete what a failed or aborted save wrote."""
+        for entry in request.written:
+            remove_written(entry["path"])
+        request.written = []
+
+    def _jobs_for(self, request: SaveRequest):
+        base = request.extent.offset
+
+        def item(index: int) -> list:
+            dtype, shape, nbytes = request.buffers[index]
+            return [base + request.offsets[index], nbytes, dtype, shape]
+
+        on_done = self._job_done(request)
+        if request.format == SaveFormat.LOCAL:  # a part is its buffers back to back, raw
+            items = [[base + request.offsets[i], b[2], "bytes", [b[2]]]
+                     for i, b in enumerate(request.buffers)]
+            yield WriteJob(WriteItems(request.path, os.path.basename(request.path), items,
+                                      request.bytes_total), on_done)
+        elif request.format == SaveFormat.TORCH:
+            yield WriteJob(WriteTorch(request.path, request.skeleton,
+                                      [item(i) for i in range(len(request.buffers))],
+                                      request.bytes_total), on_done)
+        else:
+            for name, indices in request.files:
+                yield WriteJob(WriteItems(os.path.join(request.path, name), name,
+                                          [item(i) for i in indices],
+                                          sum(request.buffers[i][2] for i in indices)), on_done)
+
+    def _job_done(self, request: SaveRequest):
+        def on_done(job: WriteJob, result: WriteResult) -> None:
+            written = None
+            if result.ok:
+                written = {"name": getattr(job.body, "name", None), "path": result.path,
+                           "size": result.size, "crc32": result.crc32, "items": result.items}
+            self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
+                                    job.nbytes, result.error, result.errno)
+        return on_done
+
+    # ------------------------------------------------------------------ device copies
+    def _copy_from_device(self, request: SaveRequest) -> None:
+        from ckptd.staging.cuda import CudaJob
+
+        rank = self.ranks.of(request.identity)
+        self.daemon.cuda.submit(CudaJob(request.id, request.extent.offset, request.offsets,
+                                        request.buffers, request.cuda_specs, rank.pid))
+
+    def on_device_copied(self, result) -> None:
+        """A :class:`ckptd.staging.cuda.CudaStaged` arrived from the stager."""
+        request = self.table.find(result.request_id)
+        if request is None:
+            return
+        self.lifecycle.copied(request, DEVICE_COPY, result.error)
+        call, request.pending_reply = request.pending_reply, None
+        if call is not None:  # failures were answered by the lifecycle
+            call.reply({"request_id": request.id, "phase": request.phase})

@@ -1,0 +1,94 @@
+"""The writer channel's vocabulary: what the daemon asks a writer process, and its answer.
+
+One message type per kind of file, each a typed :class:`ckptd.protocol.Body` checked on
+arrival; framed like every other ckptd message (msgpack header + raw frames) over a
+ZeroMQ PAIR socket per writer. A job names byte ranges of the staging pool as
+``[offset, nbytes, dtype, shape]`` items; ``dtype == "bytes"`` means raw bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ckptd.protocol import Body
+
+#: A writer's reply to a job.
+RESULT = "result"
+
+
+class WriteTorch(Body, message="write_torch"):
+    """Write one file that ``torch.load(weights_only=True)`` reads: skeleton + tensors."""
+
+    path: str
+    skeleton: bytes
+    tensors: list  # [offset, nbytes, dtype, shape] per tensor, in skeleton order
+    nbytes: int
+
+
+class WriteItems(Body, message="write_items"):
+    """Write items back to back into one file: DCP ``.distcp`` files and local parts.
+
+    Tensor items are ``torch.save``-d each (DCP's own layout); ``bytes`` items are copied
+    raw. The result's ``items`` records each item's ``[start, length]`` in the file.
+    """
+    path: str
+    name: str
+    items: list
+    nbytes: int
+
+
+class WriteBytes(Body, message="write_bytes"):
+    """Write the message's one raw frame as a file (DCP ``.metadata``)."""
+
+    path: str
+    nbytes: int = 0
+
+
+class WriterReady(Body, message="writer_ready"):
+    """A writer mapped the pool and waits for jobs."""
+
+    pid: int
+
+
+class StopWriter(Body, message="stop"):
+    """Exit after the job in hand."""
+
+
+class WriteResult(Body, message=RESULT):
+    """How a job ended: the committed file, or the error (with errno when the OS gave one)."""
+
+    ok: bool
+    path: str | None = None
+    size: int = 0
+    crc32: int = 0
+    items: list | None = None
+    errno: int | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+#: Jobs a writer executes, by message type.
+JOB_TYPES = {cls.message_type: cls for cls in (WriteTorch, WriteItems, WriteBytes)}
+#: What a writer may send back, by message type.
+REPLY_TYPES = {cls.message_type: cls for cls in (WriterReady, WriteResult)}
+
+
+@dataclass
+class WriteJob:
+    """One file to write, as the daemon tracks it until its result arrives."""
+
+    body: Body
+    on_done: object  # Callable[[WriteJob, WriteResult], None]
+    frames: list = field(default_factory=list)
+    id: int = 0
+    writer_pid: int | None = None
+
+    @property
+    def path(self) -> str:
+        """The file this job writes."""
+        return self.body.path
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this job writes (before serialization overhead)."""
+        return self.body.nbytes

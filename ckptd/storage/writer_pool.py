@@ -1,0 +1,198 @@
+"""The daemon's side of the writer processes: start them, route jobs, reap the dead.
+
+Owns the writer processes and the jobs in flight: :meth:`WriterPool.submit` assigns a job
+to the least-loaded live writer (or a backlog while all are restarting, so the serve loop
+never blocks), :meth:`handle` completes a job when its result arrives, and
+:meth:`reap_dead` fails the jobs of a writer that died, removes its temporaries and
+starts a new one. It knows files and byte ranges, not ranks or requests: each job carries
+its own completion callback.
+
+Pattern: one ZeroMQ PAIR socket per writer, bound here and polled by the serve loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from ckptd import knobs, protocol
+from ckptd.storage.durable import remove_quietly, temporaries_of
+from ckptd.storage.jobs import REPLY_TYPES, StopWriter, WriteJob, WriterReady, WriteResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _WriterSlot:
+    index: int
+    endpoint: str
+    socket: zmq.Socket
+    process: subprocess.Popen | None = None
+    ready: bool = False
+    jobs: dict = field(default_factory=dict)
+
+
+class WriterPool:
+    """Starts ``count`` writer processes and routes jobs and results.
+
+    Parameters
+    ----------
+    count : int
+        Number of writer processes.
+    context : zmq.Context
+        The daemon's context (sockets are polled by the serve loop).
+    runtime_dir : str
+        Private directory for the writers' ipc endpoints.
+    pool_path, pool_size
+        The staging pool the writers map.
+    log_level : str
+        Passed on to the writers.
+    """
+
+    def __init__(self, count: int, context: zmq.Context, runtime_dir: str,
+                 pool_path: str, pool_size: int, log_level: str = "INFO") -> None:
+        self.pool_path, self.pool_size, self.log_level = pool_path, pool_size, log_level
+        self._next_job_id = 1
+        self._backlog: deque[WriteJob] = deque()
+        self.slots: list[_WriterSlot] = []
+        for index in range(count):
+            endpoint = f"ipc://{runtime_dir}/writer-{os.getpid()}-{index}.sock"
+            sock = context.socket(zmq.PAIR)
+            sock.linger = 0
+            sock.bind(endpoint)
+            self.slots.append(_WriterSlot(index, endpoint, sock))
+        for slot in self.slots:
+            self._spawn(slot)
+
+    def _spawn(self, slot: _WriterSlot) -> None:
+        slot.process = subprocess.Popen(
+            [sys.executable, "-m", "ckptd.storage.writer_process", "--endpoint", slot.endpoint,
+             "--pool", self.pool_path, "--pool-size", str(self.pool_size),
+             "--log-level", self.log_level, "--nice", str(knobs.WRITER_NICE.get())],
+            # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
+            # kill a writer mid-file; the daemon decides when writers stop.
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        slot.ready = False
+
+    @property
+    def sockets(self) -> list[zmq.Socket]:
+        """Sockets the serve loop polls for results."""
+        return [slot.socket for slot in self.slots]
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every writer has mapped the pool and said so.
+
+        Raises
+        ------
+        RuntimeError
+            If a writer exits or does not report within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            while not slot.ready:
+                if slot.process.poll() is not None:
+                    raise RuntimeError(f"writer process {slot.index} exited with "
+                                       f"{slot.process.returncode} during start-up")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"writer process {slot.index} did not start in {timeout:.0f}s")
+                if slot.socket.poll(100):
+                    self.handle(slot.socket)
+
+    def submit(self, job: WriteJob) -> None:
+        """Queue ``job`` for the live writer with the fewest jobs in flight.
+
+        Never blocks: with no writer ready (all restarting), jobs wait in a backlog that
+        is sent when a writer reports ready.
+        """
+        job.id = self._next_job_id
+        self._next_job_id += 1
+        self._backlog.append(job)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._backlog:
+            ready = [s for s in self.slots if s.ready and s.process and s.process.poll() is None]
+            if not ready:
+                return
+            slot = min(ready, key=lambda s: len(s.jobs))
+            job = self._backlog[0]
+            try:
+                slot.socket.send_multipart(
+                    protocol.encode(job.body.message_type, job.id, job.body.to_wire(), job.frames),
+                    flags=zmq.NOBLOCK)
+            except zmq.Again:  # its process went away after saying ready
+                slot.ready = False
+                continue
+            self._backlog.popleft()
+            job.writer_pid = slot.process.pid
+            slot.jobs[job.id] = job
+
+    def handle(self, sock: zmq.Socket) -> None:
+        """Read one message from a writer's socket and complete its job."""
+        slot = next(s for s in self.slots if s.socket is sock)
+        msg = protocol.decode(sock.recv_multipart())
+        reply = REPLY_TYPES[msg.type].from_wire(msg.body) if msg.type in REPLY_TYPES else None
+        if isinstance(reply, WriterReady):
+            slot.ready = True
+            self._dispatch()
+            return
+        job = slot.jobs.pop(msg.id, None)
+        if job is not None and isinstance(reply, WriteResult):
+            job.on_done(job, reply)
+
+    def reap_dead(self) -> None:
+        """Fail the jobs of writers that died, remove their temporaries, start new ones."""
+        for slot in self.slots:
+            if slot.process is None or slot.process.poll() is None:
+                continue
+            code, dead_pid = slot.process.returncode, slot.process.pid
+            log.error("writer process %d (pid %d) died with %s; failing %d job(s) and restarting it",
+                      slot.index, dead_pid, code, len(slot.jobs))
+            jobs, slot.jobs = slot.jobs, {}
+            self._spawn(slot)
+            for job in jobs.values():
+                for leftover in temporaries_of(job.path, dead_pid):
+                    remove_quietly(leftover)
+                job.on_done(job, WriteResult(ok=False, path=job.path,
+                                             error=f"writer process died (exit status {code})"))
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs sent and not yet answered."""
+        return len(self._backlog) + sum(len(s.jobs) for s in self.slots)
+
+    def describe(self) -> list[dict]:
+        """Per-writer state for status."""
+        return [{"index": s.index, "pid": s.process.pid if s.process else None,
+                 "alive": bool(s.process and s.process.poll() is None),
+                 "jobs": len(s.jobs)} for s in self.slots]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask writers to exit; kill those that do not, and remove their leftovers."""
+        for slot in self.slots:
+            try:
+                slot.socket.send_multipart(protocol.encode(StopWriter.message_type, 0),
+                                           flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            if slot.process is None:
+                continue
+            try:
+                slot.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                slot.process.kill()
+                slot.process.wait()
+            for job in slot.jobs.values():
+                for leftover in temporaries_of(job.path, slot.process.pid):
+                    remove_quietly(leftover)
+            slot.socket.close()
+            remove_quietly(slot.endpoint.removeprefix("ipc://"))

@@ -1,0 +1,156 @@
+"""A writer process: turns staged bytes into one durable file per job.
+
+Started by :class:`ckptd.storage.writer_pool.WriterPool` as
+``python -m ckptd.storage.writer_process``. It maps the staging pool, tells the daemon it
+is ready, then executes jobs (:mod:`ckptd.storage.jobs`) received over a ZeroMQ PAIR
+socket: tensors are viewed in place in the pool (no copy), serialized into a
+:class:`ckptd.storage.durable.DurableFile`, and the result (size, crc32, item offsets, or
+the errno of the failure) goes back. A bad job never kills the writer; the writer exits
+when its daemon is gone, since nobody wants its results any more.
+
+Only this process imports torch for writing; the daemon itself stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno as errno_mod
+import logging
+import mmap
+import os
+import time
+
+import zmq
+
+from ckptd import protocol
+from ckptd.checksum import ChecksumWriter
+from ckptd.storage.durable import write_file_atomically
+from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
+                                WriterReady, WriteResult, WriteTorch)
+
+log = logging.getLogger(__name__)
+
+
+class Writer:
+    """Executes jobs against the mapped staging pool.
+
+    Parameters
+    ----------
+    pool_path, pool_size
+        The daemon's staging pool.
+    """
+
+    def __init__(self, pool_path: str, pool_size: int) -> None:
+        import torch  # only writer processes pay for torch
+        import torch.utils.serialization  # not imported by `import torch` alone
+
+        # The zip records' own CRC would be a second checksum pass over every byte; the
+        # crc32 sidecar already covers the whole file, and torch.load does not need it.
+        torch.utils.serialization.config.save.compute_crc32 = False
+        self.torch = torch
+        fd = os.open(pool_path, os.O_RDWR)
+        try:
+            self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.handlers = {WriteTorch: self.write_torch, WriteItems: self.write_items,
+                         WriteBytes: self.write_bytes}
+
+    def tensor_at(self, offset: int, nbytes: int, dtype: str, shape: list):
+        """A tensor whose storage is exactly the pool bytes at ``offset``: no copy."""
+        torch = self.torch
+        torch_dtype = getattr(torch, dtype)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        raw = torch.frombuffer(self.pool, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.view(torch_dtype).view(shape)
+
+    def write_torch(self, job: WriteTorch, frames: list) -> dict:
+        """One ``torch.save`` file of the skeleton filled with pool tensors."""
+        tensors = [self.tensor_at(*spec) for spec in job.tensors]
+        obj = protocol.fill_skeleton(protocol.unpack_value(job.skeleton), tensors)
+        return write_file_atomically(job.path, lambda f: self.torch.save(obj, f))
+
+    def write_items(self, job: WriteItems, frames: list) -> dict:
+        """Items back to back; records where each one landed."""
+        placements: list = []
+
+        def write_items(stream: ChecksumWriter) -> None:
+            for offset, nbytes, dtype, shape in job.items:
+                start = stream.tell()
+                if dtype == "bytes":
+                    stream.write(memoryview(self.pool)[offset:offset + nbytes])
+                else:
+                    self.torch.save(self.tensor_at(offset, nbytes, dtype, shape), stream)
+                placements.append([start, stream.tell() - start])
+
+        result = write_file_atomically(job.path, write_items)
+        result["items"] = placements
+        return result
+
+    def write_bytes(self, job: WriteBytes, frames: list) -> dict:
+        """The message's raw frame as a file."""
+        data = frames[0] if frames else b""
+        return write_file_atomically(job.path, lambda f: f.write(data))
+
+    def execute(self, msg: protocol.Message) -> WriteResult:
+        """Run one job; every failure becomes a result, never an exception."""
+        path = msg.body.get("path") if isinstance(msg.body.get("path"), str) else None
+        started = time.monotonic()
+        try:
+            job = JOB_TYPES[msg.type].from_wire(msg.body)
+            done = self.handlers[type(job)](job, msg.frames)
+            result = WriteResult(ok=True, path=done["path"], size=done["size"],
+                                 crc32=done["crc32"], items=done.get("items"))
+        except OSError as exc:
+            name = errno_mod.errorcode.get(exc.errno or 0, "?")
+            result = WriteResult(ok=False, errno=exc.errno, path=exc.filename or path,
+                                 error=f"{exc.strerror or exc} ({name})")
+        except Exception as exc:  # a bad job must not kill the writer
+            log.exception("writer job %s failed", msg.id)
+            result = WriteResult(ok=False, path=path, error=f"{type(exc).__name__}: {exc}")
+        return WriteResult(**{**result.to_wire(), "seconds": time.monotonic() - started})
+
+    def run(self, sock: zmq.Socket) -> None:
+        """Serve jobs until told to stop or the daemon is gone."""
+        parent = os.getppid()
+        sock.send_multipart(protocol.encode(WriterReady.message_type, 0,
+                                            WriterReady(os.getpid()).to_wire()))
+        while True:
+            if not sock.poll(1000):
+                if os.getppid() != parent:  # the daemon is gone: nobody wants our results
+                    return
+                continue
+            msg = protocol.decode(sock.recv_multipart())
+            if msg.type == StopWriter.message_type:
+                return
+            result = self.execute(msg)
+            sock.send_multipart(protocol.encode(RESULT, msg.id, result.to_wire()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of a writer process (started by ``WriterPool``)."""
+    parser = argparse.ArgumentParser(prog="ckptd-writer")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--pool", required=True)
+    parser.add_argument("--pool-size", type=int, required=True)
+    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--nice", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s ckptd-writer[%(process)d] %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PAIR)
+    sock.linger = 0
+    sock.connect(args.endpoint)
+    try:
+        Writer(args.pool, args.pool_size).run(sock)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    main()

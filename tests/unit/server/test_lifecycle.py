@@ -1,0 +1,307 @@
+"""The save lifecycle without sockets: every path that ends a save gives its extent back once.
+
+The staging pool is a real shared-memory pool; the lifecycle's effects (answering the
+client, writer jobs, pushes, removing outputs) are recorded by a small stand-in for the
+save service, since the point here is the state machine itself. The real effects run in
+the integration tests.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from ckptd.protocol import EXTENT_ALIGNMENT, Phase
+from ckptd.server.lifecycle import (CLIENT_COPY, DEVICE_COPY, WRITERS, ExtentLease,
+                                    SaveLifecycle, replica_hold)
+from ckptd.server.requests import ReplicaSet, RequestTable, SaveRequest
+from ckptd.staging.pool import StagingPool
+
+UNIT = EXTENT_ALIGNMENT
+
+
+class CountingPool(StagingPool):
+    """A real pool that counts how often each extent comes back."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.returned: list = []
+
+    def release(self, extent):
+        self.returned.append(extent)
+        return super().release(extent)
+
+
+class Call:
+    """Records how a deferred request was answered."""
+
+    def __init__(self) -> None:
+        self.answers: list = []
+
+    def reply(self, body):
+        self.answers.append(("reply", body))
+
+    def fail(self, code, message, hint="", **context):
+        self.answers.append(("error", code))
+
+
+class Effects:
+    """Records what the lifecycle asked for; jobs and holders are set per test."""
+
+    def __init__(self, jobs: int = 1, holders: tuple = ()) -> None:
+        self.jobs, self.holders = jobs, list(holders)
+        self.granted, self.removed, self.cancelled = [], [], []
+
+    def space_granted(self, request):
+        self.granted.append(request.id)
+
+    def write(self, request):
+        return self.jobs
+
+    def replicate(self, request):
+        if self.holders:
+            request.replicas = ReplicaSet.sending_to(len(self.holders), self.holders)
+        return list(self.holders)
+
+    def cancel_replication(self, request):
+        self.cancelled.append(request.id)
+
+    def remove_outputs(self, request):
+        self.removed.append(request.id)
+
+
+@pytest.fixture
+def pool(tmp_path):
+    p = CountingPool(f"/dev/shm/ckptd-test-lifecycle-{os.getpid()}-{tmp_path.name}", 8 * UNIT)
+    yield p
+    p.close()
+
+
+def make(table: RequestTable, nbytes: int = UNIT) -> SaveRequest:
+    return SaveRequest(id=table.new_id(), rank=0, identity=b"c", format="dcp", path="/ckpt/x",
+                       buffers=[["uint8", [nbytes], nbytes]], offsets=[0], extent_length=nbytes)
+
+
+def setup(pool, **effects):
+    table, fx = RequestTable(), Effects(**effects)
+    return table, fx, SaveLifecycle(pool, table, fx)
+
+
+def ok(lifecycle, request, index=0):
+    lifecycle.job_done(request, f"/ckpt/x/f{index}", True, {"path": f"/ckpt/x/f{index}"}, 10)
+
+
+def test_a_save_writes_then_gives_its_extent_back_once(pool):
+    table, fx, life = setup(pool, jobs=2)
+    request = make(table)
+    assert life.admit(request) and request.phase == Phase.STAGING
+    life.copied(request, CLIENT_COPY)
+    assert request.phase == Phase.WRITING and request.lease.holds == {WRITERS}
+    ok(life, request, 0)
+    assert request.phase == Phase.WRITING and pool.returned == []
+    ok(life, request, 1)
+    assert request.phase == Phase.DONE and request.bytes_written == 20
+    assert pool.returned == [request.lease.extent] and pool.free_bytes == pool.size
+    assert table.saves_done == 1 and fx.removed == []
+
+
+def test_a_request_that_does_not_fit_waits_and_is_answered_when_space_frees(pool):
+    table, fx, life = setup(pool)
+    first, second = make(table, 6 * UNIT), make(table, 4 * UNIT)
+    assert life.admit(first)
+    assert not life.admit(second) and second.phase == Phase.WAITING_FOR_POOL
+    life.copied(first, CLIENT_COPY)
+    ok(life, first)
+    assert fx.granted == [second.id] and second.phase == Phase.STAGING
+    assert second.extent is not None
+
+
+def test_aborting_a_waiting_request_answers_it_and_lets_the_next_one_in(pool):
+    table, fx, life = setup(pool)
+    first, waiting, behind = make(table, 5 * UNIT), make(table, 6 * UNIT), make(table, 2 * UNIT)
+    life.admit(first)
+    life.admit(waiting)
+    life.admit(behind)  # FIFO: waits behind `waiting` although it would fit
+    waiting.pending_reply = call = Call()
+    life.abort(waiting, "the trainer went away")
+    assert waiting.phase == Phase.ABORTED and call.answers == [("error", "aborted")]
+    assert fx.granted == [behind.id] and behind.extent is not None
+    assert pool.waiting == 0
+
+
+def test_aborting_while_the_client_copies_frees_the_extent_at_once(pool):
+    table, fx, life = setup(pool)
+    request = make(table)
+    life.admit(request)
+    life.abort(request, "close(abort=True)")
+    assert request.phase == Phase.ABORTED and pool.returned == [request.lease.extent]
+    assert table.in_flight() == []
+
+
+def test_aborting_while_writing_keeps_the_extent_until_the_writers_answer(pool):
+    table, fx, life = setup(pool, jobs=1)
+    request = make(table)
+    life.admit(request)
+    life.copied(request, CLIENT_COPY)
+    life.abort(request, "aborted")
+    assert request.phase == Phase.ABORTED and pool.returned == [] and fx.removed == []
+    ok(life, request)
+    assert fx.removed == [request.id], "a file renamed after the abort must be removed"
+    assert pool.returned == [request.lease.extent] and request.phase == Phase.ABORTED
+
+
+def test_a_write_error_fails_the_save_and_removes_what_it_wrote(pool):
+    table, fx, life = setup(pool, jobs=2)
+    request = make(table)
+    life.admit(request)
+    life.copied(request, CLIENT_COPY)
+    ok(life, request)
+    life.job_done(request, "/ckpt/x/f1", False, None, 10, "No space left on device", 28)
+    assert request.phase == Phase.FAILED and fx.removed == [request.id]
+    assert "errno 28" in request.error and request.error.startswith("rank 0: writing /ckpt/x/f1")
+    assert table.saves_failed == 1 and pool.free_bytes == pool.size
+
+
+@pytest.mark.parametrize("writers_first", [True, False])
+def test_a_replicated_save_ends_after_its_writes_and_every_replica(pool, writers_first):
+    table, fx, life = setup(pool, jobs=1, holders=("tcp://a:1", "tcp://b:1"))
+    request = make(table)
+    life.admit(request)
+    life.copied(request, CLIENT_COPY)
+    assert request.lease.holds == {WRITERS, replica_hold("tcp://a:1"), replica_hold("tcp://b:1")}
+    if writers_first:
+        ok(life, request)
+        assert request.phase == Phase.REPLICATING
+    life.replica_done(request, "tcp://a:1", True, None, 10)
+    life.replica_done(request, "tcp://b:1", False, "peer down", 0)
+    if not writers_first:
+        assert request.phase == Phase.WRITING and pool.returned == []
+        ok(life, request)
+    assert request.phase == Phase.DONE and request.replicas.reduced_redundancy
+    assert request.replicas.failures == {"tcp://b:1": "peer down"}
+    assert pool.returned == [request.lease.extent]
+
+
+def test_aborting_while_replicating_cancels_pushes_and_waits_for_their_answers(pool):
+    table, fx, life = setup(pool, jobs=1, holders=("tcp://a:1",))
+    request = make(table)
+    life.admit(request)
+    life.copied(request, CLIENT_COPY)
+    ok(life, request)
+    life.abort(request, "aborted")
+    assert fx.cancelled == [request.id] and fx.removed == [request.id]
+    assert pool.returned == [], "the push still reads the extent"
+    life.replica_done(request, "tcp://a:1", False, "the save was aborted", 0)
+    assert pool.returned == [request.lease.extent] and request.phase == Phase.ABORTED
+
+
+def device_save(pool):
+    """A save whose bytes the CUDA stager copies; its STAGE is answered when it is done."""
+    table, fx, life = setup(pool)
+    request = make(table)
+    life.admit(request, (DEVICE_COPY,), may_wait=False)
+    request.pending_reply = call = Call()
+    return life, request, call
+
+
+def test_a_device_copy_keeps_the_extent_of_an_aborted_save_until_it_stops(pool):
+    life, request, call = device_save(pool)
+    life.abort(request, "trainer gone")
+    assert call.answers == [("error", "aborted")] and pool.returned == []
+    life.copied(request, DEVICE_COPY)
+    assert pool.returned == [request.lease.extent] and request.phase == Phase.ABORTED
+
+
+def test_a_failed_device_copy_fails_the_save_and_answers_the_trainer(pool):
+    life, request, call = device_save(pool)
+    life.copied(request, DEVICE_COPY, "CUDA error: an illegal memory access")
+    assert request.phase == Phase.FAILED and call.answers == [("error", "internal")]
+    assert "illegal memory access" in request.error and pool.free_bytes == pool.size
+
+
+def test_a_save_filled_by_two_copiers_writes_only_when_both_are_done(pool):
+    table, fx, life = setup(pool)
+    request = make(table)
+    life.admit(request, (CLIENT_COPY, DEVICE_COPY))
+    life.copied(request, DEVICE_COPY)
+    assert request.phase == Phase.STAGING
+    life.copied(request, CLIENT_COPY)
+    assert request.phase == Phase.WRITING
+
+
+def test_a_device_save_that_does_not_fit_is_refused_not_queued(pool):
+    from ckptd.server.endpoint import RequestError
+
+    table, fx, life = setup(pool)
+    life.admit(make(table, 6 * UNIT))
+    refused = make(table, 4 * UNIT)
+    with pytest.raises(RequestError, match="does not queue"):
+        life.admit(refused, (DEVICE_COPY,), may_wait=False)
+    assert pool.waiting == 0 and table.get(refused.id) is None
+
+
+def test_a_forgotten_request_is_still_found_until_its_extent_comes_back(pool):
+    table, fx, life = setup(pool, jobs=1)
+    request = make(table)
+    life.admit(request)
+    life.copied(request, CLIENT_COPY)
+    life.abort(request, "aborted")
+    table.forget(request.id)
+    assert table.get(request.id) is None and table.find(request.id) is request
+    ok(life, request)
+    assert table.find(request.id) is None and pool.free_bytes == pool.size
+
+
+def test_a_lease_gives_its_extent_back_exactly_once():
+    returned = []
+    lease = ExtentLease("extent", returned.append, ["a", "b"])
+    lease.drop("a")
+    lease.drop("a")
+    assert returned == []
+    lease.drop("b")
+    lease.drop("b")
+    assert returned == ["extent"] and lease.released
+    with pytest.raises(RuntimeError, match="already given back"):
+        lease.hold("c")
+
+
+def test_random_event_orders_end_every_save_once_and_free_the_whole_pool(pool):
+    """Many saves, events in random orders (aborts and failures anywhere): afterwards each
+    extent came back exactly once, the pool is empty, and each save has one outcome."""
+    rng = random.Random(20261123)
+    for _ in range(200):
+        pool.returned.clear()
+        holders = [f"tcp://h{i}:1" for i in range(rng.randint(0, 2))]
+        table, fx, life = setup(pool, jobs=rng.randint(0, 2), holders=holders)
+        requests = [make(table, rng.choice([UNIT, 3 * UNIT, 5 * UNIT])) for _ in range(4)]
+        pending = {r.id: {"admit"} for r in requests}
+        for r in requests:
+            life.admit(r)
+        for _ in range(400):
+            live = [r for r in requests if pending[r.id] or (r.lease and not r.lease.released)]
+            if not live:
+                break
+            r = rng.choice(live)
+            move = rng.random()
+            if move < 0.1:
+                life.abort(r, "random abort")
+            elif move < 0.15:
+                life.fail(r, "random failure")
+            elif r.phase == Phase.STAGING and r.lease.has(CLIENT_COPY):
+                life.copied(r, CLIENT_COPY)
+            elif r.lease is not None and r.lease.has(WRITERS) and r.jobs_pending:
+                life.job_done(r, "/f", rng.random() > 0.1, {"path": "/f"}, 1, "EIO", 5)
+            elif r.lease is not None and any(h.startswith("replica:") for h in r.lease.holds):
+                holder = next(h for h in r.lease.holds if h.startswith("replica:"))[8:]
+                life.replica_done(r, holder, rng.random() > 0.3, "down", 1)
+            pending[r.id].clear()
+        for r in requests:
+            assert r.finished, f"request {r.id} stuck in {r.phase}"
+            assert r.lease is None or r.lease.released
+        extents = [r.lease.extent for r in requests if r.lease is not None]
+        assert sorted(pool.returned, key=lambda e: e.offset) == sorted(extents, key=lambda e: e.offset)
+        assert pool.free_bytes == pool.size and pool.waiting == 0
+        assert table.saves_done + table.saves_failed + sum(
+            r.phase == Phase.ABORTED for r in requests) == len(requests)

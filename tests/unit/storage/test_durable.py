@@ -1,0 +1,97 @@
+"""Durable writes: complete files under their final names, checksummed, nothing left over."""
+
+import os
+import subprocess
+
+import pytest
+
+from ckptd.checksum import TMP_MARKER, checksum_bytes, verify_file
+from ckptd.storage.durable import (DurableFile, make_directories, remove_written,
+                                   temporaries_of, write_file_atomically, write_sidecar,
+                                   write_small_file)
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+
+
+def test_a_file_appears_complete_with_its_checksum_and_no_temporary(tmp_path):
+    path = tmp_path / "new" / "dir" / "part.distcp"
+    result = write_file_atomically(str(path), lambda s: s.write(b"x" * 3000))
+    assert path.read_bytes() == b"x" * 3000 and result["size"] == 3000
+    assert verify_file(str(path)) == checksum_bytes(b"x" * 3000)
+    assert sorted(os.listdir(path.parent)) == ["part.distcp", "part.distcp.ckptd-sum"]
+
+
+def test_a_failed_write_leaves_nothing_and_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "model.pt"
+    write_file_atomically(str(path), lambda s: s.write(b"old"))
+
+    def broken(stream):
+        stream.write(b"half of the new")
+        raise RuntimeError("serializer crashed")
+
+    with pytest.raises(RuntimeError, match="serializer crashed"):
+        write_file_atomically(str(path), broken)
+    assert path.read_bytes() == b"old" and verify_file(str(path)).size == 3
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(TMP_MARKER)]
+
+
+def test_temporaries_are_hidden_attributed_and_unguessable(tmp_path):
+    path = str(tmp_path / "f")
+    first, second = DurableFile(path), DurableFile(path)
+    try:
+        assert first.tmp_name != second.tmp_name
+        for durable in (first, second):
+            assert durable.tmp_name.startswith(f".f.{os.getpid()}.")
+            assert durable.tmp_name.endswith(TMP_MARKER)
+        assert len(temporaries_of(path, os.getpid())) == 2
+    finally:
+        first.discard()
+        second.discard()
+    assert temporaries_of(path) == []
+
+
+def test_small_files_are_replaced_whole(tmp_path):
+    path = tmp_path / "committed"
+    write_small_file(str(path), b"1\n", checksum=True)
+    write_small_file(str(path), b"2\n", checksum=True)
+    assert path.read_bytes() == b"2\n" and verify_file(str(path)).size == 2
+    with pytest.raises(FileNotFoundError):
+        write_small_file(str(tmp_path / "missing" / "x"), b"", make_parents=False)
+
+
+def test_make_directories_creates_only_what_is_missing(tmp_path):
+    target = tmp_path / "a" / "b" / "c"
+    assert make_directories(str(target)) == [str(tmp_path / "a"), str(tmp_path / "a" / "b"),
+                                             str(target)]
+    assert make_directories(str(target)) == []
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        make_directories(str(tmp_path / "file" / "sub"))
+
+
+def test_remove_written_takes_the_record_and_leftovers_too(tmp_path):
+    path = str(tmp_path / "f")
+    write_file_atomically(path, lambda s: s.write(b"data"))
+    leftover = DurableFile(path)  # a writer that never finished
+    remove_written(path)
+    assert os.listdir(tmp_path) == []
+    leftover.discard()
+
+
+@needs_root
+def test_a_record_that_cannot_be_written_leaves_nothing_behind(tmp_path):
+    mount = tmp_path / "full"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    try:
+        with open(mount / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:
+                pass
+        with pytest.raises(OSError):
+            write_sidecar(str(mount / "part"), checksum_bytes(b"x"))
+        assert sorted(os.listdir(mount)) == ["filler"]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -1,0 +1,69 @@
+"""A writer's jobs, run in this process against a real pool file: files torch and DCP read."""
+
+import mmap
+import os
+
+import pytest
+import torch
+
+from ckptd import protocol
+from ckptd.storage.jobs import WriteItems, WriteTorch
+from ckptd.storage.writer_process import Writer
+
+
+@pytest.fixture
+def writer(tmp_path):
+    path = f"/dev/shm/ckptd-test-writer-{os.getpid()}-{tmp_path.name}"
+    with open(path, "wb") as f:
+        f.truncate(1 << 20)
+    yield Writer(path, 1 << 20)
+    os.unlink(path)
+
+
+def put(writer: Writer, offset: int, tensor: torch.Tensor) -> list:
+    nbytes = tensor.numel() * tensor.element_size()
+    view = torch.frombuffer(writer.pool, dtype=torch.uint8, count=nbytes, offset=offset)
+    view.copy_(tensor.view(-1).view(torch.uint8))
+    return [offset, nbytes, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+
+
+def run(writer: Writer, body) -> object:
+    message = protocol.decode(protocol.encode(body.message_type, 1, body.to_wire()))
+    return writer.execute(message)
+
+
+def test_a_torch_job_writes_a_file_torch_load_reads(writer, tmp_path):
+    a, b = torch.arange(6, dtype=torch.float32).view(2, 3), torch.ones(4, dtype=torch.bfloat16)
+    specs = [put(writer, 0, a), put(writer, 4096, b)]
+    skeleton = protocol.pack_value({"a": protocol.TensorRef(0), "nested": [protocol.TensorRef(1), 7]})
+    path = str(tmp_path / "m.pt")
+    result = run(writer, WriteTorch(path, skeleton, specs, 32))
+    assert result.ok and result.size == os.path.getsize(path)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["nested"][0], b)
+    assert loaded["nested"][1] == 7
+
+
+def test_an_items_job_records_where_each_item_landed(writer, tmp_path):
+    raw = put(writer, 0, torch.arange(16, dtype=torch.uint8))
+    raw[2], raw[3] = "bytes", [16]
+    path = str(tmp_path / "x.distcp")
+    result = run(writer, WriteItems(path, "x.distcp", [raw, put(writer, 4096, torch.zeros(3))], 28))
+    assert result.ok and len(result.items) == 2
+    start, length = result.items[0]
+    assert open(path, "rb").read()[start:start + length] == bytes(range(16))
+
+
+def test_an_os_error_comes_back_with_its_errno_and_path(writer, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint directory should be")
+    spec = put(writer, 0, torch.zeros(2))
+    result = run(writer, WriteItems(str(blocker / "step" / "f"), "f", [spec], 8))
+    assert not result.ok and result.errno == 20 and str(blocker) in result.path
+    assert "ENOTDIR" in result.error
+
+
+def test_a_malformed_job_is_a_failed_result_not_a_dead_writer(writer):
+    message = protocol.decode(protocol.encode(WriteItems.message_type, 3, {"path": "/x"}))
+    result = writer.execute(message)
+    assert not result.ok and "needs 'name'" in result.error
