@@ -25,6 +25,7 @@ import os
 import re
 import socket as _socket
 import stat
+import threading
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -61,6 +62,11 @@ MAX_FRAMES = 64
 #: Largest single raw payload frame (metadata files, CUDA handles); bulk tensor bytes
 #: use the staging pool instead.
 MAX_PAYLOAD_BYTES = 256 * 1024 * 1024
+#: Deepest nesting of tuple extensions in one value. Each level is decoded by a nested
+#: call of msgpack's C unpacker, whose frames are large: about a thousand levels overflow
+#: the C stack and kill the process, so a peer could crash a daemon with a 4 KB frame.
+#: State-dict skeletons nest tuples a few levels at most.
+MAX_TUPLE_NESTING = 32
 
 #: Alignment of each tensor inside a staging extent: lets any dtype be viewed in place
 #: and keeps copies on cache-line boundaries.
@@ -202,12 +208,24 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode a value of type {type(obj).__name__} in a ckptd message")
 
 
+_nesting = threading.local()
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == _EXT_TENSOR:
+        if len(data) != 8:
+            raise ValueError(f"a tensor reference has 8 bytes, not {len(data)}")
         return TensorRef(int.from_bytes(data, "little"))
     if code == _EXT_TUPLE:
-        return tuple(unpack_value(data))
-    return msgpack.ExtType(code, data)
+        depth = getattr(_nesting, "depth", 0)
+        if depth >= MAX_TUPLE_NESTING:
+            raise ValueError(f"tuples nested deeper than {MAX_TUPLE_NESTING} levels")
+        _nesting.depth = depth + 1
+        try:
+            return tuple(unpack_value(data))
+        finally:
+            _nesting.depth = depth
+    raise ValueError(f"unknown msgpack extension type {code}")
 
 
 def pack_value(value: Any) -> bytes:
@@ -216,7 +234,16 @@ def pack_value(value: Any) -> bytes:
 
 
 def unpack_value(data: bytes) -> Any:
-    """Decode bytes made by :func:`pack_value`."""
+    """Decode bytes made by :func:`pack_value`.
+
+    Bounded: tuples nest at most :data:`MAX_TUPLE_NESTING` levels (msgpack bounds plain
+    arrays and maps itself), so hostile bytes raise instead of exhausting the stack.
+
+    Raises
+    ------
+    ValueError
+        (or another msgpack error) for bytes that are not a valid, bounded value.
+    """
     return msgpack.unpackb(
         data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
