@@ -308,7 +308,7 @@ def write_textfile(path: str, text: str) -> None:
     node-exporter's textfile collector may read at any moment; it must never see a
     half-written file. Not fsynced: a textfile from before a crash is worthless.
     """
-    write_small_file(path, text.encode(), mode=0o644, fsync=False, make_parents=False)
+    write_small_file(path, text.encode(), mode=0o644, fsync=False, operator_path=True)
 
 
 def parse_listen_address(text: str, allow_remote: bool = False) -> tuple[str, int]:

@@ -49,7 +49,7 @@ def sd_notify(state: str) -> bool:
 def announce_ready(socket_path: str, ready_file: str, info: dict) -> None:
     """Emit all readiness signals for a daemon serving ``socket_path``."""
     write_small_file(ready_file, json.dumps({"socket": socket_path, **info}).encode(),
-                     mode=0o644, make_parents=False)
+                     mode=0o644, operator_path=True)
     print(f"{READY_LINE_PREFIX} socket={socket_path} pid={os.getpid()}", flush=True)
     sd_notify(f"READY=1\nMAINPID={os.getpid()}\nSTATUS=serving {socket_path}")
 

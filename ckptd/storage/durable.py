@@ -27,6 +27,7 @@ import ctypes
 import errno as errno_mod
 import os
 import secrets
+import stat
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -64,33 +65,87 @@ def fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def make_directories(path: str, mode: int = 0o777) -> list[str]:
-    """Create ``path`` and its missing parents, each made durable in its parent.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def open_directory(path: str, create: bool = True) -> tuple[int, list[str]]:
+    """Open a directory walking from ``/`` one component at a time, never following a link.
+
+    Checkpoint paths reach here already resolved (``ckptd.storage.roots`` checked their
+    real location); a component that is a symbolic link *now* was planted after that
+    check, so the walk refuses it instead of writing where it points.
+
+    Parameters
+    ----------
+    path : str
+        An absolute path.
+    create : bool
+        Create missing components; each new directory is made durable in its parent.
+
+    Returns
+    -------
+    (fd, created)
+        An open descriptor of the directory (the caller closes it) and the directories
+        created, outermost first.
+
+    Raises
+    ------
+    OSError
+        ``ELOOP`` naming the component that is a link, ``ENOTDIR`` for one that is a
+        file, ``ENOENT`` for a missing one when ``create`` is false.
+    """
+    if not os.path.isabs(path):
+        raise ValueError(f"{path!r} is not an absolute path")
+    fd = os.open("/", _DIR_FLAGS)
+    created, walked = [], ""
+    try:
+        for part in [p for p in path.split("/") if p not in ("", ".")]:
+            if part == "..":
+                raise OSError(errno_mod.EINVAL, "'..' in a checkpoint path", path)
+            walked += "/" + part
+            try:
+                child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                try:
+                    os.mkdir(part, 0o777, dir_fd=fd)
+                    os.fsync(fd)  # the new entry survives a power loss
+                    created.append(walked)
+                except FileExistsError:
+                    pass  # made by someone else meanwhile; they make it durable
+                child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if _is_link(part, fd):  # O_NOFOLLOW | O_DIRECTORY says ENOTDIR or ELOOP
+                    raise OSError(errno_mod.ELOOP, "is a symbolic link; ckptd does not follow "
+                                  "links inside a checkpoint path (planted after the path was "
+                                  "checked?)", walked) from None
+                raise OSError(exc.errno, exc.strerror, walked) from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, created
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
+
+
+def make_directories(path: str) -> list[str]:
+    """Create ``path`` and its missing parents durably, following no link.
 
     Returns
     -------
     list of str
         The directories created (outermost first).
     """
-    missing = []
-    probe = os.path.abspath(path)
-    while not os.path.isdir(probe):
-        missing.append(probe)
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    created = []
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, mode)
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise NotADirectoryError(errno_mod.ENOTDIR, "exists and is not a directory",
-                                         directory) from None
-            continue  # made by someone else meanwhile; they make it durable
-        fsync_directory(os.path.dirname(directory))
-        created.append(directory)
+    fd, created = open_directory(os.path.abspath(path), create=True)
+    os.close(fd)
     return created
 
 
@@ -153,9 +208,10 @@ class DurableFile:
         Record the file's checksum beside it (``<path>.ckptd-sum``).
     mode : int
         Permission bits of the new file.
-    make_parents : bool
-        Create the directory (durably) when it is missing; False: a missing directory is
-        an error (``FileNotFoundError``), for files whose place an operator chose.
+    operator_path : bool
+        False (checkpoint data): the directory is walked from ``/`` without following any
+        link, and created durably where missing. True (a ready file, the metrics textfile:
+        places the operator chose): it is opened as given and must exist.
 
     Attributes
     ----------
@@ -164,13 +220,16 @@ class DurableFile:
     """
 
     def __init__(self, path: str, checksum: bool = True, mode: int = 0o644,
-                 make_parents: bool = True) -> None:
+                 operator_path: bool = False, dir_fd: int | None = None) -> None:
         self.path = path
         self.directory = os.path.dirname(path) or "."
         self.with_checksum = checksum
-        if make_parents:
-            make_directories(self.directory)
-        self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if dir_fd is not None:  # a file beside another one (its checksum record)
+            self._dir_fd = os.dup(dir_fd)
+        elif operator_path:
+            self._dir_fd = os.open(self.directory, _DIR_FLAGS)
+        else:
+            self._dir_fd, _ = open_directory(os.path.abspath(self.directory))
         try:
             self.tmp_name, fd = self._create_temporary(mode)
         except BaseException:
@@ -217,8 +276,11 @@ class DurableFile:
                 os.fsync(self._raw.fileno())
             self._raw.close()
             checksum = self.stream.result()
-            if self.with_checksum:
-                write_sidecar(self.path, checksum, fsync=fsync, sync_directory=False)
+            if self.with_checksum:  # beside the file, through the same directory descriptor
+                with DurableFile(sidecar_path(self.path), checksum=False,
+                                 dir_fd=self._dir_fd) as record:
+                    record.stream.write(checksum.to_json().encode())
+                    record.commit(fsync=fsync, sync_directory=False)
             os.replace(self.tmp_name, os.path.basename(self.path),
                        src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
             if fsync and sync_directory:
@@ -274,29 +336,21 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
 
 
 def write_small_file(path: str, data: bytes, *, checksum: bool = False, mode: int = 0o644,
-                     fsync: bool = True, sync_directory: bool = True,
-                     make_parents: bool = True) -> None:
+                     fsync: bool = True, operator_path: bool = False) -> None:
     """Replace ``path`` with ``data`` atomically (a ready file, a marker, a textfile).
 
     Parameters
     ----------
     checksum : bool
         Also record a checksum beside it.
-    fsync, sync_directory : bool
+    fsync : bool
         As for :meth:`DurableFile.commit`.
-    make_parents : bool
+    operator_path : bool
         As for :class:`DurableFile`.
     """
-    with DurableFile(path, checksum=checksum, mode=mode, make_parents=make_parents) as durable:
+    with DurableFile(path, checksum=checksum, mode=mode, operator_path=operator_path) as durable:
         durable.stream.write(data)
-        durable.commit(fsync=fsync, sync_directory=sync_directory)
-
-
-def write_sidecar(path: str, checksum: Checksum, *, fsync: bool = True,
-                  sync_directory: bool = True) -> None:
-    """Record ``checksum`` beside ``path`` (``<path>.ckptd-sum``), atomically."""
-    write_small_file(sidecar_path(path), checksum.to_json().encode(), fsync=fsync,
-                     sync_directory=sync_directory, make_parents=False)
+        durable.commit(fsync=fsync)
 
 
 def remove_quietly(path: str) -> None:

@@ -7,8 +7,7 @@ import pytest
 
 from ckptd.checksum import TMP_MARKER, checksum_bytes, verify_file
 from ckptd.storage.durable import (DurableFile, make_directories, remove_written,
-                                   temporaries_of, write_file_atomically, write_sidecar,
-                                   write_small_file)
+                                   temporaries_of, write_file_atomically, write_small_file)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 
@@ -56,7 +55,7 @@ def test_small_files_are_replaced_whole(tmp_path):
     write_small_file(str(path), b"2\n", checksum=True)
     assert path.read_bytes() == b"2\n" and verify_file(str(path)).size == 2
     with pytest.raises(FileNotFoundError):
-        write_small_file(str(tmp_path / "missing" / "x"), b"", make_parents=False)
+        write_small_file(str(tmp_path / "missing" / "x"), b"", operator_path=True)
 
 
 def test_make_directories_creates_only_what_is_missing(tmp_path):
@@ -79,7 +78,7 @@ def test_remove_written_takes_the_record_and_leftovers_too(tmp_path):
 
 
 @needs_root
-def test_a_record_that_cannot_be_written_leaves_nothing_behind(tmp_path):
+def test_a_file_that_cannot_be_written_leaves_nothing_behind(tmp_path):
     mount = tmp_path / "full"
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
@@ -91,7 +90,51 @@ def test_a_record_that_cannot_be_written_leaves_nothing_behind(tmp_path):
             except OSError:
                 pass
         with pytest.raises(OSError):
-            write_sidecar(str(mount / "part"), checksum_bytes(b"x"))
+            write_small_file(str(mount / "part"), b"x" * 8192, checksum=True)
         assert sorted(os.listdir(mount)) == ["filler"]
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+# ------------------------------------------------------------------ planted symbolic links
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file outside the checkpoint directory that a planted link points at."""
+    path = tmp_path / "victim"
+    path.write_bytes(b"precious")
+    return path
+
+
+def test_links_planted_at_the_final_names_are_replaced_not_followed(tmp_path, victim):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name in ("model.pt", "model.pt.ckptd-sum"):
+        os.symlink(victim, ckpt / name)
+    write_file_atomically(str(ckpt / "model.pt"), lambda s: s.write(b"weights"))
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(ckpt / "model.pt") and (ckpt / "model.pt").read_bytes() == b"weights"
+    assert verify_file(str(ckpt / "model.pt")).size == 7
+
+
+def test_a_directory_swapped_for_a_link_after_the_check_is_refused(tmp_path, victim):
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    ckpt.mkdir()
+    elsewhere.mkdir()
+    os.symlink(elsewhere, ckpt / "step_1")  # planted between the path check and the write
+    with pytest.raises(OSError, match="step_1.*symbolic link|symbolic link") as info:
+        write_file_atomically(str(ckpt / "step_1" / "__0_0.distcp"), lambda s: s.write(b"x"))
+    assert info.value.errno == 40 and str(ckpt / "step_1") in str(info.value)
+    assert os.listdir(elsewhere) == []
+
+
+def test_a_temporary_name_that_exists_is_never_reused(tmp_path, victim, monkeypatch):
+    from ckptd.storage import durable
+
+    real, tokens = durable.secrets.token_hex, ["planted00000", "fresh0000000"]
+    monkeypatch.setattr(durable.secrets, "token_hex", lambda n: tokens.pop(0) if tokens else real(n))
+    planted = tmp_path / f".model.pt.{os.getpid()}.planted00000{TMP_MARKER}"
+    os.symlink(victim, planted)
+    write_file_atomically(str(tmp_path / "model.pt"), lambda s: s.write(b"weights"))
+    assert victim.read_bytes() == b"precious" and os.path.islink(planted)
+    assert (tmp_path / "model.pt").read_bytes() == b"weights"

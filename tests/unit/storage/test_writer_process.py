@@ -1,6 +1,5 @@
 """A writer's jobs, run in this process against a real pool file: files torch and DCP read."""
 
-import mmap
 import os
 
 import pytest
