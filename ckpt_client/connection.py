@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+import zmq
+
 from ckptd import knobs, protocol
 from ckptd.protocol import process_alive
 from ckpt_client.collectives import initialized, rank_and_world
@@ -41,6 +43,9 @@ class DaemonConnection:
     ----------
     socket_path : str
     daemon_pid : int
+    incarnation : str
+        The daemon's random token for this start. Every request carries it, so a daemon
+        restarted at the same socket refuses requests meant for its predecessor.
     rank : int
     has_cuda : bool
         Whether the daemon can open CUDA IPC handles.
@@ -51,6 +56,8 @@ class DaemonConnection:
         self.channel = channel
         self.rank = rank
         self.daemon_pid = hello["daemon_pid"]
+        self.incarnation = hello.get("incarnation")
+        self.closed = False
         self.pool_path = hello["pool_path"]
         self.pool_size = hello["pool_size"]
         self.has_cuda = bool(hello.get("cuda"))
@@ -62,10 +69,14 @@ class DaemonConnection:
     # ------------------------------------------------------------------ calls
     def ensure_daemon_alive(self) -> None:
         """Raise :class:`DaemonUnavailableError` if the daemon process is gone."""
-        if not process_alive(self.daemon_pid):
-            raise DaemonUnavailableError(
-                self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) serving "
-                                  f"{self.socket_path} died")
+        if process_alive(self.daemon_pid):
+            return
+        successor = _ready_pid(self.socket_path)
+        what = ("was restarted: a new daemon (pid {}) serves the socket now".format(successor)
+                if successor not in (None, self.daemon_pid) else "died")
+        raise DaemonUnavailableError(
+            self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) serving "
+                              f"{self.socket_path} {what}")
 
     def call(self, msg_type: str, body: dict | None = None, frames=(),
              timeout: float | None = None) -> dict:
@@ -74,11 +85,17 @@ class DaemonConnection:
         Raises
         ------
         DaemonUnavailableError
-            If the daemon died or did not answer in ``timeout`` seconds.
+            If the daemon died, was restarted, or did not answer in ``timeout`` seconds;
+            also for any failure of the transport itself.
         DaemonRequestError
             If the daemon refused the request.
         """
+        if self.closed:
+            raise DaemonUnavailableError(
+                self.socket_path, f"this connection to the ckptd daemon (pid {self.daemon_pid}) "
+                                  "was closed: that daemon is gone or was restarted")
         timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
+        body = {**(body or {}), "incarnation": self.incarnation}
         try:
             return self.channel.call(msg_type, body, frames, timeout, self.ensure_daemon_alive).body
         except protocol.ErrorReply as exc:
@@ -88,6 +105,10 @@ class DaemonConnection:
             raise DaemonUnavailableError(
                 self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) did not answer "
                                   f"a {msg_type} request within {timeout:.0f}s") from None
+        except (zmq.ZMQError, protocol.ProtocolError) as exc:
+            raise DaemonUnavailableError(
+                self.socket_path, f"talking to the ckptd daemon (pid {self.daemon_pid}) "
+                                  f"failed: {exc}") from None
 
     # ------------------------------------------------------------------ staging pool
     @property
@@ -106,11 +127,14 @@ class DaemonConnection:
         return self._pool_tensor
 
     def close(self) -> None:
-        """Say goodbye and close the socket."""
+        """Say goodbye and close the socket (later calls raise DaemonUnavailableError)."""
+        if self.closed:
+            return
         try:
-            self.channel.call(protocol.MessageType.GOODBYE, timeout=1.0)
+            self.call(protocol.MessageType.GOODBYE, timeout=1.0)
         except Exception:  # the daemon may already be gone; closing must not fail
             pass
+        self.closed = True
         self.channel.close()
         self._pool_tensor = None
         if self._pool_map is not None:
@@ -119,6 +143,15 @@ class DaemonConnection:
             except BufferError:
                 pass
         _connections.pop(self.socket_path, None)
+
+
+def _ready_pid(socket_path: str) -> int | None:
+    """The pid in the ready file of the daemon serving ``socket_path`` (None if none)."""
+    try:
+        with open(protocol.ready_file_for(socket_path)) as f:
+            return json.load(f).get("pid")
+    except (OSError, ValueError):
+        return None
 
 
 _connections: dict[str, DaemonConnection] = {}
@@ -213,7 +246,6 @@ def _start_local_daemon(socket_path: str) -> None:
 
 
 def _wait_until_ready(socket_path: str, process: subprocess.Popen, log_path: str) -> None:
-    ready_file = protocol.ready_file_for(socket_path)
     start_timeout = knobs.START_TIMEOUT.get()
     deadline = time.monotonic() + start_timeout
     while time.monotonic() < deadline:
@@ -221,12 +253,8 @@ def _wait_until_ready(socket_path: str, process: subprocess.Popen, log_path: str
             raise DaemonUnavailableError(
                 socket_path, f"the auto-started ckptd exited with status {process.returncode} "
                              f"(see {log_path})")
-        try:
-            with open(ready_file) as f:
-                if json.load(f).get("pid") == process.pid:
-                    return
-        except (FileNotFoundError, ValueError):
-            pass
+        if _ready_pid(socket_path) == process.pid:
+            return
         time.sleep(0.05)  # polling the ready file; the daemon writes it atomically
     raise DaemonUnavailableError(socket_path, f"the auto-started ckptd was not ready within "
                                               f"{start_timeout:.0f}s (see {log_path})")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ckptd import knobs, protocol
-from ckptd.protocol import MessageType, Phase, TensorRef
+from ckptd.protocol import ErrorCode, MessageType, Phase, TensorRef
 from ckpt_client.connection import DaemonConnection
 from ckpt_client.errors import DaemonUnavailableError, DaemonRequestError
 
@@ -120,18 +120,26 @@ class DaemonSave:
     last: dict = field(default_factory=dict)
 
     def poll(self) -> dict:
-        """Ask the daemon for this request's phase; a dead daemon reads as failed."""
+        """Ask the daemon for this request's phase.
+
+        The request belongs to the daemon incarnation that accepted it (the connection
+        names it in every call): if that daemon died or was restarted, or does not know
+        the request, the save reads as failed ("lost"), never as somebody else's result.
+        """
         if self.last.get("phase") in Phase.FINISHED:
             return self.last
         try:
             reply = self.connection.call(MessageType.POLL, {"request_ids": [self.request_id]})
             self.last = reply["requests"][self.request_id]
-        except DaemonUnavailableError as exc:
-            self.last = {"phase": Phase.FAILED,
-                         "error": f"rank {self.connection.rank}: save of {self.path} lost: {exc}"}
+        except (DaemonUnavailableError, DaemonRequestError) as exc:
+            if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
+                raise
+            self.last = {"phase": "unknown", "error": str(exc)}
         if self.last.get("phase") == "unknown":
-            self.last = {"phase": Phase.FAILED, "error": f"rank {self.connection.rank}: "
-                         f"save of {self.path} lost: {self.last.get('error')}"}
+            self.last = {"phase": Phase.FAILED, "error": (
+                f"rank {self.connection.rank}: save of {self.path} lost: the ckptd daemon that "
+                f"accepted it (pid {self.connection.daemon_pid}) no longer has it: "
+                f"{self.last.get('error')}; save again")}
         return self.last
 
     @property

@@ -147,6 +147,7 @@ class ErrorCode:
     NOT_CONFIGURED = "not_configured"      # e.g. local checkpoints without --peer-listen
     PART_UNAVAILABLE = "part_unavailable"  # no holder had a verified copy of a part
     ABORTED = "aborted"                    # the save was aborted before it was staged
+    DAEMON_RESTARTED = "daemon_restarted"  # the request names an earlier daemon incarnation
     INTERNAL = "internal"
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import time
 
@@ -61,6 +62,8 @@ class Daemon:
         self.table = RequestTable()
         self.ranks = RankRegistry()
         self.started_at = time.time()
+        #: Random per start: requests made for an earlier daemon at this socket are refused.
+        self.incarnation = secrets.token_hex(8)
         self.stopping_since: float | None = None
         self.idle_since: float | None = time.monotonic()
         self.saves = SaveService(self)
@@ -113,7 +116,8 @@ class Daemon:
                                            self.config.metrics_labels)
             self.metrics.start()
         announce_ready(self.socket_path, self.ready_file,
-                       {"pid": os.getpid(), "version": __version__, "pool": self.pool.path,
+                       {"pid": os.getpid(), "incarnation": self.incarnation,
+                        "version": __version__, "pool": self.pool.path,
                         "pool_size": self.pool.size, "writers": self.config.writers})
         log.info("serving %s: pool %d MiB at %s, %d writers, roots %s", self.socket_path,
                  self.pool.size >> 20, self.pool.path, self.config.writers,
@@ -127,7 +131,7 @@ class Daemon:
         return CudaStager.create_if_available(self.pool)
 
     def _wire_endpoint(self) -> None:
-        self.endpoint = ClientEndpoint(self.context)
+        self.endpoint = ClientEndpoint(self.context, self.incarnation)
         self.endpoint.route(Hello, self.on_hello)
         for message_type, handler in ((MessageType.GOODBYE, self.on_goodbye),
                                       (MessageType.PING, self.on_ping),
@@ -209,7 +213,8 @@ class Daemon:
         """Register a trainer process."""
         rank = self.ranks.register(call.identity, body)
         log.info("rank %d registered (pid %d)", rank.rank, rank.pid)
-        return {"daemon_pid": os.getpid(), "version": __version__, "pool_path": self.pool.path,
+        return {"daemon_pid": os.getpid(), "incarnation": self.incarnation,
+                "version": __version__, "pool_path": self.pool.path,
                 "pool_size": self.pool.size, "writers": self.config.writers,
                 "host": host_name(), "cuda": self.cuda is not None}
 
@@ -273,7 +278,8 @@ class Daemon:
         pool = self.pool
         return self.table.snapshot(
             self.ranks.describe(lambda identity: len(self.table.of_connection(identity))),
-            version=__version__, pid=os.getpid(), host=host_name(), socket=self.socket_path,
+            version=__version__, pid=os.getpid(), incarnation=self.incarnation,
+            host=host_name(), socket=self.socket_path,
             started_at=self.started_at, uptime_s=time.time() - self.started_at,
             state="draining" if self.stopping_since is not None else "serving",
             roots=list(self.roots.roots),

@@ -8,12 +8,18 @@ decodes a message, checks its body against the typed schema of its type
 fetched) through ``call.reply`` / ``call.fail``; whoever holds the call owes the answer.
 Any exception becomes a structured error reply and the endpoint keeps serving.
 
+A request may name the daemon *incarnation* it was made for (every ``ckpt_client``
+request does, from its hello): one that names another incarnation was meant for a daemon
+that was restarted at this socket since, and is refused before any handler sees it, so a
+trainer can never mistake the new daemon's request 1 for its own lost one.
+
 Pattern: ipyparallel's hub: ``msg_type -> handler``; errors are replies, never crashes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -82,9 +88,12 @@ class ClientEndpoint:
     ----------
     context : zmq.Context
         The daemon's context.
+    incarnation : str
+        This daemon's random incarnation token.
     """
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, context: zmq.Context, incarnation: str) -> None:
+        self.incarnation = incarnation
         self.socket = context.socket(zmq.ROUTER)
         self.socket.linger = 0
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -106,6 +115,7 @@ class ClientEndpoint:
         try:
             message = protocol.decode([f.buffer for f in payload])
             call.msg_id, call.frames = message.id, message.frames
+            self._check_incarnation(message.body.get("incarnation"))
             route = self._routes.get(message.type)
             if route is None:
                 raise RequestError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {message.type!r}",
@@ -123,6 +133,15 @@ class ClientEndpoint:
             return
         if result is not DEFERRED:
             call.reply(result)
+
+    def _check_incarnation(self, claimed) -> None:
+        if claimed is None or claimed == self.incarnation:
+            return
+        raise RequestError(
+            ErrorCode.DAEMON_RESTARTED,
+            f"this request was made for ckptd incarnation {claimed!r}, which is gone: the "
+            f"daemon at this socket was restarted (now incarnation {self.incarnation!r}, "
+            f"pid {os.getpid()})", "saves that daemon held were lost; save them again")
 
     def send(self, identity: bytes, msg_type: str, msg_id: int, body: dict) -> None:
         """Send one message to a client; a client that is gone is not an error."""

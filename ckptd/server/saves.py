@@ -131,12 +131,13 @@ class SaveService:
         return {"request_id": request.id, "phase": request.phase}
 
     def on_poll(self, call: Call, body: Poll) -> dict:
-        """Phase and results of requests."""
-        return {"requests": {rid: self._poll_entry(rid) for rid in body.request_ids}}
+        """Phase and results of this connection's requests."""
+        return {"requests": {rid: self._poll_entry(call.identity, rid)
+                             for rid in body.request_ids}}
 
-    def _poll_entry(self, request_id: int) -> dict:
+    def _poll_entry(self, identity: bytes, request_id: int) -> dict:
         request = self.table.get(request_id)
-        if request is None:
+        if request is None or request.identity != identity:  # never another client's
             return {"phase": "unknown", "error": f"ckptd (pid {os.getpid()}) has no request "
                     f"{request_id}; the daemon that took it is gone"}
         return request.poll_entry()

@@ -13,7 +13,7 @@ from ckptd.server.endpoint import DEFERRED, ClientEndpoint, RequestError
 @pytest.fixture
 def endpoint():
     context = zmq.Context()
-    server = ClientEndpoint(context)
+    server = ClientEndpoint(context, "incarnation-1")
     server.bind("inproc://endpoint-test")
     client = protocol.Channel("inproc://endpoint-test", context)
     yield server, client
@@ -77,3 +77,13 @@ def test_a_deferred_call_is_answered_once_later(endpoint):
     held[0].fail("internal", "a second answer is ignored")
     assert client.wait(msg_id, 5.0).body == {"late": True}
     assert not client.socket.poll(200)
+
+
+def test_a_request_for_another_incarnation_never_reaches_a_handler(endpoint):
+    server, client = endpoint
+    server.route(Poll, lambda call, body: pytest.fail("a stale request reached the handler"))
+    with pytest.raises(protocol.ErrorReply, match="was restarted") as info:
+        ask(server, client, "poll", {"request_ids": [1], "incarnation": "incarnation-0"})
+    assert info.value.code == "daemon_restarted"
+    server.route(Poll, lambda call, body: {"requests": {}})
+    assert ask(server, client, "poll", {"incarnation": "incarnation-1"}).body == {"requests": {}}
