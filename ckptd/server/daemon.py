@@ -34,6 +34,7 @@ from ckptd.server.ranks import RankRegistry
 from ckptd.server.requests import RequestTable, host_name
 from ckptd.server.saves import SaveService
 from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
+from ckptd.storage.leftovers import WrittenDirectories
 from ckptd.storage.roots import AllowedRoots
 from ckptd.storage.writer_pool import WriterPool
 
@@ -73,6 +74,7 @@ class Daemon:
         self.endpoint: ClientEndpoint | None = None
         self.pool: StagingPool | None = None
         self.writers: WriterPool | None = None
+        self.journal: WrittenDirectories | None = None
         self.cuda = None
         self.metrics: MetricsExporter | None = None
 
@@ -99,10 +101,13 @@ class Daemon:
                     f"(ckptd status --socket {self.socket_path}) or choose another --socket")
             os.unlink(self.socket_path)  # stale, from a daemon that was killed
         remove_stale_pools()
+        WrittenDirectories.sweep_predecessors(self.runtime_dir)
+        self.journal = WrittenDirectories(self.runtime_dir)
         self.pool = StagingPool(pool_path_for_this_daemon(), self.config.pool_size)
         self.context = zmq.Context()
         self.writers = WriterPool(self.config.writers, self.context, self.runtime_dir,
-                                  self.pool.path, self.pool.size, self.config.log_level)
+                                  self.pool.path, self.pool.size, self.config.log_level,
+                                  self.journal)
         self.writers.wait_ready(self.config.writer_start_timeout)
         self.cuda = self._start_cuda_stager()
         self.saves.start()
@@ -202,6 +207,8 @@ class Daemon:
             self.context.term()
         if self.pool is not None:
             self.pool.close()
+        if self.journal is not None:
+            self.journal.close()
         try:
             os.unlink(self.socket_path)
         except FileNotFoundError:

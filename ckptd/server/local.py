@@ -90,7 +90,7 @@ class LocalService:
             allowed = AllowedRoots.of([config.local_dir])
         else:
             allowed = self.daemon.roots
-        self.store = LocalStore(allowed)
+        self.store = LocalStore(allowed, self.daemon.journal)
         if config.peer_listen:
             pool = self.daemon.pool
             self.replicator = Replicator(config.peer_listen, self.store, pool.path, pool.size)

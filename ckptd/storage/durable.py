@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import fcntl
 import os
 import secrets
 import stat
@@ -235,6 +236,9 @@ class DurableFile:
         except BaseException:
             os.close(self._dir_fd)
             raise
+        # Held until the file has its final name: a sweeper that can take this lock knows
+        # the writer is gone (ckptd.storage.leftovers), whatever its pid says.
+        fcntl.flock(fd, fcntl.LOCK_EX)
         self._raw = open(fd, "wb", buffering=0, closefd=True)
         self.stream = DurableFileStream(self._raw)
         self._done = False
@@ -274,7 +278,6 @@ class DurableFile:
         try:
             if fsync:
                 os.fsync(self._raw.fileno())
-            self._raw.close()
             checksum = self.stream.result()
             if self.with_checksum:  # beside the file, through the same directory descriptor
                 with DurableFile(sidecar_path(self.path), checksum=False,
@@ -295,8 +298,6 @@ class DurableFile:
         """Remove the temporary (a write that failed or was abandoned)."""
         if self._done:
             return
-        if not self._raw.closed:
-            self._raw.close()
         try:
             os.unlink(self.tmp_name, dir_fd=self._dir_fd)
         except OSError:
@@ -305,6 +306,7 @@ class DurableFile:
 
     def _finish(self) -> None:
         self._done = True
+        self._raw.close()  # releases the lock: the file has its final name, or is gone
         os.close(self._dir_fd)
 
     def __enter__(self) -> "DurableFile":
@@ -372,6 +374,11 @@ def temporaries_of(path: str, pid: int | None = None) -> list[str]:
 
 
 def remove_written(path: str) -> None:
-    """Remove a file ckptd wrote, its checksum record and any temporary leftover."""
-    for candidate in (path, sidecar_path(path), *temporaries_of(path)):
+    """Remove a file ckptd wrote, its checksum record and temporaries of it nobody writes."""
+    from ckptd.storage.leftovers import sweep_temporaries
+
+    for candidate in (path, sidecar_path(path)):
         remove_quietly(candidate)
+    directory, name = os.path.split(path)
+    if temporaries_of(path):
+        sweep_temporaries(directory, name_prefix=f".{name}.")

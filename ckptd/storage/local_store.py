@@ -87,10 +87,13 @@ class LocalStore:
     ----------
     allowed : AllowedRoots
         Directories a session root may lie in (``--local-dir``).
+    journal : WrittenDirectories, optional
+        Where session directories are noted (temporaries there are swept after a crash).
     """
 
-    def __init__(self, allowed: AllowedRoots) -> None:
+    def __init__(self, allowed: AllowedRoots, journal=None) -> None:
         self.allowed = allowed
+        self.journal = journal
         self._sessions: dict[str, LocalSession] = {}
         self._verified: dict[str, tuple] = {}  # path -> (size, mtime_ns, ino, ok)
         self._lock = threading.Lock()
@@ -115,6 +118,8 @@ class LocalStore:
                                   "with --local-dir covering it)") from None
         session = LocalSession(session_id, resolved)
         make_directories(session.directory)
+        if self.journal is not None:
+            self.journal.note(session.directory, recursive=True)
         with self._lock:
             previous = self._sessions.get(session_id)
             self._sessions[session_id] = session

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from ckptd import knobs, protocol
-from ckptd.storage.durable import remove_quietly, temporaries_of
+from ckptd.storage.durable import remove_quietly
 from ckptd.storage.jobs import REPLY_TYPES, StopWriter, WriteJob, WriterReady, WriteResult
+from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,15 @@ class WriterPool:
         The staging pool the writers map.
     log_level : str
         Passed on to the writers.
+    journal : WrittenDirectories, optional
+        Where the directories jobs write into are noted (swept after a crash).
     """
 
     def __init__(self, count: int, context: zmq.Context, runtime_dir: str,
-                 pool_path: str, pool_size: int, log_level: str = "INFO") -> None:
+                 pool_path: str, pool_size: int, log_level: str = "INFO",
+                 journal: WrittenDirectories | None = None) -> None:
         self.pool_path, self.pool_size, self.log_level = pool_path, pool_size, log_level
+        self.journal = journal
         self._next_job_id = 1
         self._backlog: deque[WriteJob] = deque()
         self.slots: list[_WriterSlot] = []
@@ -74,7 +79,7 @@ class WriterPool:
     def _spawn(self, slot: _WriterSlot) -> None:
         slot.process = subprocess.Popen(
             [sys.executable, "-m", "ckptd.storage.writer_process", "--endpoint", slot.endpoint,
-             "--pool", self.pool_path, "--pool-size", str(self.pool_size),
+             "--parent-pid", str(os.getpid()), "--pool", self.pool_path, "--pool-size", str(self.pool_size),
              "--log-level", self.log_level, "--nice", str(knobs.WRITER_NICE.get())],
             # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
             # kill a writer mid-file; the daemon decides when writers stop.
@@ -113,6 +118,8 @@ class WriterPool:
         """
         job.id = self._next_job_id
         self._next_job_id += 1
+        if self.journal is not None:
+            self.journal.note(os.path.dirname(job.path))
         self._backlog.append(job)
         self._dispatch()
 
@@ -157,9 +164,9 @@ class WriterPool:
                       slot.index, dead_pid, code, len(slot.jobs))
             jobs, slot.jobs = slot.jobs, {}
             self._spawn(slot)
+            for directory in {os.path.dirname(job.path) for job in jobs.values()}:
+                sweep_temporaries(directory, dead_pid)
             for job in jobs.values():
-                for leftover in temporaries_of(job.path, dead_pid):
-                    remove_quietly(leftover)
                 job.on_done(job, WriteResult(ok=False, path=job.path,
                                              error=f"writer process died (exit status {code})"))
 
@@ -191,8 +198,7 @@ class WriterPool:
             except subprocess.TimeoutExpired:
                 slot.process.kill()
                 slot.process.wait()
-            for job in slot.jobs.values():
-                for leftover in temporaries_of(job.path, slot.process.pid):
-                    remove_quietly(leftover)
+            for directory in {os.path.dirname(job.path) for job in slot.jobs.values()}:
+                sweep_temporaries(directory, slot.process.pid)
             slot.socket.close()
             remove_quietly(slot.endpoint.removeprefix("ipc://"))

@@ -14,10 +14,12 @@ Only this process imports torch for writing; the daemon itself stays light.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno as errno_mod
 import logging
 import mmap
 import os
+import signal
 import time
 
 import zmq
@@ -29,6 +31,8 @@ from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, Write
                                 WriterReady, WriteResult, WriteTorch)
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
 
 
 class Writer:
@@ -128,15 +132,32 @@ class Writer:
             sock.send_multipart(protocol.encode(RESULT, msg.id, result.to_wire()))
 
 
+def die_with(parent_pid: int) -> None:
+    """Be killed when the daemon dies, even by SIGKILL, even while still starting up.
+
+    Without this a SIGKILLed daemon leaves its writers running, reparented to init, each
+    mapping the (unlinked) staging pool. ``PR_SET_PDEATHSIG`` covers every later death;
+    the ``getppid`` check covers a daemon that died before we asked.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this writer may outlive its "
+                    "daemon", ctypes.get_errno())
+    if os.getppid() != parent_pid:
+        os._exit(1)  # the daemon is already gone
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of a writer process (started by ``WriterPool``)."""
     parser = argparse.ArgumentParser(prog="ckptd-writer")
     parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--pool", required=True)
     parser.add_argument("--pool-size", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
+    die_with(args.parent_pid)  # first: importing torch below takes seconds
     if args.nice:
         os.nice(args.nice)
     logging.basicConfig(level=args.log_level,

@@ -68,13 +68,39 @@ def test_make_directories_creates_only_what_is_missing(tmp_path):
         make_directories(str(tmp_path / "file" / "sub"))
 
 
-def test_remove_written_takes_the_record_and_leftovers_too(tmp_path):
+def leave_temporary_behind(path: str) -> None:
+    """A writer process that dies (SIGKILL-like ``_exit``) in the middle of a file."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from ckptd.storage.durable import DurableFile\n"
+            "f = DurableFile(sys.argv[1]); f.stream.write(b'half'); os._exit(9)")
+    assert subprocess.run([sys.executable, "-c", code, path]).returncode == 9
+
+
+def test_remove_written_takes_the_record_and_dead_leftovers_but_not_live_ones(tmp_path):
     path = str(tmp_path / "f")
     write_file_atomically(path, lambda s: s.write(b"data"))
-    leftover = DurableFile(path)  # a writer that never finished
+    leave_temporary_behind(path)
+    live = DurableFile(path)  # a writer still at work on the same name
     remove_written(path)
-    assert os.listdir(tmp_path) == []
-    leftover.discard()
+    assert os.listdir(tmp_path) == [live.tmp_name]
+    live.discard()
+
+
+def test_a_sweep_removes_only_what_no_writer_holds(tmp_path):
+    from ckptd.storage.leftovers import sweep_temporaries
+
+    target = tmp_path / "step" / "x.distcp"
+    make_directories(str(target.parent))
+    leave_temporary_behind(str(target))
+    live = DurableFile(str(target))
+    os.symlink(tmp_path, target.parent / f".x.distcp.1.planted{TMP_MARKER}")
+    removed = sweep_temporaries(str(tmp_path), recursive=True)
+    assert len(removed) == 1 and live.tmp_name not in removed[0]
+    assert sorted(os.listdir(target.parent)) == sorted([live.tmp_name,
+                                                        f".x.distcp.1.planted{TMP_MARKER}"])
+    live.discard()
 
 
 @needs_root
