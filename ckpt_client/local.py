@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from functools import partial
 
 
@@ -180,8 +181,10 @@ class LocalCheckpointManager:
         After a save finalized: ``iteration``, ``replicated_to`` (peer addresses that
         hold the replica), ``failed`` (address -> reason) and ``reduced_redundancy``.
     last_load_report : dict or None
-        After ``load``: ``iteration``, ``source`` ("local" or the holder's address) and
-        ``tried`` (holders that failed first, with the reason).
+        After ``load``: ``source`` (``"local_disk"`` or ``"peer"``), ``holder`` (the peer's
+        address when the bytes came from a peer, else ``None``), ``bytes`` and ``seconds``
+        of the load, ``iteration``, ``tried`` (holders that failed first, with the reason)
+        and ``moved_aside`` (where a corrupted own part was set aside, or ``None``).
     """
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike, session_id: str = "",
@@ -343,11 +346,34 @@ class LocalCheckpointManager:
         log.info("rank %d: latest complete local checkpoint: %d", rank, self._latest)
         return self._latest
 
+    def _fetch_own_part(self, rank: int, iteration: int, report: dict,
+                        damage: ChecksumMismatchError | None) -> str:
+        """Have the daemon fetch this rank's part from a holder (a corrupted copy here is
+        set aside first); returns where it now is."""
+        own = self._session.address_of(rank)
+        holders = [h for h in self._holders.get(rank, []) if h != own]
+        if damage is not None and not holders:
+            raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {damage} (and no "
+                                        "other node holds a replica)")
+        log.info("rank %d: part of iteration %d %s here; fetching from %s", rank, iteration,
+                 "corrupted" if damage else "missing", holders)
+        reply = self._connection().call(
+            MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
+                                      "owner": rank, "holders": holders},
+            timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
+        if reply.get("moved_aside"):
+            log.warning("rank %d: the corrupted part was moved aside to %s (kept for "
+                        "inspection, never loaded)", rank, reply["moved_aside"])
+        report.update(source="peer", holder=reply.get("holder"), tried=reply.get("tried", []),
+                      moved_aside=reply.get("moved_aside"))
+        return reply["path"]
+
     def load(self) -> tuple[BasicTensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (call on all ranks).
 
-        A part missing on this node is fetched by the daemon from the holders (clique
-        mates first); a replica failing its checksum is never used.
+        A part missing on this node, or one that fails its checksum (it is moved aside,
+        never deleted, with a warning naming it), is fetched by the daemon from the
+        holders (clique mates first); a replica failing its checksum is never used.
 
         Returns
         -------
@@ -368,25 +394,28 @@ class LocalCheckpointManager:
         if self._latest < 0:
             raise FileNotFoundError(f"rank {rank}: no complete local checkpoint of session "
                                     f"{self.session_id!r} under {self.root} on any node")
-        iteration = self._latest
+        iteration, started = self._latest, time.monotonic()
+        report = {"iteration": iteration, "source": "local_disk", "holder": None, "tried": [],
+                  "moved_aside": None, "bytes": 0, "seconds": 0.0}
         path = self._own_paths.get(rank)
-        self.last_load_report = {"iteration": iteration, "source": "local", "tried": []}
-        if path is None:
-            own = self._session.address_of(rank)
-            holders = [h for h in self._holders.get(rank, []) if h != own]
-            log.info("rank %d: part of iteration %d missing here; fetching from %s", rank,
-                     iteration, holders)
-            reply = self._connection().call(
-                MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
-                                          "owner": rank, "holders": holders},
-                timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
-            path = reply["path"]
-            self.last_load_report.update(source=reply.get("holder"), tried=reply.get("tried", []))
-        try:
-            state_dict, header = read_part(path)
-        except ChecksumMismatchError as exc:
-            raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {exc}") from None
+        loaded, damage = None, None
+        if path is not None:
+            try:
+                loaded = read_part(path)
+            except ChecksumMismatchError as exc:  # corrupted since find_latest: heal it
+                damage = exc
+                log.warning("rank %d: own part of iteration %d is corrupted (%s); fetching a "
+                            "verified copy from a peer", rank, iteration, exc)
+        if loaded is None:
+            path = self._fetch_own_part(rank, iteration, report, damage)
+            try:
+                loaded = read_part(path)
+            except ChecksumMismatchError as exc:
+                raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {exc}") from None
+        state_dict, header = loaded
         if header.get("owner") != rank or header.get("iteration") != iteration:
             raise ValueError(f"{path} holds rank {header.get('owner')}'s part of iteration "
                              f"{header.get('iteration')}, not rank {rank}'s of {iteration}")
+        report.update(bytes=os.path.getsize(path), seconds=time.monotonic() - started)
+        self.last_load_report = report
         return BasicTensorAwareStateDict(state_dict), (iteration, rank, self.session_id)

@@ -16,7 +16,7 @@ import zlib
 from dataclasses import dataclass
 
 __all__ = [
-    "SIDECAR_SUFFIX", "TMP_MARKER", "ALGORITHM", "ChecksumMismatchError", "Checksum",
+    "SIDECAR_SUFFIX", "TMP_MARKER", "CORRUPT_MARKER", "ALGORITHM", "ChecksumMismatchError", "Checksum",
     "ChecksumWriter", "sidecar_path", "checksum_file", "checksum_bytes", "read_sidecar",
     "verify_file", "check_matches", "verify_tree",
 ]
@@ -24,6 +24,8 @@ __all__ = [
 SIDECAR_SUFFIX = ".ckptd-sum"
 #: Every temporary name ckptd writes under ends with this (never a checkpoint file).
 TMP_MARKER = ".ckptd-tmp"
+#: A part that failed its checksum is renamed ``<name>.corrupt-<time>``: kept, never loaded.
+CORRUPT_MARKER = ".corrupt-"
 ALGORITHM = "crc32"
 _READ_CHUNK = 16 * 1024 * 1024
 
@@ -163,7 +165,8 @@ def verify_tree(path: str) -> list[str]:
     """Verify a file, or every checkpoint file under a directory, against its record.
 
     Files ckptd writes (``.metadata``, ``*.distcp``, ``*.pt`` and everything else except
-    sidecars and temporaries) must each have a matching sidecar.
+    sidecars, temporaries and parts set aside as corrupted) must each have a matching
+    sidecar.
 
     Returns
     -------
@@ -181,7 +184,8 @@ def verify_tree(path: str) -> list[str]:
     checked = []
     for directory, _, names in os.walk(path):
         for name in sorted(names):
-            if name.endswith(SIDECAR_SUFFIX) or name.endswith(TMP_MARKER):
+            if (name.endswith(SIDECAR_SUFFIX) or name.endswith(TMP_MARKER)
+                    or CORRUPT_MARKER in name):
                 continue
             full = os.path.join(directory, name)
             verify_file(full)

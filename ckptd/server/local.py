@@ -11,8 +11,9 @@ Owns the daemon's half of ``ckpt_client.LocalCheckpointManager``:
   :func:`ckptd.protocol.holder_order`) while the writers write the local part; each
   push's outcome goes to the save lifecycle, which keeps the extent until the last one.
   A failed or timed-out peer makes the save *reduced redundancy*, never a hang.
-- ``LOCAL_INVENTORY`` (parts held, verified), ``LOCAL_FETCH`` (a missing part from the
-  holders, in the order given, answered when the replicator reports) and ``LOCAL_COMMIT``
+- ``LOCAL_INVENTORY`` (parts held, verified), ``LOCAL_FETCH`` (a missing or corrupted part
+  from the holders, in the order given, answered when the replicator reports; a corrupted
+  copy here is first set aside, never deleted) and ``LOCAL_COMMIT``
   (all ranks agreed: mark committed, drop older iterations).
 
 Files are ``ckptd.storage.local_store``'s business, the network ``ckptd.replication``'s.
@@ -73,7 +74,8 @@ class LocalService:
         self.store: LocalStore | None = None
         self.replicator: Replicator | None = None
         self.sessions: dict[str, SessionPeers] = {}
-        self._fetches: dict[int, tuple[Call, LocalFetch]] = {}  # answered on FetchDone
+        # answered on FetchDone: (call, request, where a corrupted copy was set aside)
+        self._fetches: dict[int, tuple[Call, LocalFetch, str | None]] = {}
         self._next_fetch = 1
 
     def routes(self) -> dict:
@@ -178,27 +180,29 @@ class LocalService:
                                f"rank {rank.rank}: cannot fetch rank {body.owner}'s part of "
                                f"iteration {body.iteration}: this ckptd has no peer socket",
                                "start ckptd with --peer-listen")
+        path = session.part_path(body.iteration, body.owner)
+        moved_aside = self.store.set_aside_if_corrupt(path)
         peers = self.sessions.get(session.session_id) or SessionPeers([])
         keyed = [(address, peers.key_of(address)) for address in body.holders
                  if peers.key_of(address)]
         fetch_id, self._next_fetch = self._next_fetch, self._next_fetch + 1
-        self._fetches[fetch_id] = (call, body)
+        self._fetches[fetch_id] = (call, body, moved_aside)
         log.info("rank %d: fetching rank %d's part of iteration %d from %s", rank.rank,
                  body.owner, body.iteration, ", ".join(body.holders) or "(no holder)")
         self.replicator.command(Fetch(fetch_id, PartRef(session.session_id, body.owner,
-                                                        body.iteration),
-                                      session.part_path(body.iteration, body.owner), keyed))
+                                                        body.iteration), path, keyed))
         return DEFERRED
 
     def _fetch_done(self, event: FetchDone) -> None:
         pending = self._fetches.pop(event.fetch_id, None)
         if pending is None:
             return
-        call, body = pending
+        call, body, moved_aside = pending
         if event.ok:
             log.info("got rank %d's part of iteration %d from %s", body.owner, body.iteration,
                      event.holder)
-            call.reply({"path": event.path, "holder": event.holder, "tried": event.tried})
+            call.reply({"path": event.path, "holder": event.holder, "tried": event.tried,
+                        "moved_aside": moved_aside})
             return
         tried = "; ".join(f"{t['holder']}: {t['error']}" for t in event.tried) or "none"
         message = (f"rank {body.owner}'s part of iteration {body.iteration} (session "
@@ -207,7 +211,7 @@ class LocalService:
         call.fail(ErrorCode.PART_UNAVAILABLE, message,
                   "no node holds a verified copy any more; load an older iteration or a "
                   "persistent checkpoint", rank=body.owner, iteration=body.iteration,
-                  holders_tried=event.tried)
+                  holders_tried=event.tried, moved_aside=moved_aside)
 
     # ------------------------------------------------------------------ saves
     def part_path_for(self, rank: int, session_id: str | None, iteration: int) -> str:

@@ -7,6 +7,7 @@ Owns the on-disk layout under the directory a trainer's ``LocalCheckpointManager
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.ckptd-sum  its crc32
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/.rank_<r>.part.<pid>.<token>.ckptd-tmp  dirty
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/committed (+ its .ckptd-sum) all ranks agreed
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.corrupt-<time> set aside
 
 One part per owner rank and iteration; a replica held for another rank has exactly the
 name and bytes its owner's daemon wrote, so "own" and "replica" differ only in who asked
@@ -32,9 +33,10 @@ import os
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 
-from ckptd.checksum import Checksum, ChecksumMismatchError, verify_file
+from ckptd.checksum import CORRUPT_MARKER, Checksum, ChecksumMismatchError, sidecar_path, verify_file
 from ckptd.protocol import check_session_id
 from ckptd.storage.durable import (DurableFile, fsync_directory, make_directories,
                                    remove_written, write_small_file)
@@ -260,6 +262,28 @@ class LocalStore:
             log.info("session %r: iteration %d committed; removed iterations %s",
                      session.session_id, iteration, removed)
         return removed
+
+    def set_aside_if_corrupt(self, path: str) -> str | None:
+        """Move a part that fails its checksum out of the way (kept, never loaded).
+
+        Returns
+        -------
+        str or None
+            Where the corrupted part now is, or ``None`` if ``path`` is absent or intact.
+        """
+        if not os.path.exists(path) or self.verify(path, use_cache=False):
+            return None
+        aside = f"{path}{CORRUPT_MARKER}{time.strftime('%Y%m%dT%H%M%S')}"
+        os.rename(path, aside)
+        if os.path.exists(sidecar_path(path)):
+            os.rename(sidecar_path(path), sidecar_path(aside))
+        fsync_directory(os.path.dirname(path))
+        with self._lock:
+            self._verified.pop(path, None)
+        log.warning("local part %s failed its checksum; moved aside to %s (kept for "
+                    "inspection, never loaded); a verified copy is fetched from a peer",
+                    path, aside)
+        return aside
 
     def remove_part(self, path: str) -> None:
         """Remove a part, its checksum record and any dirty leftover."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -73,6 +75,7 @@ def load_with_corrupted_replica(rank, world_size, roots, corrupt, jump, factor, 
 
     from ckpt_client import (CliqueReplicationStrategy, DaemonRequestError,
                              LocalCheckpointManager)
+    from ckptd.checksum import ChecksumMismatchError
 
     strategy = CliqueReplicationStrategy.from_replication_params(jump, factor)
     manager = LocalCheckpointManager(roots[rank], session_id=SESSION, repl_strategy=strategy)
@@ -82,7 +85,7 @@ def load_with_corrupted_replica(rank, world_size, roots, corrupt, jump, factor, 
     dist.barrier()
     try:
         loaded, _ = manager.load()
-    except DaemonRequestError as exc:
+    except (DaemonRequestError, ChecksumMismatchError) as exc:
         error = str(exc)
     else:
         assert same(loaded.state_dict, state_of(rank, latest, **(size or {})))
@@ -136,7 +139,7 @@ def test_peer_killed_during_replication(make_nodes, tmp_path):
     for rank, (latest, part_id, report) in enumerate(
             values(run_ranks(find_and_load, 2, nodes.sockets(1), tmp_path,
                              args=(nodes.roots(1), 1, 2, BIG), name="load"))):
-        assert latest == 3 and report["source"] == "local"
+        assert latest == 3 and report["source"] == "local_disk"
 
 
 def test_corrupted_replica_is_skipped_for_the_next_holder(make_nodes, tmp_path):
@@ -149,7 +152,7 @@ def test_corrupted_replica_is_skipped_for_the_next_holder(make_nodes, tmp_path):
                                 args=(nodes.roots(1), corrupt, 1, 3, BIG), name="load"))
     latest, error, report, again = outcomes[0]
     assert latest == 4 and error is None
-    assert report["source"] == nodes.addresses[2]
+    assert (report["source"], report["holder"]) == ("peer", nodes.addresses[2])
     assert [t["holder"] for t in report["tried"]] == [nodes.addresses[1]]
     assert "corrupted" in report["tried"][0]["error"]
     assert again == 4  # node 0 now holds a verified copy again
@@ -232,3 +235,24 @@ def test_unknown_key_cannot_push_or_fetch(make_nodes, tmp_path, zmq_context):
         sock2.send_multipart(protocol.encode(PartEnd.message_type, 0, end.to_wire()))
     finally:
         channel.close()
+
+
+def test_a_corrupted_own_part_is_set_aside_and_healed_from_a_verified_replica(make_nodes,
+                                                                              tmp_path):
+    nodes = make_nodes(2)  # 2 nodes x 1 rank, one clique (0, 1): each holds the other's part
+    values(run_ranks(save_once, 2, nodes.sockets(1), tmp_path,
+                     args=(nodes.roots(1), 1, 2, 6), name="save"))
+    own = nodes.part(0, 6, 0)  # rank 0's own part on its own node; node 1 holds a replica
+    outcomes = values(run_ranks(load_with_corrupted_replica, 2, nodes.sockets(1), tmp_path,
+                                args=(nodes.roots(1), own, 1, 2), name="load"))
+    latest, error, report, again = outcomes[0]
+    assert latest == 6 and error is None, error  # the data loaded equals what was saved
+    assert (report["source"], report["holder"]) == ("peer", nodes.addresses[1])
+    aside = report["moved_aside"]
+    assert aside and os.path.basename(aside).startswith("rank_0.part.corrupt-")
+    assert os.path.exists(aside), "the corrupted part is kept for inspection, not deleted"
+    assert "moved aside" in nodes.daemons[0].log() and aside in nodes.daemons[0].log()
+    assert again == 6 and outcomes[1][2]["source"] == "local_disk"
+    run = subprocess.run([sys.executable, "-m", "ckptd", "verify", os.path.dirname(own)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr  # the healed iteration verifies
