@@ -125,7 +125,13 @@ class Writer:
                 if os.getppid() != parent:  # the daemon is gone: nobody wants our results
                     return
                 continue
-            msg = protocol.decode(sock.recv_multipart())
+            try:
+                msg = protocol.decode(sock.recv_multipart())
+            except protocol.ProtocolError as exc:  # answered, never fatal
+                log.error("writer got an undecodable job: %s", exc.message)
+                sock.send_multipart(protocol.encode(RESULT, -1, WriteResult(
+                    ok=False, error=f"undecodable job: {exc.message}").to_wire()))
+                continue
             if msg.type == StopWriter.message_type:
                 return
             result = self.execute(msg)

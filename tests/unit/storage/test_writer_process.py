@@ -66,3 +66,39 @@ def test_a_malformed_job_is_a_failed_result_not_a_dead_writer(writer):
     message = protocol.decode(protocol.encode(WriteItems.message_type, 3, {"path": "/x"}))
     result = writer.execute(message)
     assert not result.ok and "needs 'name'" in result.error
+
+
+def test_hostile_bytes_on_the_writer_channel_are_answered_not_fatal(writer, tmp_path):
+    import threading
+
+    import msgpack
+    import zmq
+
+    context = zmq.Context()
+    daemon_side, writer_side = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    daemon_side.bind("inproc://writer-channel")
+    writer_side.connect("inproc://writer-channel")
+    thread = threading.Thread(target=writer.run, args=(writer_side,), daemon=True)
+    thread.start()
+    try:
+        assert daemon_side.poll(5000) and protocol.decode(daemon_side.recv_multipart()).type \
+            == "writer_ready"
+        bomb = msgpack.packb([])
+        for _ in range(1000):
+            bomb = msgpack.packb(msgpack.ExtType(2, bomb))
+        for frames in ([bomb], [b"\x91" * 100_000 + b"\x90"], [b"\xc1"]):
+            daemon_side.send_multipart(frames)
+            assert daemon_side.poll(5000), "the writer stopped answering"
+            reply = protocol.decode(daemon_side.recv_multipart())
+            assert reply.body["ok"] is False and "undecodable" in reply.body["error"]
+        job = WriteItems(str(tmp_path / "after.distcp"), "after.distcp",
+                         [put(writer, 0, torch.ones(2))], 8)
+        daemon_side.send_multipart(protocol.encode(job.message_type, 5, job.to_wire()))
+        assert daemon_side.poll(5000) and protocol.decode(daemon_side.recv_multipart()).body["ok"]
+        daemon_side.send_multipart(protocol.encode("stop", 0))
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        daemon_side.close(linger=0)
+        writer_side.close(linger=0)
+        context.term()
