@@ -39,7 +39,7 @@ from torch.futures import Future
 
 from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncRequest, all_reduce_ints
+from ckpt_client.async_queue import AsyncRequest, all_reduce_ints, wait_for_daemon_saves
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.staging import DaemonSave, RefusedSave, stage
@@ -156,9 +156,8 @@ class DaemonStorageWriter(_StorageWriterBase):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """Stage, wait until durable, and return the write results (stock ``dcp.save``)."""
         save = self.stage(plan, planner)
-        request = AsyncRequest(daemon_saves=(save,))
         try:
-            request.execute_sync()
+            wait_for_daemon_saves([save])  # not execute_sync: no collective inside write_data
         except CheckpointException as exc:
             raise OSError(f"ckptd could not write rank {self.rank}'s part of {self.path}: "
                           f"{exc}") from None
