@@ -55,6 +55,7 @@ class SaveRequest:
     skeleton: bytes = b""
     files: list = field(default_factory=list)  # DCP: [name, [buffer indices]]
     transport: str = "shm"
+    stock_files: bool = False  # protocol.STOCK_FILES: torch's exact files, no sidecars
     phase: str = Phase.STAGING
     extent: Extent | None = None
     reply_to: tuple | None = None  # (identity, msg id) of a reply still owed

@@ -75,6 +75,13 @@ class MessageType:
     PART_DONE = "part_done"    # receiver: durable and verified (or why not)
 
 
+#: Body flag of STAGE (DCP format) and COMMIT_FILE: write the files exactly as torch's
+#: ``FileSystemWriter`` would (torch's per-record zip CRC32 computed, no ``.ckptd-sum``
+#: sidecar beside them); the checksums come back in the results instead. Used by
+#: ``ckpt_client.FileSystemWriterAsync``, whose contract is torch's own file layout.
+STOCK_FILES = "stock_files"
+
+
 class Phase:
     """Lifecycle of a save request inside the daemon."""
 

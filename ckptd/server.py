@@ -397,7 +397,8 @@ class Daemon:
         return SaveRequest(
             id=self.ledger.new_request_id(), rank=rank.rank, identity=rank.identity,
             format=fmt, path=path, buffers=buffers, offsets=offsets, extent_length=length,
-            skeleton=skeleton, files=files, transport=body.get("transport", "shm"), local=local)
+            skeleton=skeleton, files=files, transport=body.get("transport", "shm"), local=local,
+            stock_files=fmt == SaveFormat.DCP and bool(body.get(protocol.STOCK_FILES)))
 
     def on_staged(self, identity: bytes, msg: protocol.Message) -> dict:
         request = self._own_request(identity, msg.body.get("request_id"))
@@ -468,7 +469,8 @@ class Daemon:
                     "check free space and permissions of the checkpoint directory",
                     errno=result.get("errno"), path=path))
 
-        self.writers.submit(WriteJob(WRITE_BYTES, {"path": path}, reply_when_durable,
+        stock = bool(msg.body.get(protocol.STOCK_FILES))
+        self.writers.submit(WriteJob(WRITE_BYTES, {"path": path, "stock": stock}, reply_when_durable,
                                      frames=[bytes(msg.frames[0])]))
         return DEFERRED
 
@@ -548,6 +550,7 @@ class Daemon:
         for name, indices in request.files:
             yield WriteJob(WRITE_DCP, {"path": os.path.join(request.path, name), "name": name,
                                        "items": [spec(i) for i in indices],
+                                       "stock": request.stock_files,
                                        "bytes": sum(request.buffers[i][2] for i in indices)},
                            on_done)
 

@@ -26,6 +26,7 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -128,8 +129,11 @@ class DurableFileStream(ChecksumWriter):
             self._written_back = self.size
 
 
-def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]) -> dict:
+def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any],
+                          sidecar: bool = True) -> dict:
     """Write ``path`` via a temporary name; fsync, checksum, rename, fsync the directory.
+
+    With ``sidecar=False`` the checksum is only returned, not recorded beside the file.
 
     Returns
     -------
@@ -150,7 +154,8 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
                 raise
             os.fsync(raw.fileno())
         checksum = stream.result()
-        write_sidecar(path, checksum)
+        if sidecar:
+            write_sidecar(path, checksum)
         os.replace(tmp, path)
         fsync_directory(directory)
     except BaseException:
@@ -205,8 +210,19 @@ class _Writer:
         obj = protocol.fill_skeleton(protocol.unpack_value(body["skeleton"]), tensors)
         return write_file_atomically(body["path"], lambda f: self.torch.save(obj, f))
 
+    @contextmanager
+    def _zip_crc32(self, on: bool):
+        """Have torch.save compute its per-record CRC32 (stock bytes) inside the block."""
+        config = self.torch.utils.serialization.config.save
+        before, config.compute_crc32 = config.compute_crc32, on
+        try:
+            yield
+        finally:
+            config.compute_crc32 = before
+
     def write_dcp(self, body: dict, frames: list) -> dict:
         placements: list = []
+        stock = bool(body.get("stock"))
 
         def write_items(stream: ChecksumWriter) -> None:
             for offset, nbytes, dtype, shape in body["items"]:
@@ -217,13 +233,15 @@ class _Writer:
                     self.torch.save(self.tensor_at(offset, nbytes, dtype, shape), stream)
                 placements.append([start, stream.tell() - start])
 
-        result = write_file_atomically(body["path"], write_items)
+        with self._zip_crc32(stock):
+            result = write_file_atomically(body["path"], write_items, sidecar=not stock)
         result["items"] = placements
         return result
 
     def write_bytes(self, body: dict, frames: list) -> dict:
         data = frames[0] if frames else b""
-        return write_file_atomically(body["path"], lambda f: f.write(data))
+        return write_file_atomically(body["path"], lambda f: f.write(data),
+                                     sidecar=not body.get("stock"))
 
     def run(self, sock: zmq.Socket) -> None:
         handlers = {WRITE_TORCH: self.write_torch, WRITE_DCP: self.write_dcp,
