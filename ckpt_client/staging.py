@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,12 +165,27 @@ class DaemonSave:
             pass  # a daemon that is gone keeps nothing to forget
 
     def abort(self) -> None:
-        """Drop the request at the daemon (in-flight writes are discarded)."""
+        """Drop the request at the daemon; return once its writers have stopped.
+
+        A write already under way cannot be interrupted: waiting for the daemon to settle
+        the request (its outputs removed, its staging space freed) keeps a late write of
+        the aborted save from landing over the next save to the same path.
+        """
         try:
             self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id]}, timeout=5.0)
+            deadline = time.monotonic() + CALL_TIMEOUT
+            while not self._settled() and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling the daemon until the writers answered
+            if not self._settled():
+                log.warning("rank %d: aborted save of %s still being written after %.0fs",
+                            self.rank, self.path, CALL_TIMEOUT)
         except (DaemonUnavailableError, DaemonRequestError):
             pass
         self.forget(delete_files=True)
+
+    def _settled(self) -> bool:
+        reply = self.connection.call(MessageType.POLL, {"request_ids": [self.request_id]})
+        return reply["requests"][self.request_id].get("settled", True)
 
 
 class RefusedSave:

@@ -421,7 +421,10 @@ class Daemon:
                     f"{request_id}; the daemon that took it is gone"}
         entry = {"phase": request.phase, "bytes_total": request.bytes_total,
                  "bytes_written": request.bytes_written, "error": request.error,
-                 "errors": request.errors}
+                 "errors": request.errors,
+                 # nothing of it runs any more: writes answered, outputs of a failed or
+                 # aborted save removed, staging space freed
+                 "settled": request.extent is None}
         if request.phase == Phase.DONE:
             entry["written"] = request.written
         if request.replication is not None:
@@ -561,7 +564,8 @@ class Daemon:
                 request.bytes_written += job.body["bytes"]
                 request.written.append({"name": job.body.get("name"), "path": result["path"],
                                         "size": result["size"], "crc32": result["crc32"],
-                                        "items": result.get("items")})
+                                        "items": result.get("items"),
+                                        "file_id": result.get("file_id")})
             else:
                 errno_text = f" errno {result['errno']}" if result.get("errno") else ""
                 request.errors.append({
@@ -633,7 +637,7 @@ class Daemon:
 
     def _remove_outputs(self, request: SaveRequest) -> None:
         for entry in request.written:
-            remove_written(entry["path"])
+            remove_written(entry["path"], entry.get("file_id"))
         request.written = []
 
     # ------------------------------------------------------------------ housekeeping

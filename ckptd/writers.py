@@ -138,7 +138,8 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
     Returns
     -------
     dict
-        ``{"path", "size", "crc32"}`` of the committed file.
+        ``{"path", "size", "crc32", "file_id"}`` of the committed file; ``file_id`` is its
+        ``[st_dev, st_ino]``, which tells it apart from a later file at the same path.
     """
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
@@ -153,6 +154,7 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
                     raise stream.error from exc  # keep the errno the serializer hid
                 raise
             os.fsync(raw.fileno())
+            stat = os.fstat(raw.fileno())
         checksum = stream.result()
         if sidecar:
             write_sidecar(path, checksum)
@@ -161,7 +163,8 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
     except BaseException:
         _remove_quietly(tmp)
         raise
-    return {"path": path, "size": checksum.size, "crc32": checksum.value}
+    return {"path": path, "size": checksum.size, "crc32": checksum.value,
+            "file_id": [stat.st_dev, stat.st_ino]}
 
 
 def _remove_quietly(path: str) -> None:
@@ -171,8 +174,23 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def remove_written(path: str) -> None:
-    """Remove a file ckptd wrote, its checksum record and any temporary leftover."""
+def remove_written(path: str, file_id: list | None = None) -> None:
+    """Remove a file ckptd wrote, its checksum record and any temporary leftover.
+
+    With ``file_id`` (what :func:`write_file_atomically` returned), only that very file:
+    if a later save has replaced it at ``path`` meanwhile, nothing is removed (an aborted
+    save whose write finished late must not delete the next save's file).
+    """
+    if file_id is not None:
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return
+        if [stat.st_dev, stat.st_ino] != list(file_id):
+            return
+        for candidate in (path, sidecar_path(path)):
+            _remove_quietly(candidate)
+        return
     for candidate in (path, sidecar_path(path), *_temporaries_of(path)):
         _remove_quietly(candidate)
 
