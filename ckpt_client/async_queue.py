@@ -100,8 +100,8 @@ class AsyncRequest:
             On every rank, if the async part or a daemon save failed on any rank.
         """
         error = None
+        args = _preloaded_args(self)  # a malformed request raises here, on every rank alike
         try:
-            args = _preloaded_args(self)
             if self.async_fn is not None:
                 self.async_fn(*args, **self.async_fn_kwargs)
             wait_for_daemon_saves(self.daemon_saves)
