@@ -66,6 +66,19 @@ def split_into_files(sources: list, count: int) -> list[list[int]]:
     return [sorted(g) for g in groups if g]
 
 
+def resolve_items(plan: SavePlan, planner: SavePlanner) -> list:
+    """The data of each of ``plan``'s items: detached tensors and ``io.BytesIO``."""
+    sources = []
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = data.detach()
+        elif not isinstance(data, io.BytesIO):
+            raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
+        sources.append(data)
+    return sources
+
+
 class DaemonStorageWriter(_StorageWriterBase):
     """A DCP ``StorageWriter`` whose bytes are written by the node's ckptd.
 
@@ -126,14 +139,7 @@ class DaemonStorageWriter(_StorageWriterBase):
     # ------------------------------------------------------------------ writing
     def stage(self, plan: SavePlan, planner: SavePlanner) -> DaemonSave:
         """Hand this rank's items to the daemon; returns once they are staged."""
-        sources = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if isinstance(data, torch.Tensor):
-                data = data.detach()
-            elif not isinstance(data, io.BytesIO):
-                raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
-            sources.append(data)
+        sources = resolve_items(plan, planner)
         connection = self.connection
         token = secrets.token_hex(4)
         count = self.files_per_rank or connection.writers

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-import io
 import logging
 import os
 import pickle
@@ -50,9 +49,9 @@ from torch.futures import Future
 
 from ckptd import protocol
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncRequest, HelperOptions, _ProcessRunner
+from ckpt_client.async_queue import AsyncRequest, HelperOptions, _NoopRunner, _ProcessRunner
 from ckpt_client.connection import connect
-from ckpt_client.dcp import DaemonStorageWriter, split_into_files
+from ckpt_client.dcp import DaemonStorageWriter, resolve_items, split_into_files
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 from ckpt_client.staging import RefusedSave, stage
 
@@ -217,19 +216,6 @@ class _HelperWriteRunner:
         self.results.put("the save was aborted (AsyncCallsQueue.close(abort=True))")
 
 
-class _FinishedRunner:
-    """A write that ended before it started (refused setup): nothing to poll or stop."""
-
-    def poll(self) -> tuple[bool, str | None]:
-        return True, None
-
-    def cleanup(self, failed: bool) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
 def write_files(open_file: Callable, buckets: list, rank: int) -> WriteResultList | str:
     """Write DCP files through ``open_file`` as torch does.
 
@@ -295,7 +281,7 @@ class _SaveFunction:
             if isinstance(staged, _StagedWrite):
                 staged.save.abort()
             results.put(f"rank {rank}: {INVALID_SETUP}")
-            return _FinishedRunner()
+            return _NoopRunner()  # ended before it started: nothing to poll or stop
         if self.open_file is not None:
             return _HelperWriteRunner(self.open_file, staged, rank, results, options)
         return _DaemonWriteRunner(staged, results)
@@ -385,15 +371,7 @@ class FileSystemWriterAsync(FileSystemWriter):
 
         Nothing is copied here; ``preload_fn`` stages the data.
         """
-        sources = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if isinstance(data, torch.Tensor):
-                data = data.detach()
-            elif not isinstance(data, io.BytesIO):
-                raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}, "
-                                "not a tensor or io.BytesIO")
-            sources.append(data)
+        sources = resolve_items(plan, planner)
         self._prepared = _PreparedWrite(self._directory, plan, sources,
                                         self._files_for(plan, sources))
         self.has_data_to_write = bool(plan.items)
