@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckpt_client.dcp import _Group
 from ckpt_client.errors import CheckpointException
-from ckpt_client.filesystem_async import WorkerFailure, is_wrapped_failure
+from ckpt_client.filesystem_async import FileSystemWriterAsync, WorkerFailure, is_wrapped_failure
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,8 @@ class SaveGroup(_Group):
         Rank, within the group, that makes the global plan and commits ``.metadata``.
     """
 
-    def __init__(self, process_group=None, coordinator_rank: int = 0) -> None:
+    def __init__(self, process_group: dist.ProcessGroup | None = None,
+                 coordinator_rank: int = 0) -> None:
         super().__init__(process_group)
         if not 0 <= coordinator_rank < self.size:
             raise ValueError(f"coordinator_rank {coordinator_rank} is not a rank of the "
@@ -162,7 +163,8 @@ def _cache_for(enable_cache: bool, metadata_cache: CheckpointMetadataCache | Non
     return _checkpoint_metadata_cache
 
 
-def save_state_dict_async_plan(state_dict, storage_writer, process_group=None,
+def save_state_dict_async_plan(state_dict: dict, storage_writer: FileSystemWriterAsync,
+                               process_group: dist.ProcessGroup | None = None,
                                coordinator_rank: int = 0, planner: SavePlanner | None = None,
                                enable_cache: bool = False,
                                metadata_cache: CheckpointMetadataCache | None = None) -> tuple:
@@ -255,7 +257,8 @@ def _plan_decentrally(local_plan: SavePlan, planner, writer, group: SaveGroup,
     return central_plan, metadata
 
 
-def save_state_dict_async_finalize(storage_writer, global_metadata: Metadata | None,
+def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync,
+                                   global_metadata: Metadata | None,
                                    dist_wrapper: SaveGroup) -> None:
     """Finish a save planned by :func:`save_state_dict_async_plan` (call on all ranks,
     after the writer's save function ran on every rank).

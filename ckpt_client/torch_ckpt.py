@@ -8,6 +8,7 @@ under a temporary name, fsynced, then renamed.
 from __future__ import annotations
 
 import os
+from typing import IO, Any
 
 import torch
 
@@ -56,7 +57,7 @@ class TorchAsyncCheckpoint:
         request = async_torch_save(state_dict, path, connect(self._socket))
         self._queue.schedule_async_request(request)
 
-    def save(self, state_dict, f, **kwargs) -> None:
+    def save(self, state_dict: Any, f: str | os.PathLike | IO[bytes], **kwargs) -> None:
         """Save ``state_dict`` to ``f`` now (the reference's synchronous ``torch.save``).
 
         To a path, through the daemon: returns when the file is durable (written under a
