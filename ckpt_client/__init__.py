@@ -6,20 +6,33 @@ resiliency extension so existing code can switch::
     from ckpt_client import AsyncCallsQueue, TorchAsyncCheckpoint
     from ckpt_client import dcp  # dcp.async_save(...), dcp.StorageWriter
 
+Reference module paths (``nvidia_resiliency_ext.checkpointing...``) are served under
+``ckpt_client.compat``; ``docs/migrating.md`` maps every name.
+
 Imports only ``ckptd.protocol`` and ``ckptd.checksum`` from the daemon package (the
 shared wire and file contracts), never its internals.
 """
 
-from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
+from ckpt_client.async_queue import (AsyncCallsQueue, AsyncRequest, abort_async_checkpoints,
+                                     abort_nvrx_checkpoint)
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.filesystem_async import FileSystemWriterAsync
 from ckpt_client.local import (BasicTensorAwareStateDict, CliqueReplicationStrategy,
                                LocalCheckpointManager)
+from ckpt_client.state_dict_saver import (CheckpointMetadataCache, init_checkpoint_metadata_cache,
+                                          save_state_dict_async_finalize,
+                                          save_state_dict_async_plan)
+from ckpt_client.state_dicts import preload_tensors, wrap_for_async
+from ckpt_client.tensor_aware import TensorAwareStateDict
 from ckpt_client.torch_ckpt import TorchAsyncCheckpoint, async_torch_save
 
 __all__ = [
     "AsyncCallsQueue", "AsyncRequest", "BasicTensorAwareStateDict", "CheckpointException",
-    "CliqueReplicationStrategy", "LocalCheckpointManager", "DaemonConnection",
-    "DaemonRequestError", "DaemonUnavailableError", "TorchAsyncCheckpoint",
-    "async_torch_save", "connect",
+    "CheckpointMetadataCache", "CliqueReplicationStrategy", "DaemonConnection",
+    "DaemonRequestError", "DaemonUnavailableError", "FileSystemWriterAsync",
+    "LocalCheckpointManager", "TensorAwareStateDict", "TorchAsyncCheckpoint",
+    "abort_async_checkpoints", "abort_nvrx_checkpoint", "async_torch_save", "connect",
+    "init_checkpoint_metadata_cache", "preload_tensors", "save_state_dict_async_finalize",
+    "save_state_dict_async_plan", "wrap_for_async",
 ]

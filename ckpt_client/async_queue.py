@@ -8,7 +8,10 @@ backend needs). A failure anywhere raises :class:`CheckpointException` on every 
 
 Requests made by our save functions are already running in the daemon; a request built
 by hand with a Python ``async_fn`` runs in a forked helper process of the trainer, as in
-the reference, so existing code keeps working.
+the reference, so existing code keeps working. An ``async_fn`` that knows a better way to
+run (``FileSystemWriterAsync``'s save function hands its files to the daemon) provides
+``start_async(args, kwargs, options) -> runner``; a runner has ``poll() -> (done, error)``,
+``cleanup(failed)`` and ``abort()``.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import time
 import traceback
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
@@ -43,8 +48,8 @@ class AsyncRequest:
     async_fn_kwargs : dict
         Keyword arguments of ``async_fn``.
     preload_fn : callable, optional
-        Run in the trainer before the async part (e.g. a device-to-host copy); if it
-        returns a value, that replaces the first positional argument of ``async_fn``.
+        Run in the trainer before the async part (e.g. a device-to-host copy); its result
+        replaces ``async_fn_args[1]``, as in the reference API.
     is_frozen : bool
         Frozen requests accept no more finalize functions.
     call_idx : int
@@ -85,34 +90,62 @@ class AsyncRequest:
     def execute_sync(self) -> None:
         """Do the whole request in this process: the async part, then finalize.
 
+        As in the reference, every rank waits for the others before the finalize
+        functions run when torch.distributed is initialized (call it on all ranks); here
+        that wait is the small all-reduce that also shares failures, so a failure on one
+        rank raises on every rank instead of leaving the others in a barrier.
+
         Raises
         ------
         CheckpointException
-            If a daemon save of this request failed.
+            On every rank, if the async part or a daemon save failed on any rank.
         """
-        args = _preloaded_args(self)
-        if self.async_fn is not None:
-            self.async_fn(*args, **self.async_fn_kwargs)
-        failures = {}
-        for save in self.daemon_saves:
-            while not save.finished:
-                time.sleep(0.01)
-            if save.error:
-                failures[save.connection.rank] = save.error
-            save.forget(delete_files=bool(save.error))
+        error = None
+        args = _preloaded_args(self)  # a malformed request raises here, on every rank alike
+        try:
+            if self.async_fn is not None:
+                self.async_fn(*args, **self.async_fn_kwargs)
+            wait_for_daemon_saves(self.daemon_saves)
+        except CheckpointException as exc:
+            error = "; ".join(exc.failures.values())
+        except Exception as exc:  # reported on every rank by the agreement below
+            error = f"{type(exc).__name__}: {exc}"
+        _, failures = agree_on_completion(True, error, no_dist=False)
         if failures:
             raise CheckpointException("checkpoint save failed", failures)
         for fn in self.finalize_fns:
             fn()
 
 
+def wait_for_daemon_saves(saves) -> None:
+    """Block until the daemon finished ``saves`` (this rank's); forget them there.
+
+    Raises
+    ------
+    CheckpointException
+        On this rank only, naming the failures, if any of them failed.
+    """
+    failures = {}
+    for save in saves:
+        while not save.finished:
+            time.sleep(0.01)  # polling the daemon for a phase change
+        if save.error:
+            failures[save.rank] = save.error
+        save.forget(delete_files=bool(save.error))
+    if failures:
+        raise CheckpointException("checkpoint save failed", failures)
+
+
 def _preloaded_args(request: AsyncRequest) -> tuple:
+    args = list(request.async_fn_args)
     if request.preload_fn is None:
-        return tuple(request.async_fn_args)
-    staged = request.preload_fn()
-    if staged is None or not request.async_fn_args:
-        return tuple(request.async_fn_args)
-    return (staged, *request.async_fn_args[1:])
+        return tuple(args)
+    if len(args) < 2:
+        raise ValueError(
+            f"AsyncRequest: preload_fn's result replaces async_fn_args[1] (as in the reference "
+            f"API), but async_fn_args has {len(args)} item(s); put a placeholder (None) there")
+    args[1] = request.preload_fn()
+    return tuple(args)
 
 
 # ---------------------------------------------------------------- runners
@@ -139,52 +172,91 @@ class _DaemonRunner:
             save.abort()
 
 
-def _run_in_child(fn, args, kwargs, conn) -> None:
+@dataclass(frozen=True)
+class HelperOptions:
+    """How helper processes for hand-built Python ``async_fn`` run (the reference's
+    worker settings, from :class:`AsyncCallsQueue`)."""
+
+    daemonic: bool = True
+    cpu_priority: int | None = 10
+    sigterm_timeout: float = 30.0
+
+
+def _lower_cpu_priority(target: int | None) -> None:
+    """Raise this process's nice value to ``target`` (lowering it needs privileges)."""
+    if target is None or not 0 <= target <= 19:
+        return
+    increment = target - os.nice(0)
+    if increment > 0:
+        os.nice(increment)
+
+
+def _run_in_child(fn, args, kwargs, conn, cpu_priority=None, send_result=False) -> None:
     import gc
 
     gc.disable()  # freeing CUDA tensors inherited through fork would crash the child
     try:
-        fn(*args, **kwargs)
-        conn.send(None)
+        _lower_cpu_priority(cpu_priority)
+        value = fn(*args, **kwargs)
+        conn.send((None, value if send_result else None))
     except BaseException:
-        conn.send(traceback.format_exc(limit=5))
+        conn.send((traceback.format_exc(limit=5), None))
     finally:
         conn.close()
 
 
 class _ProcessRunner:
-    """The async part is a Python function: run it in a forked helper process."""
+    """The async part is a Python function: run it in a forked helper process.
 
-    def __init__(self, request: AsyncRequest) -> None:
+    With ``send_result=True`` the function's return value comes back as ``result``.
+    """
+
+    def __init__(self, request: AsyncRequest, options: HelperOptions = HelperOptions(),
+                 send_result: bool = False) -> None:
         context = multiprocessing.get_context("fork")
         self._receive, send = context.Pipe(duplex=False)
         args = _preloaded_args(request)
-        self.process = context.Process(target=_run_in_child, daemon=True,
-                                       args=(request.async_fn, args, request.async_fn_kwargs, send))
+        self._sigterm_timeout = options.sigterm_timeout
+        self.process = context.Process(target=_run_in_child, daemon=options.daemonic,
+                                       args=(request.async_fn, args, request.async_fn_kwargs, send,
+                                             options.cpu_priority, send_result))
         self.process.start()
         send.close()
+        self._message: tuple | None = None
         self._error: str | None = None
+        self.result = None
         self._done = False
+
+    def _receive_message(self) -> None:
+        if self._message is None and self._receive.poll():
+            try:
+                self._message = self._receive.recv()
+            except EOFError:
+                pass
 
     def poll(self) -> tuple[bool, str | None]:
         if not self._done:
-            if self._receive.poll():
-                try:
-                    self._error = self._receive.recv()
-                except EOFError:
-                    pass
+            self._receive_message()
             if self.process.is_alive():
                 return False, None
             self.process.join()
+            self._receive_message()  # it may have sent its outcome just before exiting
             self._done = True
-            if self.process.exitcode and self._error is None:
+            if self._message is not None:
+                self._error, self.result = self._message
+            elif self.process.exitcode:
                 self._error = f"async_fn process exited with status {self.process.exitcode}"
+            else:
+                self._error = "async_fn process exited without reporting its outcome"
         return True, self._error
 
     def cleanup(self, failed: bool) -> None:
         self._receive.close()
 
     def abort(self) -> None:
+        if self.process.is_alive():
+            self.process.terminate()  # SIGTERM first, as the reference: let it clean up
+            self.process.join(self._sigterm_timeout)
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
@@ -202,11 +274,14 @@ class _NoopRunner:
         pass
 
 
-def _runner_for(request: AsyncRequest):
+def _runner_for(request: AsyncRequest, options: HelperOptions):
     if request.daemon_saves:
         return _DaemonRunner(request)
+    start_async = getattr(request.async_fn, "start_async", None)
+    if start_async is not None:
+        return start_async(_preloaded_args(request), request.async_fn_kwargs, options)
     if request.async_fn is not None:
-        return _ProcessRunner(request)
+        return _ProcessRunner(request, options)
     return _NoopRunner()
 
 
@@ -221,20 +296,50 @@ class _ActiveCall(NamedTuple):
 class AsyncCallsQueue:
     """Keeps async calls in order and finalizes them when every rank is done.
 
+    The keywords after ``persistent`` are the reference's worker settings. Saves made by
+    our save functions run in ckptd, whose writers have their own settings; the settings
+    below apply to the helper processes that run hand-built Python ``async_fn``.
+
     Parameters
     ----------
     persistent : bool
         Accepted for compatibility with the reference API; the daemon is the
         persistent worker, so both values behave alike.
+    is_daemon : bool
+        Helper processes are daemonic (they cannot start child processes, so
+        ``FileSystemWriterAsync(is_multiproc_io=True)`` is refused, as in the reference).
+    cpu_priority : int
+        Nice value (0-19) helper processes raise themselves to. ckptd's writers run at
+        nice 10 regardless.
+    io_priority : int, optional
+        Ignored (logged once when set): the daemon's writers do the I/O, at the I/O class
+        ckptd was started with (e.g. ``ionice -c3 ckptd serve``).
+    sigterm_timeout : float
+        ``close(abort=True)``: seconds a helper process gets after SIGTERM before SIGKILL.
+    cpu_shm_mode : bool
+        Ignored (logged once when set): the staging transport is chosen per save, e.g.
+        ``FileSystemWriterAsync(use_cpu_shm_for_gpu_tensors=True)``.
     poll_interval : float
         Seconds between checks while ``blocking=True`` waits.
     """
 
-    def __init__(self, persistent: bool = True, poll_interval: float = 0.01) -> None:
+    def __init__(self, persistent: bool = True, is_daemon: bool = True, cpu_priority: int = 10,
+                 io_priority: int | None = None, sigterm_timeout: float = 30.0,
+                 cpu_shm_mode: bool = False, *, poll_interval: float = 0.01) -> None:
         self.persistent = persistent
         self.poll_interval = poll_interval
+        self.helper_options = HelperOptions(is_daemon, cpu_priority, sigterm_timeout)
+        if io_priority is not None:
+            _log_once("io_priority", "AsyncCallsQueue(io_priority=%r) has no effect: ckptd's "
+                      "writers do the I/O at the I/O class the daemon was started with (e.g. "
+                      "`ionice -c3 ckptd serve`)", io_priority)
+        if cpu_shm_mode:
+            _log_once("cpu_shm_mode", "AsyncCallsQueue(cpu_shm_mode=True) has no effect: choose "
+                      "the staging transport per save, e.g. "
+                      "FileSystemWriterAsync(use_cpu_shm_for_gpu_tensors=True)")
         self._active: deque[_ActiveCall] = deque()
         self._next_idx = 0
+        _live_queues.add(self)
 
     def schedule_async_request(self, async_request: AsyncRequest) -> int:
         """Start ``async_request`` and queue it for finalization; call on all ranks.
@@ -248,7 +353,7 @@ class AsyncCallsQueue:
         self._next_idx += 1
         request = async_request._replace(call_idx=idx)
         request = request if request.is_frozen else request.freeze()
-        self._active.append(_ActiveCall(idx, request, _runner_for(request)))
+        self._active.append(_ActiveCall(idx, request, _runner_for(request, self.helper_options)))
         return idx
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
@@ -311,3 +416,28 @@ class AsyncCallsQueue:
         if getattr(self, "_active", None):
             log.warning("AsyncCallsQueue dropped with %d unfinalized call(s); "
                         "call close() to finalize them", len(self._active))
+
+
+_live_queues: "weakref.WeakSet[AsyncCallsQueue]" = weakref.WeakSet()
+_logged_once: set[str] = set()
+
+
+def _log_once(key: str, message: str, *args) -> None:
+    if key not in _logged_once:
+        _logged_once.add(key)
+        log.info(message, *args)
+
+
+def abort_async_checkpoints() -> None:
+    """Drop the in-flight saves of every :class:`AsyncCallsQueue` of this process.
+
+    ``close(abort=True)`` on each: nothing of those saves keeps running (the daemon
+    discards their writes) and every queue stays usable. Meant for in-process restarts;
+    unlike the reference, nothing needs restarting afterwards (the daemon keeps running).
+    """
+    for queue in list(_live_queues):
+        queue.close(abort=True)
+
+
+#: The reference API's name for :func:`abort_async_checkpoints`.
+abort_nvrx_checkpoint = abort_async_checkpoints

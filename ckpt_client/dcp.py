@@ -38,7 +38,7 @@ from torch.futures import Future
 
 from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncRequest
+from ckpt_client.async_queue import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.collectives import Group
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
@@ -64,6 +64,19 @@ def split_into_files(sources: list, count: int) -> list[list[int]]:
         groups[target].append(index)
         sizes[target] += _item_nbytes(sources[index])
     return [sorted(g) for g in groups if g]
+
+
+def resolve_items(plan: SavePlan, planner: SavePlanner) -> list:
+    """The data of each of ``plan``'s items: detached tensors and ``io.BytesIO``."""
+    sources = []
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = data.detach()
+        elif not isinstance(data, io.BytesIO):
+            raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
+        sources.append(data)
+    return sources
 
 
 class DaemonStorageWriter(_StorageWriterBase):
@@ -126,14 +139,7 @@ class DaemonStorageWriter(_StorageWriterBase):
     # ------------------------------------------------------------------ writing
     def stage(self, plan: SavePlan, planner: SavePlanner) -> DaemonSave:
         """Hand this rank's items to the daemon; returns once they are staged."""
-        sources = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if isinstance(data, torch.Tensor):
-                data = data.detach()
-            elif not isinstance(data, io.BytesIO):
-                raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
-            sources.append(data)
+        sources = resolve_items(plan, planner)
         connection = self.connection
         token = secrets.token_hex(4)
         count = self.files_per_rank or connection.writers
@@ -156,9 +162,8 @@ class DaemonStorageWriter(_StorageWriterBase):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """Stage, wait until durable, and return the write results (stock ``dcp.save``)."""
         save = self.stage(plan, planner)
-        request = AsyncRequest(daemon_saves=(save,))
         try:
-            request.execute_sync()
+            wait_for_daemon_saves([save])  # not execute_sync: no collective inside write_data
         except CheckpointException as exc:
             raise OSError(f"ckptd could not write rank {self.rank}'s part of {self.path}: "
                           f"{exc}") from None

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from torch.distributed.checkpoint import CheckpointException as _TorchCheckpointException
 
-class CheckpointException(Exception):
+
+class CheckpointException(_TorchCheckpointException, Exception):
     """A save failed on one or more ranks; raised on every rank alike.
+
+    A subclass of ``torch.distributed.checkpoint.CheckpointException`` (what the
+    reference API raises), so ``except`` clauses written for it catch ours; unlike
+    torch's, it is also an ``Exception``.
 
     Parameters
     ----------
@@ -16,14 +22,24 @@ class CheckpointException(Exception):
     Attributes
     ----------
     failures : dict of int to str
+        Failing rank -> reason (torch's holds ``(exception, traceback)`` pairs instead).
     failing_ranks : list of int
     """
 
     def __init__(self, message: str, failures: dict[int, str]) -> None:
-        self.failures = dict(failures)
-        self.failing_ranks = sorted(self.failures)
-        details = "; ".join(_with_rank(r, self.failures[r]) for r in self.failing_ranks)
-        super().__init__(f"{message} (failing ranks {self.failing_ranks}: {details})")
+        reasons = {int(rank): str(reason) for rank, reason in dict(failures).items()}
+        super().__init__(message, reasons)  # args stay (message, failures): picklable
+        self.failing_ranks = sorted(reasons)
+        details = "; ".join(_with_rank(r, reasons[r]) for r in self.failing_ranks)
+        self._text = f"{message} (failing ranks {self.failing_ranks}: {details})"
+
+    @property
+    def failures(self) -> dict[int, str]:
+        """Failing rank -> reason."""
+        return self._failures
+
+    def __str__(self) -> str:
+        return self._text
 
 
 def _with_rank(rank: int, reason: str) -> str:

@@ -20,7 +20,9 @@ Collectives (all over the trainers' default process group, so every rank must ca
   somewhere wins. ``load`` then reads the local part, or has the daemon fetch it from the
   holders first.
 
-Part files hold a msgpack header and raw tensor bytes (no pickle).
+Part files hold a msgpack header and raw tensor bytes (no pickle); only a
+``TensorAwareStateDict`` subclass other than the basic one is stored pickled, as the
+reference stores it (see :mod:`ckpt_client.tensor_aware`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import os
 import time
 from functools import partial
+from pathlib import Path
 
 
 from ckptd import knobs, protocol
@@ -41,6 +44,8 @@ from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUn
 from ckpt_client.local_session import SessionRegistration
 from ckpt_client.parts import read_part
 from ckpt_client.staging import RefusedSave, describe, flatten_state_dict, stage
+from ckpt_client.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
+                                      part_state_dict, restore_from_part)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +53,7 @@ log = logging.getLogger(__name__)
 CkptID = tuple[int, int, str]
 
 
-class BasicTensorAwareStateDict:
+class BasicTensorAwareStateDict(NestedTensorAwareStateDict):
     """A state dict whose tensors are reachable through dicts, lists and tuples.
 
     Parameters
@@ -202,6 +207,11 @@ class LocalCheckpointManager:
         self.last_save_report: dict | None = None
         self.last_load_report: dict | None = None
 
+    @property
+    def local_ckpt_dir(self) -> Path:
+        """This session's directory: the daemon keeps the parts in ``iter_<N>/`` below it."""
+        return Path(self.root, self.session_id)
+
     # ------------------------------------------------------------------ session
     def _connection(self) -> DaemonConnection:
         return connect(self._socket)
@@ -213,7 +223,7 @@ class LocalCheckpointManager:
         return connection
 
     # ------------------------------------------------------------------ save
-    def save(self, ta_state_dict: BasicTensorAwareStateDict, iteration: int,
+    def save(self, ta_state_dict: TensorAwareStateDict, iteration: int,
              is_async: bool = False) -> AsyncRequest | None:
         """Save this rank's part of ``iteration`` (call on all ranks together).
 
@@ -223,8 +233,10 @@ class LocalCheckpointManager:
 
         Parameters
         ----------
-        ta_state_dict : BasicTensorAwareStateDict
-            The state to save.
+        ta_state_dict : TensorAwareStateDict
+            The state to save: a ``BasicTensorAwareStateDict`` is stored as plain values
+            and raw tensors; any other subclass as the reference stores it (see
+            :mod:`ckpt_client.tensor_aware`).
         iteration : int
             Training iteration (>= 0); ``find_latest`` returns the highest complete one.
         is_async : bool
@@ -242,13 +254,10 @@ class LocalCheckpointManager:
             On every rank, if any rank's save failed or its daemon refused it (sync
             saves; async ones raise from the queue's finalize).
         """
-        if not hasattr(ta_state_dict, "state_dict"):
-            raise TypeError("save() takes a BasicTensorAwareStateDict (an object with "
-                            f".state_dict), not {type(ta_state_dict).__name__}")
         if not isinstance(iteration, int) or iteration < 0:
             raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
         rank, _ = rank_and_world()
-        skeleton, tensors = flatten_state_dict(ta_state_dict.state_dict)
+        skeleton, tensors = flatten_state_dict(part_state_dict(ta_state_dict))
         header = bytearray(protocol.encode_part_header(  # writable: torch.frombuffer needs it
             skeleton, [describe(t) for t in tensors], rank, iteration, self.session_id))
         try:
@@ -368,7 +377,7 @@ class LocalCheckpointManager:
                       moved_aside=reply.get("moved_aside"))
         return reply["path"]
 
-    def load(self) -> tuple[BasicTensorAwareStateDict, CkptID]:
+    def load(self) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (call on all ranks).
 
         A part missing on this node, or one that fails its checksum (it is moved aside,
@@ -377,8 +386,10 @@ class LocalCheckpointManager:
 
         Returns
         -------
-        (BasicTensorAwareStateDict, (iteration, rank, session_id))
-            Tensors are on the CPU; ``model.load_state_dict`` copies them into place.
+        (TensorAwareStateDict, (iteration, rank, session_id))
+            A ``BasicTensorAwareStateDict`` (tensors on the CPU; ``model.load_state_dict``
+            copies them into place), or the saved subclass, its tensors restored to their
+            devices.
 
         Raises
         ------
@@ -418,4 +429,7 @@ class LocalCheckpointManager:
                              f"{header.get('iteration')}, not rank {rank}'s of {iteration}")
         report.update(bytes=os.path.getsize(path), seconds=time.monotonic() - started)
         self.last_load_report = report
-        return BasicTensorAwareStateDict(state_dict), (iteration, rank, self.session_id)
+        restored = restore_from_part(state_dict)
+        if restored is None:
+            restored = BasicTensorAwareStateDict(state_dict)
+        return restored, (iteration, rank, self.session_id)

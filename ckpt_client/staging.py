@@ -143,6 +143,11 @@ class DaemonSave:
         return self.last
 
     @property
+    def rank(self) -> int:
+        """The rank that made the save."""
+        return self.connection.rank
+
+    @property
     def finished(self) -> bool:
         """Whether the daemon is done with it (successfully or not)."""
         return self.poll().get("phase") in Phase.FINISHED
@@ -164,7 +169,12 @@ class DaemonSave:
             pass  # a daemon that is gone keeps nothing to forget
 
     def abort(self) -> None:
-        """Drop the request at the daemon (in-flight writes are discarded)."""
+        """Drop the request at the daemon (in-flight writes are discarded).
+
+        Returns at once: a write already under way finishes, and the daemon removes its
+        file; a later save of the same path is written only after that (the writer pool
+        keeps one job per path in flight), so it can never be overwritten or removed.
+        """
         try:
             self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id]}, timeout=5.0)
         except (DaemonUnavailableError, DaemonRequestError):
@@ -180,6 +190,7 @@ class RefusedSave:
     finished = True
 
     def __init__(self, rank: int, error: str) -> None:
+        self.rank = rank
         self.error = error if error.startswith(f"rank {rank}: ") else f"rank {rank}: {error}"
         self.last = {"phase": Phase.FAILED, "error": self.error}
 
@@ -192,7 +203,7 @@ class RefusedSave:
 
 def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
           skeleton: bytes = b"", files: list | None = None,
-          extra: dict | None = None) -> DaemonSave:
+          extra: dict | None = None, allow_cuda_ipc: bool = True) -> DaemonSave:
     """Hand ``sources`` to the daemon and return once they are staged.
 
     Parameters
@@ -207,6 +218,9 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
         Format-specific: the torch state-dict skeleton; DCP ``[name, [indices]]``.
     extra : dict, optional
         More format-specific request fields (local checkpoints: session, iteration).
+    allow_cuda_ipc : bool
+        ``False``: copy CUDA tensors into the pool here even when the daemon could open
+        CUDA IPC handles (the reference's CPU shared-memory mode).
 
     Raises
     ------
@@ -220,7 +234,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
             "skeleton": skeleton, "files": files or [], **(extra or {})}
     from ckpt_client.cuda_export import export_for_daemon
 
-    exported = export_for_daemon(connection, sources)
+    exported = export_for_daemon(connection, sources) if allow_cuda_ipc else None
     if exported is not None:
         body["transport"] = "cuda"
         body["cuda"] = exported

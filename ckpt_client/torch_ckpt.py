@@ -8,9 +8,12 @@ under a temporary name, fsynced, then renamed.
 from __future__ import annotations
 
 import os
+from typing import IO, Any
+
+import torch
 
 from ckptd.protocol import SaveFormat
-from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
+from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest, wait_for_daemon_saves
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.staging import flatten_state_dict, stage
 
@@ -53,6 +56,23 @@ class TorchAsyncCheckpoint:
             raise TypeError("async_save needs a destination path")
         request = async_torch_save(state_dict, path, connect(self._socket))
         self._queue.schedule_async_request(request)
+
+    def save(self, state_dict: Any, f: str | os.PathLike | IO[bytes], **kwargs) -> None:
+        """Save ``state_dict`` to ``f`` now (the reference's synchronous ``torch.save``).
+
+        To a path, through the daemon: returns when the file is durable (written under a
+        temporary name, fsynced, renamed). To a file object, or with ``torch.save`` keyword
+        arguments, it is ``torch.save`` in this process, as in the reference.
+
+        Raises
+        ------
+        CheckpointException
+            If the daemon could not write the file.
+        """
+        if kwargs or not isinstance(f, (str, os.PathLike)):
+            torch.save(state_dict, f, **kwargs)
+            return
+        wait_for_daemon_saves(async_torch_save(state_dict, f, connect(self._socket)).daemon_saves)
 
     def finalize_async_save(self, blocking: bool = False, no_dist: bool = True,
                             terminate: bool = False) -> None:

@@ -36,6 +36,7 @@ import msgpack
 __all__ = [
     # framing and errors
     "SCHEMA_VERSION", "MessageType", "Phase", "SaveFormat", "ErrorCode", "BUFFER_DTYPES",
+    "STOCK_FILES",
     "ProtocolError", "TensorRef", "Message", "encode", "decode", "error_body",
     "pack_value", "unpack_value", "fill_skeleton",
     # typed bodies of the client channel
@@ -97,6 +98,20 @@ class MessageType:
     LOCAL_FETCH = "local_fetch"          # get a missing part from peer daemons
     LOCAL_COMMIT = "local_commit"        # all ranks agreed: mark committed, drop older
     # (daemon <-> daemon messages are the peer channel's: ckptd.replication.wire)
+
+
+#: Body flag of STAGE (DCP format) and COMMIT_FILE: write the files exactly as torch's
+#: ``FileSystemWriter`` would (torch's per-record zip CRC32 computed, no ``.ckptd-sum``
+#: sidecar beside them); the checksums come back in the results instead. Used by
+#: ``ckpt_client.FileSystemWriterAsync``, whose contract is torch's own file layout.
+STOCK_FILES = "stock_files"
+
+
+#: Body flag of STAGE (DCP format) and COMMIT_FILE: write the files exactly as torch's
+#: ``FileSystemWriter`` would (torch's per-record zip CRC32 computed, no ``.ckptd-sum``
+#: record beside them); the checksums come back in the results instead. Used by
+#: ``ckpt_client.FileSystemWriterAsync``, whose contract is torch's own file layout.
+STOCK_FILES = "stock_files"
 
 
 class Phase:
@@ -494,6 +509,7 @@ class Stage(Body, message="stage"):
     cuda: list | None = None
     session: str | None = None
     iteration: int | None = check(_non_negative, "an iteration >= 0", None)
+    stock_files: bool = False
 
     def check_together(self) -> None:
         """File entries name existing buffers; a local part names its iteration."""
@@ -535,6 +551,7 @@ class CommitFile(Body, message="commit_file"):
     """Write one small file atomically (DCP ``.metadata``); its bytes are the one frame."""
 
     path: str
+    stock_files: bool = False
 
 
 class LocalSession(Body, message="local_session"):

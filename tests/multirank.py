@@ -42,11 +42,14 @@ def _rank_main(fn, rank, world_size, store_path, socket_path, args, results):
             pass
 
 
-def start_ranks(fn, world_size: int, socket_path, tmp_path, args=(), name="pg"):
+def start_ranks(fn, world_size: int, socket_path, tmp_path, args=(), name="pg",
+                daemon: bool = True):
     """Start the ranks; returns (processes, result queue).
 
     ``socket_path`` is one daemon socket for all ranks, or a list with one per rank
-    (several "nodes": e.g. ranks 0-1 on daemon A, ranks 2-3 on daemon B).
+    (several "nodes": e.g. ranks 0-1 on daemon A, ranks 2-3 on daemon B). Ranks that
+    start helper processes themselves (hand-built async requests) need ``daemon=False``:
+    daemonic processes may not have children.
     """
     sockets = socket_path if isinstance(socket_path, (list, tuple)) else [socket_path] * world_size
     context = multiprocessing.get_context("spawn")
@@ -54,7 +57,7 @@ def start_ranks(fn, world_size: int, socket_path, tmp_path, args=(), name="pg"):
     store_path = str(tmp_path / f"{name}-store")
     if os.path.exists(store_path):
         os.unlink(store_path)
-    processes = [context.Process(target=_rank_main, daemon=True,
+    processes = [context.Process(target=_rank_main, daemon=daemon,
                                  args=(fn, rank, world_size, store_path, sockets[rank], args, results))
                  for rank in range(world_size)]
     for p in processes:
@@ -95,9 +98,9 @@ def collect(processes, results, timeout: float = 240.0) -> list[RankOutcome]:
 
 
 def run_ranks(fn, world_size: int, socket_path, tmp_path, args=(), timeout=240.0,
-              name="pg") -> list[RankOutcome]:
+              name="pg", daemon: bool = True) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on every rank and return the outcomes."""
-    processes, results = start_ranks(fn, world_size, socket_path, tmp_path, args, name)
+    processes, results = start_ranks(fn, world_size, socket_path, tmp_path, args, name, daemon)
     return collect(processes, results, timeout)
 
 

@@ -84,6 +84,7 @@ class SaveRequest:
     skeleton: bytes = b""
     files: list = field(default_factory=list)  # DCP: [name, [buffer indices]]
     transport: str = "shm"
+    stock_files: bool = False      # protocol.STOCK_FILES: torch's exact files, no records
     cuda_specs: list | None = None
     copiers: tuple = ()            # who fills the extent (holds on it until they report)
     session: str | None = None     # local parts: the session and iteration

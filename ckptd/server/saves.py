@@ -106,7 +106,8 @@ class SaveService:
             path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
             skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
             transport=body.transport, cuda_specs=body.cuda, session=body.session,
-            iteration=body.iteration)
+            iteration=body.iteration,
+            stock_files=body.format == SaveFormat.DCP and body.stock_files)
 
     @staticmethod
     def _extent_reply(request: SaveRequest) -> dict:
@@ -185,8 +186,8 @@ class SaveService:
                           errno=result.errno, path=path)
 
         data = bytes(call.frames[0])
-        self.daemon.writers.submit(WriteJob(WriteBytes(path, len(data)), answer_when_durable,
-                                            frames=[data]))
+        job = WriteBytes(path, len(data), stock=body.stock_files)
+        self.daemon.writers.submit(WriteJob(job, answer_when_durable, frames=[data]))
         return DEFERRED
 
     # ------------------------------------------------------------------ ranks that leave
@@ -228,7 +229,7 @@ class SaveService:
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote."""
         for entry in request.written:
-            remove_written(entry["path"])
+            remove_written(entry["path"], entry.get("file_id"))
         request.written = []
 
     def _jobs_for(self, request: SaveRequest):
@@ -252,14 +253,16 @@ class SaveService:
             for name, indices in request.files:
                 yield WriteJob(WriteItems(os.path.join(request.path, name), name,
                                           [item(i) for i in indices],
-                                          sum(request.buffers[i][2] for i in indices)), on_done)
+                                          sum(request.buffers[i][2] for i in indices),
+                                          stock=request.stock_files), on_done)
 
     def _job_done(self, request: SaveRequest):
         def on_done(job: WriteJob, result: WriteResult) -> None:
             written = None
             if result.ok:
                 written = {"name": getattr(job.body, "name", None), "path": result.path,
-                           "size": result.size, "crc32": result.crc32, "items": result.items}
+                           "size": result.size, "crc32": result.crc32, "items": result.items,
+                           "file_id": result.file_id}
             self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
                                     job.nbytes, result.error, result.errno)
         return on_done

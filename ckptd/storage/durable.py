@@ -174,6 +174,10 @@ class DurableFileStream(ChecksumWriter):
         self._fd = raw.fileno()
         self._written_back = 0
 
+    def fileno(self) -> int:
+        """The file descriptor written to."""
+        return self._fd
+
     def write(self, data) -> int:
         """Write all of ``data``; the checksum is computed alongside the write."""
         view = memoryview(data).cast("B")
@@ -323,7 +327,8 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
     Returns
     -------
     dict
-        ``{"path", "size", "crc32"}`` of the committed file.
+        ``{"path", "size", "crc32", "file_id"}`` of the committed file; ``file_id`` is its
+        ``[st_dev, st_ino]``, which tells it apart from a later file at the same path.
     """
     with DurableFile(path, checksum=checksum) as durable:
         try:
@@ -333,8 +338,10 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
             if error is not None and error is not exc:
                 raise error from exc  # keep the errno the serializer hid
             raise
+        info = os.fstat(durable.stream.fileno())  # the same inode after the rename
         result = durable.commit()
-    return {"path": path, "size": result.size, "crc32": result.value}
+    return {"path": path, "size": result.size, "crc32": result.value,
+            "file_id": [info.st_dev, info.st_ino]}
 
 
 def write_small_file(path: str, data: bytes, *, checksum: bool = False, mode: int = 0o644,
@@ -373,10 +380,22 @@ def temporaries_of(path: str, pid: int | None = None) -> list[str]:
     return [os.path.join(head, n) for n in names if is_temporary_of(n, tail, pid)]
 
 
-def remove_written(path: str) -> None:
-    """Remove a file ckptd wrote, its checksum record and temporaries of it nobody writes."""
+def remove_written(path: str, file_id: list | None = None) -> None:
+    """Remove a file ckptd wrote, its checksum record and temporaries of it nobody writes.
+
+    With ``file_id`` (from :func:`write_file_atomically`), only that very file: if a later
+    save replaced it at ``path`` meanwhile, it stays (an aborted save whose write finished
+    late must not delete the next save's file).
+    """
     from ckptd.storage.leftovers import sweep_temporaries
 
+    if file_id is not None:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return
+        if [info.st_dev, info.st_ino] != list(file_id):
+            return
     for candidate in (path, sidecar_path(path)):
         remove_quietly(candidate)
     directory, name = os.path.split(path)

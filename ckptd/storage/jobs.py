@@ -35,6 +35,7 @@ class WriteItems(Body, message="write_items"):
     name: str
     items: list
     nbytes: int
+    stock: bool = False  # torch's zip CRCs, no checksum record (protocol.STOCK_FILES)
 
 
 class WriteBytes(Body, message="write_bytes"):
@@ -42,6 +43,7 @@ class WriteBytes(Body, message="write_bytes"):
 
     path: str
     nbytes: int = 0
+    stock: bool = False
 
 
 class WriterReady(Body, message="writer_ready"):
@@ -62,6 +64,7 @@ class WriteResult(Body, message=RESULT):
     size: int = 0
     crc32: int = 0
     items: list | None = None
+    file_id: list | None = None  # [st_dev, st_ino]: tells it apart from a later file there
     errno: int | None = None
     error: str | None = None
     seconds: float = 0.0

@@ -124,22 +124,35 @@ class WriterPool:
         self._dispatch()
 
     def _dispatch(self) -> None:
+        """Send waiting jobs to the least-loaded ready writers, in submission order, except
+        that a path with a job in flight waits for it: two saves of one path (an aborted
+        one still writing, and the next) then rename in order, and the first one's
+        cleanup can never take the second one's file."""
+        busy = {job.path for slot in self.slots for job in slot.jobs.values()}
+        waiting: deque[WriteJob] = deque()
         while self._backlog:
+            job = self._backlog.popleft()
+            if job.path in busy:
+                waiting.append(job)
+                continue
             ready = [s for s in self.slots if s.ready and s.process and s.process.poll() is None]
             if not ready:
-                return
+                waiting.append(job)
+                break
             slot = min(ready, key=lambda s: len(s.jobs))
-            job = self._backlog[0]
             try:
                 slot.socket.send_multipart(
                     protocol.encode(job.body.message_type, job.id, job.body.to_wire(), job.frames),
                     flags=zmq.NOBLOCK)
             except zmq.Again:  # its process went away after saying ready
                 slot.ready = False
+                self._backlog.appendleft(job)
                 continue
-            self._backlog.popleft()
             job.writer_pid = slot.process.pid
             slot.jobs[job.id] = job
+            busy.add(job.path)
+        waiting.extend(self._backlog)
+        self._backlog = waiting
 
     def handle(self, sock: zmq.Socket) -> None:
         """Read one message from a writer's socket and complete its job."""
@@ -153,6 +166,7 @@ class WriterPool:
         job = slot.jobs.pop(msg.id, None)
         if job is not None and isinstance(reply, WriteResult):
             job.on_done(job, reply)
+            self._dispatch()  # a job waiting for this path (or a free writer) may go now
 
     def reap_dead(self) -> None:
         """Fail the jobs of writers that died, remove their temporaries, start new ones."""

@@ -14,6 +14,7 @@ Only this process imports torch for writing; the daemon itself stays light.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import errno as errno_mod
 import logging
@@ -75,6 +76,16 @@ class Writer:
         obj = protocol.fill_skeleton(protocol.unpack_value(job.skeleton), tensors)
         return write_file_atomically(job.path, lambda f: self.torch.save(obj, f))
 
+    @contextlib.contextmanager
+    def _zip_crc32(self, on: bool):
+        """Have torch.save compute its per-record CRC32 (stock bytes) inside the block."""
+        config = self.torch.utils.serialization.config.save
+        before, config.compute_crc32 = config.compute_crc32, on
+        try:
+            yield
+        finally:
+            config.compute_crc32 = before
+
     def write_items(self, job: WriteItems, frames: list) -> dict:
         """Items back to back; records where each one landed."""
         placements: list = []
@@ -88,14 +99,15 @@ class Writer:
                     self.torch.save(self.tensor_at(offset, nbytes, dtype, shape), stream)
                 placements.append([start, stream.tell() - start])
 
-        result = write_file_atomically(job.path, write_items)
+        with self._zip_crc32(job.stock):
+            result = write_file_atomically(job.path, write_items, checksum=not job.stock)
         result["items"] = placements
         return result
 
     def write_bytes(self, job: WriteBytes, frames: list) -> dict:
         """The message's raw frame as a file."""
         data = frames[0] if frames else b""
-        return write_file_atomically(job.path, lambda f: f.write(data))
+        return write_file_atomically(job.path, lambda f: f.write(data), checksum=not job.stock)
 
     def execute(self, msg: protocol.Message) -> WriteResult:
         """Run one job; every failure becomes a result, never an exception."""
@@ -105,7 +117,8 @@ class Writer:
             job = JOB_TYPES[msg.type].from_wire(msg.body)
             done = self.handlers[type(job)](job, msg.frames)
             result = WriteResult(ok=True, path=done["path"], size=done["size"],
-                                 crc32=done["crc32"], items=done.get("items"))
+                                 crc32=done["crc32"], items=done.get("items"),
+                                 file_id=done["file_id"])
         except OSError as exc:
             name = errno_mod.errorcode.get(exc.errno or 0, "?")
             result = WriteResult(ok=False, errno=exc.errno, path=exc.filename or path,

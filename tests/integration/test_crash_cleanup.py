@@ -149,6 +149,7 @@ def test_a_killed_writers_temporary_is_swept_when_it_is_reaped(start_daemon, mon
         (leftover,) = temporaries(daemon.roots[0])
         writer = int(leftover.split(".")[3])  # .model.pt.<pid>.<token>.ckptd-tmp
         os.kill(writer, signal.SIGKILL)
+        hold.release()  # a traced writer dies of the pending kill only once it runs again
         with pytest.raises(CheckpointException, match="writer process died"):
             checkpoint.finalize_async_save(blocking=True)
         assert temporaries(daemon.roots[0]) == [] and not os.path.exists(path)

@@ -17,7 +17,6 @@ import pytest
 import torch
 import zmq
 
-from multirank import values
 from test_local_checkpoints import SESSION, make_nodes  # noqa: F401 (fixture)
 
 from ckpt_client import AsyncCallsQueue, async_torch_save

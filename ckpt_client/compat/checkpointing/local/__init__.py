@@ -1,0 +1,1 @@
+"""``...checkpointing.local``: local checkpoints, served by ckpt_client (re-exports only)."""

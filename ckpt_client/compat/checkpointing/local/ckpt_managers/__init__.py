@@ -1,0 +1,1 @@
+"""``...checkpointing.local.ckpt_managers``, served by ckpt_client (re-exports only)."""

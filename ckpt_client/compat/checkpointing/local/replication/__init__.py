@@ -1,0 +1,1 @@
+"""``...checkpointing.local.replication``, served by ckpt_client (re-exports only)."""
