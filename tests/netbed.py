@@ -238,7 +238,7 @@ class NetBed:
     def up(self) -> "NetBed":
         """Create the bed (the ``with`` statement calls this); returns ``self``."""
         if self.name:
-            raise NetBedError(f"bed {self.name} is already up")
+            raise NetBedError(f"bed {self.name} was brought up before (a NetBed is used once)")
         # A bed whose owner was SIGKILLed would otherwise keep its memory and addresses.
         with contextlib.suppress(Exception):
             sweep(include_persistent=False)
