@@ -189,6 +189,7 @@ class _SkeletonPickler:
         self.tensors = tensors
         self.storages: list[RawTensor] = []  # in key order: data/0, data/1, ...
         self._memo: dict[Any, int] = {}
+        self._memo_size = 0  # entries, including those nothing can refer to again
         self._alive: list[Any] = []
 
     def dumps(self, obj: Any) -> bytes:
@@ -197,9 +198,12 @@ class _SkeletonPickler:
         return bytes(self.out)
 
     # memo -----------------------------------------------------------------------------
-    def _put(self, key: Any) -> None:
-        index = len(self._memo)
-        self._memo[key] = index
+    def _put(self, key: Any = None) -> None:
+        """Memoize the object just written under ``key`` (None: one never seen again)."""
+        index = self._memo_size
+        self._memo_size += 1
+        if key is not None:
+            self._memo[key] = index
         self.out += (b"q" + bytes((index,)) if index < 256
                      else b"r" + struct.pack("<I", index))
 
@@ -265,7 +269,7 @@ class _SkeletonPickler:
         # For b'' it writes bytes() instead, a global torch.load(weights_only=True) refuses;
         # the one deliberate difference from torch's bytes: b'' is encoded like the rest.
         self._save_global("_codecs", "encode")
-        self.save((data.decode("latin1"), _LATIN1))
+        self._save_tuple((data.decode("latin1"), _LATIN1), fresh=True)
         self.out += _REDUCE
         self._put_object(data)
 
@@ -307,8 +311,9 @@ class _SkeletonPickler:
                 self.save(item)
             self.out += _APPENDS
 
-    def _save_tuple(self, items: tuple) -> None:
-        """A tuple not seen before (the caller checked the memo), memoized after."""
+    def _save_tuple(self, items: tuple, fresh: bool = False) -> None:
+        """A tuple not seen before (the caller checked the memo), memoized after; a
+        ``fresh`` one (built here) is never referred to again."""
         if not items:
             self.out += _EMPTY_TUPLE  # never memoized
             return
@@ -321,7 +326,10 @@ class _SkeletonPickler:
             for item in items:
                 self.save(item)
             self.out += _TUPLE
-        self._put_object(items)
+        if fresh:
+            self._put()
+        else:
+            self._put_object(items)
 
     def _save_global(self, module: str, name: str) -> None:
         # Written as bytes, never looked up: no torch import, no stand-in module.
@@ -358,20 +366,20 @@ class _SkeletonPickler:
         self.save(_CPU)
         self._save_int(numel)
         self.out += _TUPLE
-        self._put_object(object())  # the persistent id tuple, referenced nowhere else
+        self._put()  # the persistent id tuple, referenced nowhere else
         self.out += _BINPERSID
         self._save_int(0)  # storage offset
         # torch builds both tuples afresh for every tensor: never a memo hit.
-        self._save_tuple(tuple(list(tensor.shape)))
-        self._save_tuple(contiguous_strides(tensor.shape))
+        self._save_tuple(tensor.shape, fresh=True)
+        self._save_tuple(contiguous_strides(tensor.shape), fresh=True)
         self.out += _NEWFALSE  # requires_grad
         self._save_global("collections", "OrderedDict")  # backward hooks: none
         self.out += _EMPTY_TUPLE + _REDUCE
-        self._put_object(object())
+        self._put()
         if layout.dtype_argument:
             self._save_global("torch", tensor.dtype)
         self.out += _TUPLE
-        self._put_object(object())  # the argument tuple
+        self._put()  # the argument tuple
         self.out += _REDUCE
         self._put(key)
 
@@ -440,6 +448,14 @@ def _zip64_extra(size: int, offset: int, compressed: int) -> bytes:
     return struct.pack(f"<HH{len(values)}Q", 0x0001, 8 * len(values), *values)
 
 
+# Headers, descriptors and records under this size are gathered into one write of up to
+# _GATHER_FLUSH bytes: for the thousands of small tensors of an optimizer state, copying a
+# few KiB is far cheaper than a write call (and its system call, checksum hand-off and
+# writeback check) per piece. Larger records go to the stream straight from their buffer.
+_GATHER_BELOW = 64 << 10
+_GATHER_FLUSH = 1 << 20
+
+
 class _ArchiveWriter:
     """Writes torch's zip records to a stream, in order, and closes the archive.
 
@@ -454,13 +470,24 @@ class _ArchiveWriter:
         self.position = 0
         self.central = bytearray()
         self.records = 0
-        self.names: list[str] = []
         self.descriptor_crcs = 0  # PyTorchStreamWriter::combined_uncomp_crc32_
+        self._gathered = bytearray()
 
-    def _write(self, data: Any) -> None:
+    def _write(self, data: Any, gather: bool = True) -> None:
         view = memoryview(data).cast("B")
-        self.stream.write(view)
         self.position += view.nbytes
+        if gather:
+            self._gathered += view
+            if len(self._gathered) >= _GATHER_FLUSH:
+                self._flush()
+        else:
+            self._flush()
+            self.stream.write(view)
+
+    def _flush(self) -> None:
+        if self._gathered:
+            self.stream.write(self._gathered)
+            self._gathered = bytearray()
 
     def record(self, name: str, data: Any) -> None:
         """One stored (uncompressed) record whose data is the buffer ``data``."""
@@ -495,22 +522,23 @@ class _ArchiveWriter:
             len(full_name), len(central_extra), 0, 0, 0, 0, min(offset, _U32_MAX))
         self.central += full_name + central_extra
         self.records += 1
-        self.names.append(name)
 
     def _write_data(self, data: memoryview) -> int:
         """Stream the record's bytes (in slices of ``max_write``); their CRC-32 if asked."""
-        step = self.max_write or data.nbytes or 1
-        if not self.crc32:
-            for start in range(0, data.nbytes, step):
-                self._write(data[start:start + step])
-            return 0
+        if data.nbytes < _GATHER_BELOW:
+            self._write(data)
+            return zlib.crc32(data) if self.crc32 else 0
+        step = self.max_write or data.nbytes
         crc = 0
         for start in range(0, data.nbytes, step):
             piece = data[start:start + step]
+            if not self.crc32:
+                self._write(piece, gather=False)
+                continue
             # zlib.crc32 releases the GIL: the record's CRC runs beside the write.
             pending = _crc_executor().submit(zlib.crc32, piece, crc)
             try:
-                self._write(piece)
+                self._write(piece, gather=False)
             finally:
                 crc = pending.result()
         return crc
@@ -530,6 +558,7 @@ class _ArchiveWriter:
         self._write(_END.pack(0x06054B50, 0, 0, min(self.records, _U16_MAX),
                               min(self.records, _U16_MAX), min(directory_size, _U32_MAX),
                               min(directory_offset, _U32_MAX), 0))
+        self._flush()
 
 
 # --------------------------------------------------------------------------- serialization id

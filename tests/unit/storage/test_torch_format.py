@@ -198,6 +198,16 @@ def test_bytes_equal_torch_saves_for_every_kind_of_value(crc32):
         torch_save(SKELETON_OF_EVERYTHING, tensors, crc32=crc32)
 
 
+@pytest.mark.parametrize("max_write", [None, 50_000], ids=["whole", "slices"])
+def test_large_records_written_in_slices_equal_torch_saves(max_write):
+    tensors = [random_tensor("float32", [300, 100]), random_tensor("int8", [3]),
+               random_tensor("bfloat16", [70_000])]
+    skeleton = {"big": TensorRef(0), "small": TensorRef(1), "other": TensorRef(2)}
+    for crc32 in (False, True):
+        assert write(skeleton, tensors, crc32=crc32, max_write=max_write) == \
+            torch_save(skeleton, tensors, crc32)
+
+
 # The serialization id combines the record names in std::unordered_set order, which changes
 # each time the set rehashes (at 13, 29, 59, 127 records: a file has storages + 5).
 @pytest.mark.parametrize("storages", [0, 1, 8, 9, 24, 25, 54, 55, 122, 123, 300])
@@ -303,6 +313,15 @@ def test_tensor_bytes_are_streamed_from_the_given_buffer_in_bounded_writes():
     assert sum(data_writes) == 400_000 and max(data_writes) == 65536
     loaded = torch.load(io.BytesIO(bytes(stream.buffer)), weights_only=True)
     assert loaded.numpy().tobytes() == pool[4096:4096 + 400_000]
+
+
+def test_small_tensors_are_gathered_into_few_writes():
+    tensors = [random_tensor("float32", [16], seed) for seed in range(500)]
+    skeleton = [TensorRef(i) for i in range(500)]
+    stream = WriteOnly()
+    write_torch_file(stream, skeleton, [as_raw(t) for t in tensors])
+    assert len(stream.views) <= 2  # ~180 KiB of headers and data: gathered, then flushed
+    assert bytes(stream.buffer) == torch_save(skeleton, tensors, crc32=False)
 
 
 @pytest.mark.parametrize(("buffer", "dtype", "shape", "message"), [
