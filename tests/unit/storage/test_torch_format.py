@@ -377,15 +377,6 @@ def dcp_state(seed: int) -> dict:
             "extra": {"epoch": seed, "note": "dcp"}}
 
 
-@pytest.fixture
-def pool_writer(tmp_path):
-    path = f"/dev/shm/ckptd-test-format-{os.getpid()}-{tmp_path.name}"
-    with open(path, "wb") as f:
-        f.truncate(1 << 20)
-    yield Writer(path, 1 << 20)
-    os.unlink(path)
-
-
 def items_like_stock(stock_dir, state: dict, writer: Writer) -> tuple[str, list, int]:
     """The items of stock DCP's only .distcp file, staged into the writer's pool in file
     order: tensors as their bytes, byte items (pickled values) as written."""
@@ -412,14 +403,14 @@ def items_like_stock(stock_dir, state: dict, writer: Writer) -> tuple[str, list,
 
 
 @pytest.mark.parametrize("stock", [False, True], ids=["ckptd", "stock-files"])
-def test_a_distcp_file_from_items_loads_with_stock_dcp(tmp_path, pool_writer, stock):
+def test_a_distcp_file_from_items_loads_with_stock_dcp(tmp_path, writer, stock):
     state = dcp_state(5)
     stock_dir, our_dir = tmp_path / "stock", tmp_path / "ours"
     torch_dcp.save(state, storage_writer=FileSystemWriter(stock_dir, single_file_per_rank=True,
                                                           thread_count=1))
-    file_name, items, nbytes = items_like_stock(stock_dir, state, pool_writer)
+    file_name, items, nbytes = items_like_stock(stock_dir, state, writer)
     job = WriteItems(str(our_dir / file_name), file_name, items, nbytes, stock=stock)
-    result = pool_writer.execute(protocol.decode(protocol.encode(job.message_type, 1,
+    result = writer.execute(protocol.decode(protocol.encode(job.message_type, 1,
                                                                  job.to_wire())))
     assert result.ok, result.error
     # Same sizes with or without the zip CRCs: stock's metadata describes our file too.

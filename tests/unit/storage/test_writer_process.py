@@ -11,15 +11,6 @@ from ckptd.storage.jobs import WriteItems, WriteTorch
 from ckptd.storage.writer_process import Writer
 
 
-@pytest.fixture
-def writer(tmp_path):
-    path = f"/dev/shm/ckptd-test-writer-{os.getpid()}-{tmp_path.name}"
-    with open(path, "wb") as f:
-        f.truncate(1 << 20)
-    yield Writer(path, 1 << 20)
-    os.unlink(path)
-
-
 def put(writer: Writer, offset: int, tensor: torch.Tensor) -> list:
     nbytes = tensor.numel() * tensor.element_size()
     view = torch.frombuffer(writer.pool, dtype=torch.uint8, count=nbytes, offset=offset)
@@ -112,26 +103,23 @@ def torch_mapped(pid: int) -> list[str]:
         return sorted({line.split()[-1] for line in f if package in line})
 
 
-def test_a_writer_process_writes_torch_and_dcp_files_without_importing_torch(tmp_path):
+def test_a_writer_process_writes_torch_and_dcp_files_without_importing_torch(
+        tmp_path, pool_path, writer):
     import subprocess
     import sys
 
     import zmq
 
     assert torch_mapped(os.getpid()), "the probe must see torch where it is imported"
-    pool_path = f"/dev/shm/ckptd-test-writer-proc-{os.getpid()}-{tmp_path.name}"
-    with open(pool_path, "wb") as f:
-        f.truncate(1 << 20)
-    local = Writer(pool_path, 1 << 20)  # only to fill the shared pool from here
     a, b = torch.randn(3, 4), torch.arange(5, dtype=torch.int64)
-    specs = [put(local, 0, a), put(local, 4096, b)]
+    specs = [put(writer, 0, a), put(writer, 4096, b)]  # into the pool the process maps
     context = zmq.Context()
     daemon_side = context.socket(zmq.PAIR)
     port = daemon_side.bind_to_random_port("tcp://127.0.0.1")
     process = subprocess.Popen(
         [sys.executable, "-m", "ckptd.storage.writer_process", "--endpoint",
          f"tcp://127.0.0.1:{port}", "--parent-pid", str(os.getpid()), "--pool", pool_path,
-         "--pool-size", str(1 << 20)])
+         "--pool-size", str(len(writer.pool))])
     try:
         assert daemon_side.poll(60_000), "the writer never said it was ready"
         assert protocol.decode(daemon_side.recv_multipart()).type == "writer_ready"
@@ -154,7 +142,6 @@ def test_a_writer_process_writes_torch_and_dcp_files_without_importing_torch(tmp
             process.wait()
         daemon_side.close(linger=0)
         context.term()
-        os.unlink(pool_path)
     loaded = torch.load(tmp_path / "m.pt", weights_only=True)
     assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"][0], b)
     for name, result in zip(("x.distcp", "s.distcp"), results[1:]):
