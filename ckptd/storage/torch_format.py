@@ -13,8 +13,9 @@ central directory and the zip64 end records close the archive. The records are t
 ``torch._utils._rebuild_tensor_v2/_v3`` calls whose storages are persistent ids),
 ``.format_version``, ``.storage_alignment``, ``byteorder``, one ``data/<key>`` per
 tensor (its first byte aligned to 64 through the zip extra field, so ``mmap=True`` can map
-it), ``version`` and ``.data/serialization_id``. Tensor bytes are streamed straight from
-the buffers given (memoryviews of the staging pool): never copied, never held twice.
+it), ``version`` and ``.data/serialization_id``. Tensors of 64 KiB and more are streamed
+straight from the buffers given (memoryviews of the staging pool), never copied; smaller
+ones are gathered with the headers into few large writes.
 
 The output is byte-for-byte what torch 2.13's ``torch.save`` writes for the same state
 dict (``compute_crc32`` on or off), and the tests hold it to that: the pickle mirrors the C
@@ -22,7 +23,9 @@ pickler (memo by object identity, batches of 1000, interned constants), the zip 
 torch's miniz (zip64 records, ``FB`` padding, zero timestamps), and the serialization id
 mirrors ``PyTorchStreamWriter`` (libstdc++ ``std::hash`` of the record names, combined in
 ``std::unordered_set`` order, and the CRCs of the data descriptors). That lets
-``FileSystemWriterAsync`` promise torch's own bytes with no torch in the writer.
+``FileSystemWriterAsync`` promise torch's own bytes with no torch in the writer. (A torch
+built against another C++ library than libstdc++ would write another serialization id;
+torch.load only logs it, so such files differ from ours in those 40 bytes only.)
 
 Must not import torch (nor numpy): the point of this module is that writer processes do
 not pay ~150 MB of resident memory for torch just to produce its file format.
