@@ -25,6 +25,8 @@ from ckptd.storage.torch_format import (DTYPES, pickle_skeleton, raw_tensor, wri
                                         write_torch_file)
 from ckptd.storage.writer_process import Writer
 
+from pool_fixtures import pool_path, writer  # noqa: F401 (fixtures)
+
 ALL_DTYPES = sorted(DTYPES)
 SHAPES = [[], [0], [7], [3, 5], [1, 1, 4], [2, 0, 3], [2, 3, 5, 7], [5, 1]]
 

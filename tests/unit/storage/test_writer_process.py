@@ -3,12 +3,13 @@
 import io
 import os
 
-import pytest
 import torch
 
 from ckptd import protocol
 from ckptd.storage.jobs import WriteItems, WriteTorch
 from ckptd.storage.writer_process import Writer
+
+from pool_fixtures import pool_path, writer  # noqa: F401 (fixtures)
 
 
 def put(writer: Writer, offset: int, tensor: torch.Tensor) -> list:

@@ -1,4 +1,8 @@
-"""Fixtures of the storage tests: a staging pool file, and a writer over it."""
+"""Fixtures of the storage tests: a staging pool file, and a writer over it.
+
+Not a conftest.py: rank processes import `conftest` by name (tests/conftest.py), and a
+second one on sys.path would shadow it.
+"""
 
 import os
 
