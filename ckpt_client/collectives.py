@@ -110,6 +110,9 @@ class Group:
         self.group = process_group
         self.distributed = dist is not None
         self.rank, self.size = rank_and_world(process_group)
+        # A group of one needs no collective: gathering or scattering one's own value is
+        # the value (and pickling a plan of a thousand items both ways is not free).
+        self.distributed = self.distributed and self.size > 1
         self.coordinator_global = (dist.get_global_rank(process_group, 0)
                                    if dist is not None and process_group is not None else 0)
         self.is_coordinator = self.rank == 0

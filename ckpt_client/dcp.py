@@ -43,6 +43,7 @@ from ckpt_client.async_queue import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.collectives import Group
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.gcpause import collector_paused
 from ckpt_client.staging import DaemonSave, RefusedSave, stage
 
 METADATA_NAME = ".metadata"
@@ -310,15 +311,26 @@ class _CachedPlan:
 
 
 _plan_cache: dict = {}
+#: Cache keys whose last global plan took items away from a rank (replicated tensors
+#: deduplicated): staging before the global plan would copy bytes nobody writes.
+_plans_that_moved_items: set = set()
 
 
-def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, group: Group,
-               enable_cache: bool) -> tuple[SavePlan, Metadata | None]:
+def _cache_key(group: Group, planner: SavePlanner) -> tuple:
+    return (id(group.group), group.size, type(planner).__name__)
+
+
+def _local_plan(state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
+                group: Group) -> SavePlan:
     planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
                            is_coordinator=group.is_coordinator)
     writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
-    local_plan = writer.prepare_local_plan(planner.create_local_plan())
-    cache_key = (id(group.group), group.size, type(planner).__name__)
+    return writer.prepare_local_plan(planner.create_local_plan())
+
+
+def _global_plan(local_plan: SavePlan, writer: DaemonStorageWriter, planner: SavePlanner,
+                 group: Group, enable_cache: bool) -> tuple[SavePlan, Metadata | None]:
+    cache_key = _cache_key(group, planner)
     cached = _plan_cache.get(cache_key) if enable_cache else None
     if enable_cache:
         # One int all-reduce replaces gathering and scattering whole plans.
@@ -336,6 +348,51 @@ def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, gr
     return central_plan, metadata
 
 
+class _EarlyStaging:
+    """Staging this rank's items while the global plan is still being made.
+
+    The global plan of DCP's default planner only assigns the rank's file prefix and may
+    drop replicated items another rank writes; the items themselves come from the local
+    plan. So the copy (on the background stager, with the GIL released) can start right
+    after the local plan and overlap the plan collectives. The early saves are kept when
+    the final plan has exactly the staged items under the same prefix; otherwise they
+    are aborted and the final plan is staged (and the next save of that group stages
+    after planning).
+    """
+
+    def __init__(self, local_plan: SavePlan, writer: DaemonStorageWriter,
+                 planner: SavePlanner, group: Group) -> None:
+        self.plan = dataclasses.replace(local_plan, storage_data=_StoragePrefix(f"__{group.rank}_"))
+        self.key = _cache_key(group, planner)
+        self.saves = writer.stage(self.plan, planner, zero_stall=True)
+
+    @staticmethod
+    def worthwhile(planner: SavePlanner, group: Group) -> bool:
+        """Whether this planner's final plan is predictable from the local one."""
+        return (type(planner) is DefaultSavePlanner
+                and not getattr(planner, "_enable_plan_caching", False)
+                and _cache_key(group, planner) not in _plans_that_moved_items)
+
+    def adopt(self, final_plan: SavePlan, zero_stall: bool) -> tuple | None:
+        """The early saves, if they stage exactly ``final_plan``; else ``None`` (aborted)."""
+        if (final_plan.storage_data != self.plan.storage_data
+                or [i.index for i in final_plan.items] != [i.index for i in self.plan.items]):
+            _plans_that_moved_items.add(self.key)
+            return self._abort()
+        if not zero_stall:
+            try:
+                for save in self.saves:
+                    save.wait_staged()
+            except CheckpointException:
+                return self._abort()  # staged again, to fail exactly as a direct save does
+        return self.saves
+
+    def _abort(self) -> None:
+        for save in self.saves:
+            save.abort()
+        return None
+
+
 def _finalize(writer: DaemonStorageWriter, saves: tuple, plan: SavePlan,
               metadata: Metadata | None, group: Group) -> None:
     gathered = group.gather_to_coordinator(writer.write_results(saves, plan))
@@ -351,6 +408,7 @@ def _finalize(writer: DaemonStorageWriter, saves: tuple, plan: SavePlan,
                                   {group.coordinator_global: error})
 
 
+@collector_paused
 def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=None,
                planner: SavePlanner | None = None, enable_cache: bool = False,
                zero_stall: bool = False) -> AsyncRequest:
@@ -387,10 +445,18 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     planner = planner or DefaultSavePlanner()
     writer = DaemonStorageWriter(checkpoint_id)
     group = Group(process_group)
-    central_plan, metadata = _plan_save(state_dict, writer, planner, group, enable_cache)
+    local_plan = _local_plan(state_dict, writer, planner, group)
+    early = None
+    if _EarlyStaging.worthwhile(planner, group):
+        try:
+            early = _EarlyStaging(local_plan, writer, planner, group)
+        except (DaemonRequestError, DaemonUnavailableError):
+            early = None  # the direct staging below meets (and reports) the same refusal
+    central_plan, metadata = _global_plan(local_plan, writer, planner, group, enable_cache)
     final_plan = planner.finish_plan(central_plan)
     try:
-        saves = writer.stage(final_plan, planner, zero_stall=zero_stall)
+        saves = early.adopt(final_plan, zero_stall) if early is not None else None
+        saves = saves or writer.stage(final_plan, planner, zero_stall=zero_stall)
     except (DaemonRequestError, DaemonUnavailableError) as exc:
         if not group.distributed:
             raise

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckpt_client.collectives import Group
+from ckpt_client.gcpause import collector_paused
 from ckpt_client.errors import CheckpointException
 from ckpt_client.filesystem_async import FileSystemWriterAsync, WorkerFailure, is_wrapped_failure
 
@@ -163,6 +164,7 @@ def _cache_for(enable_cache: bool, metadata_cache: CheckpointMetadataCache | Non
     return _checkpoint_metadata_cache
 
 
+@collector_paused
 def save_state_dict_async_plan(state_dict: dict, storage_writer: FileSystemWriterAsync,
                                process_group: dist.ProcessGroup | None = None,
                                coordinator_rank: int = 0, planner: SavePlanner | None = None,

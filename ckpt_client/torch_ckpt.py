@@ -18,9 +18,11 @@ from ckptd.protocol import SaveFormat
 from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest, wait_for_daemon_saves
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.flatten import flatten_state_dict
+from ckpt_client.gcpause import collector_paused
 from ckpt_client.staging import stage
 
 
+@collector_paused
 def async_torch_save(state_dict, path: str | os.PathLike,
                      connection: DaemonConnection | None = None,
                      zero_stall: bool = False) -> AsyncRequest:
