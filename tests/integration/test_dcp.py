@@ -146,6 +146,57 @@ def test_saving_again_into_the_same_directory_never_overwrites_referenced_files(
     assert values(run_ranks(overwrite_in_place, 2, daemon.socket, tmp_path, args=(directory,))) == [True, True]
 
 
+def replicated_saves(rank, world_size, root):
+    """Three saves of a state whose 'bias' and plain values every rank holds alike."""
+    queue = AsyncCallsQueue()
+    for step in (1, 2, 3):
+        queue.schedule_async_request(dcp.async_save(sharded_state(rank, world_size, step),
+                                                    os.path.join(root, f"r{step}")))
+        queue.maybe_finalize_async_calls(blocking=True)
+    return all(load_and_check(rank, world_size, os.path.join(root, f"r{s}"), s) for s in (1, 2, 3))
+
+
+def test_early_staging_is_dropped_when_the_global_plan_moves_items_and_then_not_tried(
+        daemon, tmp_path):
+    # Staging starts from the local plan, before the global plan. Deduplication gives the
+    # replicated items to one rank, so the other rank's early staging must be aborted
+    # (its copy of 'bias' written by nobody, not twice), and that rank must stage after
+    # planning from then on, not abort every save.
+    def aborted() -> int:
+        return sum(r["phase"] == "aborted" for r in daemon.status()["requests"])
+
+    assert values(run_ranks(replicated_saves, 2, daemon.socket, tmp_path,
+                            args=(daemon.roots[0],))) == [True, True]
+    assert aborted() == 1, "exactly one rank's first early staging is aborted, then no more"
+    for step in (1, 2, 3):
+        directory = os.path.join(daemon.roots[0], f"r{step}")
+        metadata = FileSystemReader(directory).read_metadata()
+        referenced: dict = {}
+        for info in metadata.storage_data.values():
+            referenced[info.relative_path] = referenced.get(info.relative_path, 0) + info.length
+        files = {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
+                 if n.endswith(".distcp")}
+        assert files == referenced, "every byte written is one the metadata points to"
+
+
+def early_staging_single_rank(rank, world_size, root):
+    queue = AsyncCallsQueue()
+    for step in (1, 2):
+        queue.schedule_async_request(dcp.async_save(full_model(step), os.path.join(root, f"s{step}")))
+        queue.maybe_finalize_async_calls(blocking=True)
+    return True
+
+
+def test_early_staging_of_a_single_rank_is_adopted(daemon, tmp_path):
+    values(run_ranks(early_staging_single_rank, 1, daemon.socket, tmp_path, args=(daemon.roots[0],)))
+    phases = [r["phase"] for r in daemon.status()["requests"]]
+    assert phases.count("done") == 2 and "aborted" not in phases
+    for step in (1, 2):
+        loaded = {k: torch.zeros_like(v) for k, v in full_model(step).items()}
+        DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(daemon.roots[0], f"s{step}")))
+        assert all(torch.equal(loaded[k], v) for k, v in full_model(step).items())
+
+
 @pytest.mark.parametrize("zero_stall", [False, True], ids=["default", "zero-stall"])
 def test_a_state_larger_than_the_pool_is_streamed_in_chunks(start_daemon, monkeypatch,
                                                             zero_stall):
