@@ -191,6 +191,8 @@ class Sample:
     blocking_s: float
     durable_s: float
     step_s: float | None = None
+    guard_s: float = 0.0
+    daemon_peak: int = 0
     trainer_peak: int = 0
     trainer_before: int = 0
     helpers_peak: int = 0
@@ -224,6 +226,11 @@ class Result:
     paired_durable_ratio: float | None = None
     paired_step_ratio: float | None = None
     load: str = ""
+    guard_s: float | None = None
+    wait_total_s: float | None = None
+    paired_wait_ratio: float | None = None
+    daemon_peak_gib: float | None = None
+    wait_runs: list = field(default_factory=list)
     ref_copy_runs: list = field(default_factory=list)
     ref_raw_runs: list = field(default_factory=list)
     blocking_runs: list = field(default_factory=list)
@@ -249,8 +256,9 @@ class Bench:
         self.ref_copy: m.PreallocatedCopy | None = None
         self.ref_raw: m.RawWrite | None = None
 
-    def _references(self, method: m.Method, path: str) -> tuple[float | None, float | None]:
-        """memcpy and raw-disk times measured right before a run of ``method``.
+    def _references(self, method: m.Method, path: str,
+                    raw: bool = True) -> tuple[float | None, float | None]:
+        """memcpy and (with ``raw``) raw-disk times measured right before a run of ``method``.
 
         The machine is shared: pairing each run with its own lower bounds keeps the
         ratios honest when the load changes during the benchmark.
@@ -261,7 +269,7 @@ class Bench:
         self.ref_copy.start("")
         copy_s = time.perf_counter() - start
         raw_s = None
-        if method.writes and self.ref_raw is not None:
+        if raw and method.writes and self.ref_raw is not None:
             ref_path = path + "-rawref"
             m.remove_tree(ref_path)
             self.caches_dropped &= drop_caches()
@@ -279,7 +287,8 @@ class Bench:
         return statistics.median(times)
 
     def _one(self, method: m.Method, path: str, with_step: bool, refs: bool = False) -> Sample:
-        ref_copy_s, ref_raw_s = self._references(method, path) if refs else (None, None)
+        ref_copy_s, ref_raw_s = (self._references(method, path, raw=not with_step) if refs
+                                 else (None, None))
         # The same step with nothing in flight, right before: its pair for the ratio.
         ref_step_s = self.step.run() if with_step else None
         m.remove_tree(path)
@@ -291,15 +300,23 @@ class Bench:
         trainer_before = procmem.read_status(os.getpid()).get("VmRSS", 0)
         before = self.watch.reset()["current"]
         log_at = self.daemon.log_offset() if self.daemon and method.name.startswith("ckptd") else None
+        guard: list[float] = []
+
+        def before_update() -> None:  # where guard_optimizer's pre-hook waits
+            g0 = time.perf_counter()
+            method.before_update()
+            guard.append(time.perf_counter() - g0)
+
         t0 = time.perf_counter()
         method.start(path)
         t1 = time.perf_counter()
-        step_s = self.step.run() if with_step else None
+        step_s = self.step.run(before_update) if with_step else None
         method.wait_durable()
         t2 = time.perf_counter()
         mem = self.watch.read()
         sample = Sample(
-            blocking_s=t1 - t0, durable_s=t2 - t0, step_s=step_s,
+            blocking_s=t1 - t0, durable_s=t2 - t0, step_s=step_s, guard_s=sum(guard),
+            daemon_peak=mem.get("sub_peak", 0),
             trainer_peak=procmem.read_status(os.getpid()).get("VmHWM", 0),
             trainer_before=trainer_before,
             helpers_peak=procmem.peak_of(method.helper_pids()),
@@ -321,14 +338,15 @@ class Bench:
             self._one(method, os.path.join(base, "warmup"), with_step=False)
             idle = [self._one(method, os.path.join(base, f"run{i}"), False, refs=True)
                     for i in range(self.repeats)]
-            stepped = [self._one(method, os.path.join(base, f"step{i}"), True)
+            stepped = [self._one(method, os.path.join(base, f"step{i}"), True, refs=True)
                        for i in range(self.repeats)]
         finally:
             method.close()
             m.remove_tree(base)
         result = summarize(method, idle, stepped)
         result.load = load
-        print(f"    blocking {result.blocking_s:.3f}s  durable {fmt(result.durable_s)}s  "
+        print(f"    call {result.blocking_s:.3f}s  waits {fmt(result.wait_total_s)}s "
+              f"({fmt(result.paired_wait_ratio, 2)}x memcpy)  durable {fmt(result.durable_s)}s  "
               f"step after {fmt(result.step_after_s)}s  unique peak "
               f"{result.unique_peak_gib:.2f} GiB", flush=True)
         return result
@@ -360,10 +378,17 @@ def summarize(method: m.Method, idle: list[Sample], stepped: list[Sample]) -> Re
                               if method.writes else None),
         paired_step_ratio=med([s.step_s / s.ref_step_s for s in stepped
                                if s.step_s is not None and s.ref_step_s]),
+        guard_s=med([s.guard_s for s in stepped]),
+        wait_total_s=med([s.blocking_s + s.guard_s for s in stepped]),
+        paired_wait_ratio=med([(s.blocking_s + s.guard_s) / s.ref_copy_s for s in stepped
+                               if s.ref_copy_s]),
+        daemon_peak_gib=(max(s.daemon_peak for s in both) / GiB
+                         if method.name.startswith("ckptd") else None),
+        wait_runs=[round(s.blocking_s + s.guard_s, 4) for s in stepped],
         blocking_runs=[round(s.blocking_s, 4) for s in idle],
         durable_runs=[round(s.durable_s, 4) for s in idle],
         step_runs=[round(s.step_s, 4) for s in stepped if s.step_s is not None],
-        ref_copy_runs=[round(s.ref_copy_s, 4) for s in idle if s.ref_copy_s],
+        ref_copy_runs=[round(s.ref_copy_s, 4) for s in both if s.ref_copy_s],
         ref_raw_runs=[round(s.ref_raw_s, 4) for s in idle if s.ref_raw_s])
 
 
@@ -382,35 +407,56 @@ def init_single_process_group(rundir: str) -> None:
                                 world_size=1)
 
 
-def cpu_methods(state: dict, tensors: list, copy: m.PreallocatedCopy) -> list[m.Method]:
-    return [copy, m.FreshClone(tensors), m.RawWrite(copy), m.RawWrite(copy, direct=True),
-            m.TorchSave(state), m.DcpSave(state), m.DcpAsyncSave(state, "default"),
-            m.DcpAsyncSave(state, "shared"), m.CkptdTorch(state), m.CkptdDcp(state),
-            m.CkptdDcp(state, enable_cache=True)]
+def side_by_side(state: dict, copy: m.PreallocatedCopy) -> list[m.Method]:
+    """The methods of the side-by-side comparison (issue 11): every workload, every device."""
+    return [copy, m.DcpAsyncSave(state, "shared"), m.DcpAsyncSave(state, "async"),
+            m.CkptdTorch(state), m.CkptdDcp(state), m.CkptdDcp(state, enable_cache=True),
+            m.CkptdTorch(state, zero_stall=True), m.CkptdDcp(state, zero_stall=True),
+            m.CkptdDcp(state, enable_cache=True, zero_stall=True)]
 
 
-def run_suite(device: str, total_bytes: int, outdir: str, repeats: int, writers: int,
-              only: set[str] | None) -> dict:
-    """Build the state dict on ``device`` and measure every method; returns the section."""
-    print(f"[{device}] building a {total_bytes / GiB:.3f} GiB state dict ...", flush=True)
-    state, mix = workload.build_state_dict(total_bytes, device="cpu")
+def full_methods(state: dict, tensors: list, copy: m.PreallocatedCopy) -> list[m.Method]:
+    """The side-by-side methods plus the other bounds and the synchronous baselines."""
+    first, *rest = side_by_side(state, copy)
+    return [first, m.FreshClone(tensors), m.RawWrite(copy), m.RawWrite(copy, direct=True),
+            m.TorchSave(state), m.DcpSave(state), m.DcpAsyncSave(state, "default"), *rest]
+
+
+def on_device(value, device: str):
+    """``value`` (a nested state dict) with every tensor moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: on_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_device(v, device) for v in value)
+    return value
+
+
+def daemon_idle_pss(pid: int) -> int:
+    """PSS of an idle daemon and its writers, without the pool (shared memory)."""
+    return sum(procmem.read_pss(p) for p in procmem.tree(pid))
+
+
+def run_suite(device: str, load: str, total_bytes: int, outdir: str, repeats: int,
+              writers: int, only: set[str] | None, full: bool) -> dict:
+    """Build the ``load`` state dict on ``device`` and measure the methods; the section."""
+    print(f"[{device}, {load}] building a {total_bytes / GiB:.3f} GiB state dict ...", flush=True)
+    state, mix = workload.build(load, total_bytes, device="cpu")
     if device != "cpu":
-        state = {k: ({n: t.to(device) for n, t in v.items()} if k != "meta" else v)
-                 for k, v in state.items()}
+        state = on_device(state, device)
     tensors = workload.tensors_of(state)
-    watch = procmem.MemWatch([os.getpid()], interval=0.02)
-    section: dict = {"device": device, "mix": asdict(mix), "results": [], "load_start": loadavg()}
+    watch = procmem.MemWatch([os.getpid()])
+    section: dict = {"device": device, "workload": load, "mix": asdict(mix),
+                     "leaves": workload.leaves_of(state), "results": [],
+                     "load_start": loadavg()}
     daemon = None
     try:
         bench = Bench(state, mix.total_bytes, outdir, repeats, device, watch)
         section["baseline_step_s"] = bench.measure_baseline_step()
         print(f"  baseline training step {section['baseline_step_s']:.3f}s", flush=True)
         copy = m.PreallocatedCopy(tensors)
-        if device == "cpu":
-            chosen = cpu_methods(state, tensors, copy)
-        else:  # GPU: pinned D2H bound, the disk limit, stock async DCP, ckptd with CUDA tensors
-            chosen = [copy, m.FreshClone(tensors), m.RawWrite(copy),
-                      m.DcpAsyncSave(state, "shared"), m.CkptdTorch(state), m.CkptdDcp(state)]
+        chosen = full_methods(state, tensors, copy) if full else side_by_side(state, copy)
         copy.prepare()  # kept for the raw-disk methods, which write its bytes
         copy.start("")
         bench.ref_copy, bench.ref_raw = copy, m.RawWrite(copy)
@@ -421,10 +467,12 @@ def run_suite(device: str, total_bytes: int, outdir: str, repeats: int, writers:
             if only and not any(key in method.name.lower() for key in only):
                 continue
             if method.name.startswith("ckptd") and daemon is None:
-                pool = 2 * mix.total_bytes + 64 * (1 << 20)
+                pool = -(-int(1.05 * mix.total_bytes) // (1 << 20)) << 20  # 1.05x, whole MiB
                 daemon = Daemon(outdir, pool, writers)
                 bench.daemon = daemon
-                section["daemon"] = {"pid": daemon.pid, "pool_bytes": pool, "writers": writers}
+                section["daemon"] = {"pid": daemon.pid, "pool_bytes": pool, "writers": writers,
+                                     "idle_pss": daemon_idle_pss(daemon.pid)}
+                watch.track(daemon.pid)
             if method.name.startswith("ckptd"):
                 m.stop_dcp_checkpoint_process()  # DCP's helper must not linger in ckptd's numbers
             section["results"].append(asdict(bench.run(method)))
@@ -458,12 +506,15 @@ def render_section(section: dict) -> list[str]:
     lines = [
         f"State dict: {total / GiB:.3f} GiB in {section['mix']['tensors']} tensors "
         f"({section['mix']['large']} large, {section['mix']['medium']} medium, "
-        f"{section['mix']['small']} small) + plain values; by dtype: "
+        f"{section['mix']['small']} small) + {section.get('leaves', '?')} non-tensor leaves; "
+        "by dtype: "
         + ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in section["mix"]["by_dtype"].items()) + ".",
         f"Training step with nothing in flight: {base:.3f} s (median; "
-        f"{section['baseline_step_end_s']:.3f} s re-measured at the end).", "",
+        f"{section['baseline_step_end_s']:.3f} s re-measured at the end).", ""]
+    lines += side_by_side_table(section, results, total)
+    lines += ["", "Every measure of every method:", "",
         "| method | blocking s | durable s | durable GB/s | blocking / memcpy | durable / raw disk "
-        "| 1st step after save s (× same step just before) | durable while training s | trainer peak RSS GiB "
+        "| step overlapping the save s (× same step just before) | durable while training s | trainer peak RSS GiB "
         "(+ over pre-save) | helpers peak RSS GiB | job unique peak GiB (+ over pre-save) "
         "| bytes on disk |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -512,6 +563,35 @@ def render_section(section: dict) -> list[str]:
     return lines
 
 
+def side_by_side_table(section: dict, results: list[Result], total: int) -> list[str]:
+    """The comparison the trainer cares about: what it waits in total, and its next step."""
+    daemon = section.get("daemon", {})
+    lines = ["| method | trainer waits s (call + guard) | waits / memcpy | of which guard s "
+             "| step overlapping the save (× normal step) | durable s | durable / raw disk "
+             "| daemon + writers + pool peak PSS (÷ state) | job peak PSS GiB (+ over pre-save) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.kind != "async" and not r.name.startswith(("memcpy", "pinned D2H")):
+            continue
+        bound = r.kind == "bound"
+        waits = r.blocking_s if bound else r.wait_total_s
+        step = (f"{r.step_after_s:.3f} ({r.paired_step_ratio:.2f}×)"
+                if r.step_after_s is not None and r.paired_step_ratio else "–")
+        tree = (f"{r.daemon_peak_gib:.2f} GiB ({r.daemon_peak_gib * GiB / total:.2f}×)"
+                if r.daemon_peak_gib else "–")
+        lines.append(
+            f"| {r.name} | {fmt(waits)} | {'1.00× (the bound)' if bound else fmt(r.paired_wait_ratio, 2) + '×'} "
+            f"| {fmt(r.guard_s)} | {step} | {fmt(r.durable_s)} | "
+            f"{fmt(r.paired_durable_ratio, 2) + '×' if r.paired_durable_ratio else '–'} | {tree} | "
+            f"{r.unique_peak_gib:.2f} (+{r.unique_extra_gib:.2f}) |")
+    if daemon:
+        lines += ["", f"ckptd: `--pool-size {daemon['pool_bytes']}` "
+                  f"({daemon['pool_bytes'] / total:.2f}× the state), {daemon['writers']} writers; "
+                  f"idle daemon + writers before any save: "
+                  f"{daemon.get('idle_pss', 0) / (1 << 20):.0f} MiB PSS without the pool."]
+    return lines
+
+
 def render(report: dict) -> str:
     facts = report["facts"]
     lines = [
@@ -531,7 +611,8 @@ def render(report: dict) -> str:
         f"- Each figure is the median of {report['repeats']} runs after one warm-up; the step "
         "runs and the idle runs are separate.", ""]
     for section in report["sections"]:
-        lines += [f"## {section['device'].upper()} state dict", ""]
+        lines += [f"## {section['device'].upper()} state dict, `{section.get('workload', 'mix')}` "
+                  "workload", ""]
         lines += render_section(section)
         if "daemon" in section:
             d = section["daemon"]
@@ -541,6 +622,18 @@ def render(report: dict) -> str:
     for skipped in report.get("skipped", []):
         lines += [f"## {skipped['device'].upper()}: skipped", "", skipped["why"], ""]
     lines += ["## Column notes", "",
+              "- *trainer waits (call + guard)*: what the training loop waits in total for a "
+              "save, measured in the runs with a training step: the save call, plus what "
+              "`before_update` waited right before the step's in-place updates (ckptd "
+              "zero-stall: `wait_for_staging()`, which `guard_optimizer` calls from an optimizer "
+              "pre-hook; torchtitan's pattern: `staging_completion.result()`; nothing for the "
+              "others). *waits / memcpy* is the median of that total over a memcpy into "
+              "preallocated shared memory measured right before each run.",
+              "- *step overlapping the save*: the training step started as soon as the save "
+              "call returned (its forward/backward overlaps background staging and the write), "
+              "over the same step run with nothing in flight right before.",
+              "- *daemon + writers + pool peak PSS*: sampled every 0.25 s over ckptd's daemon and "
+              "its writers: Σ (Pss_Anon + Pss_File) + the pool's resident shared memory once.",
               "- *blocking / memcpy* and *durable / raw disk*: for every timed run of a save method, "
               "a memcpy and a raw write + fsync are measured right before it (the machine is "
               "shared, so load drifts); the column is the median of these paired ratios. The "
@@ -561,8 +654,9 @@ def render(report: dict) -> str:
               "with MAP_POPULATE, so all of it counts here and again in the daemon).",
               "- *helpers peak RSS*: sum of VmHWM of the processes doing the work (ckptd daemon + "
               "writers; DCP's checkpoint process); shared pages count in each.",
-              "- *job unique peak*: sampled every 20 ms from a separate process over the trainer "
-              "and all its descendants: Σ RssAnon + max RssShmem (shared memory counted once). "
+              "- *job peak PSS* (*job unique peak*): sampled every 0.25 s from a separate process "
+              "over the trainer and all its descendants: Σ (Pss_Anon + Pss_File) + max RssShmem "
+              "(shared memory counted once). "
               "*+ over pre-save* subtracts the same measure just before the save; memory a method "
               "holds between saves (ckptd's pool, DCP's cached shm stager) is in the peak but "
               "not in the *+*.", ""]
@@ -583,7 +677,10 @@ def default_workdir() -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gib", type=float, default=1.0, help="state dict size (default 1.0)")
+    p.add_argument("--size-gib", type=float, default=2.0, help="state dict size (default 2.0)")
+    p.add_argument("--workload", choices=("training", "mix", "both"), default="both",
+                   help="state dict(s) to measure (default both: every method on the "
+                        "realistic 'training' one, the side-by-side set on 'mix')")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per method (median)")
     p.add_argument("--out", default=None, help="write the Markdown report here (and .json beside)")
     p.add_argument("--quick", action="store_true", help="64 MiB state dict, 2 repeats (smoke run)")
@@ -629,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         return rerender(args)
     if args.quick:
-        args.size_gib, args.repeats = 1 / 16, min(args.repeats, 2)
+        args.size_gib, args.repeats = 1 / 16, min(args.repeats, 2)  # 64 MiB
     workdir = args.workdir or default_workdir()
     if mount_of(workdir)[2] in ("tmpfs", "ramfs"):
         print(f"warning: {workdir} is on {mount_of(workdir)[2]}, not a disk", file=sys.stderr)
@@ -644,7 +741,10 @@ def main(argv: list[str] | None = None) -> int:
     total = int(args.size_gib * GiB)
     try:
         init_single_process_group(rundir)
-        report["sections"].append(run_suite("cpu", total, outdir, args.repeats, args.writers, only))
+        loads = ["training", "mix"] if args.workload == "both" else [args.workload]
+        for load in loads:
+            report["sections"].append(run_suite("cpu", load, total, outdir, args.repeats,
+                                                args.writers, only, full=load == loads[0]))
         if args.no_gpu:
             report["skipped"].append({"device": "cuda", "why": "Skipped with --no-gpu."})
         elif not torch.cuda.is_available():
@@ -655,8 +755,9 @@ def main(argv: list[str] | None = None) -> int:
                 "page-locked buffer as the lower bound, and ckptd receiving CUDA tensors "
                 "(IPC handles, D2H copy by the daemon).")})
         else:
-            report["sections"].append(run_suite("cuda", total, outdir, args.repeats,
-                                                args.writers, only))
+            for load in loads:
+                report["sections"].append(run_suite("cuda", load, total, outdir, args.repeats,
+                                                    args.writers, only, full=False))
     finally:
         m.remove_tree(outdir)
         import torch.distributed as dist

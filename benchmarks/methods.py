@@ -1,9 +1,11 @@
 """The save methods the benchmark compares, behind one small interface.
 
-Each method has ``start(path)`` (the part the trainer waits for: what a training loop
-blocks on) and ``wait_durable()`` (returns once the checkpoint is on disk: files
-fsynced and, for formats with one, committed). Lower bounds (memcpy, raw disk) and
-synchronous saves do all their work in ``start``.
+Each method has ``start(path)`` (the call the trainer waits for), ``before_update()``
+(what the trainer waits for right before its next optimizer step: staging of a
+zero-stall save, torchtitan's ``staging_completion``; nothing for the others) and
+``wait_durable()`` (returns once the checkpoint is on disk: files fsynced and, for
+formats with one, committed). Lower bounds (memcpy, raw disk) and synchronous saves do
+all their work in ``start``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Method:
     def start(self, path: str) -> None:
         """Do the blocking part of a save into ``path``."""
         raise NotImplementedError
+
+    def before_update(self) -> None:
+        """Wait for what must finish before parameters change (the optimizer guard)."""
 
     def wait_durable(self) -> None:
         """Block until the save begun by :meth:`start` is durable."""
@@ -227,7 +232,11 @@ class DcpAsyncSave(Method):
     ``stager="default"`` is what ``async_save`` does with no stager (a fresh CPU copy per
     save, handed to the checkpoint process through torch.multiprocessing);
     ``stager="shared"`` passes one ``DefaultStager`` reused across saves, staging into
-    cached shared memory (pinned too when CUDA is present) -- the fastest stock setup.
+    cached shared memory (pinned too when CUDA is present) -- the fastest stock setup;
+    ``stager="async"`` is torchtitan's pattern: the same stager with
+    ``use_async_staging=True`` (the copy runs in a stager thread, overlapping the next
+    forward/backward) and the trainer waiting on ``staging_completion`` right before
+    ``optimizer.step`` (:meth:`before_update`).
     """
 
     kind = "async"
@@ -235,34 +244,44 @@ class DcpAsyncSave(Method):
     def __init__(self, state: dict, stager: str = "default") -> None:
         self.state = state
         self.stager_kind = stager
-        self.name = ("DCP async_save (process, default stager)" if stager == "default"
-                     else "DCP async_save (process, shm stager reused)")
+        self.name = {"default": "DCP async_save (process, default stager)",
+                     "shared": "DCP async_save (process, shm stager reused)",
+                     "async": "torchtitan pattern (DCP, async staging)"}[stager]
         self.stager = None
         self.future = None
+        self.staging = None
 
     def prepare(self) -> None:
-        if self.stager_kind == "shared":
+        if self.stager_kind in ("shared", "async"):
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             cuda = torch.cuda.is_available()
+            overlap = self.stager_kind == "async"
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
                                                        use_shared_memory=True,
-                                                       use_async_staging=False,
-                                                       use_non_blocking_copy=False))
+                                                       use_async_staging=overlap,
+                                                       use_non_blocking_copy=overlap and cuda))
 
     def start(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        self.future = dcp.async_save(self.state, storage_writer=dcp.FileSystemWriter(path),
-                                     async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                     async_stager=self.stager)
+        response = dcp.async_save(self.state, storage_writer=dcp.FileSystemWriter(path),
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                  async_stager=self.stager)
+        self.future = getattr(response, "upload_completion", response)
+        self.staging = getattr(response, "staging_completion", None)
+
+    def before_update(self) -> None:
+        staging, self.staging = self.staging, None
+        if staging is not None:
+            staging.result()
 
     def wait_durable(self) -> None:
+        self.before_update()
         future, self.future = self.future, None
         if future is not None:
-            upload = getattr(future, "upload_completion", future)
-            upload.result()
+            future.result()
 
     def helper_pids(self) -> list[int]:
         from torch.distributed.checkpoint import _async_process_executor as ape
@@ -294,13 +313,18 @@ def _daemon_tree(daemon_pid: int) -> list[int]:
 
 
 class CkptdTorch(Method):
-    """``ckpt_client.TorchAsyncCheckpoint().async_save`` through the node's daemon."""
+    """``ckpt_client.TorchAsyncCheckpoint().async_save`` through the node's daemon.
 
-    name = "ckptd TorchAsyncCheckpoint"
+    With ``zero_stall`` the call returns once the save is registered and the trainer
+    waits for staging in :meth:`before_update` (what ``guard_optimizer`` does).
+    """
+
     kind = "async"
 
-    def __init__(self, state: dict) -> None:
+    def __init__(self, state: dict, zero_stall: bool = False) -> None:
         self.state = state
+        self.zero_stall = zero_stall
+        self.name = "ckptd TorchAsyncCheckpoint" + (" (zero_stall)" if zero_stall else "")
         self.ckpt = None
         self.daemon_pid = 0
 
@@ -312,7 +336,10 @@ class CkptdTorch(Method):
 
     def start(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
-        self.ckpt.async_save(self.state, os.path.join(path, "ckpt.pt"))
+        self.ckpt.async_save(self.state, os.path.join(path, "ckpt.pt"), zero_stall=self.zero_stall)
+
+    def before_update(self) -> None:
+        self.ckpt.wait_for_staging()
 
     def wait_durable(self) -> None:
         self.ckpt.finalize_async_save(blocking=True)
@@ -330,10 +357,12 @@ class CkptdDcp(Method):
 
     kind = "async"
 
-    def __init__(self, state: dict, enable_cache: bool = False) -> None:
+    def __init__(self, state: dict, enable_cache: bool = False, zero_stall: bool = False) -> None:
         self.state = state
         self.enable_cache = enable_cache
-        self.name = "ckptd dcp.async_save" + (" (enable_cache)" if enable_cache else "")
+        self.zero_stall = zero_stall
+        options = [o for o, on in (("enable_cache", enable_cache), ("zero_stall", zero_stall)) if on]
+        self.name = "ckptd dcp.async_save" + (f" ({', '.join(options)})" if options else "")
         self.queue = None
         self.daemon_pid = 0
 
@@ -347,7 +376,11 @@ class CkptdDcp(Method):
         from ckpt_client import dcp as ckpt_dcp
 
         self.queue.schedule_async_request(
-            ckpt_dcp.async_save(self.state, path, enable_cache=self.enable_cache))
+            ckpt_dcp.async_save(self.state, path, enable_cache=self.enable_cache,
+                                zero_stall=self.zero_stall))
+
+    def before_update(self) -> None:
+        self.queue.wait_for_staging()
 
     def wait_durable(self) -> None:
         self.queue.maybe_finalize_async_calls(blocking=True)
