@@ -181,6 +181,11 @@ RECENT_ERRORS = _knob(
 # later costs nothing, a training step slowed by serialization costs GPU time.
 WRITER_NICE = _knob(
     "WRITER_NICE", 10, int, "nice value of writer processes")
+WRITER_SCHED = _knob(
+    "WRITER_SCHED", "batch", str, "CPU policy of writer processes: normal, batch or idle")
+WRITER_IO_CLASS = _knob(
+    "WRITER_IO_CLASS", "best-effort:7", str,
+    "I/O class of writer processes: best-effort:N, idle or none")
 CHECKSUM_OVERLAP_MIN_BYTES = _knob(
     "CHECKSUM_OVERLAP_MIN_BYTES", 1 << 20, int, "Chunks checksummed beside their write from")
 WRITEBACK_EVERY_BYTES = _knob(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from ckptd import knobs, protocol
+from ckptd.storage import priority
 from ckptd.storage.durable import remove_quietly
 from ckptd.storage.jobs import REPLY_TYPES, StopWriter, WriteJob, WriterReady, WriteResult
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
@@ -63,6 +64,7 @@ class WriterPool:
                  pool_path: str, pool_size: int, log_level: str = "INFO",
                  journal: WrittenDirectories | None = None) -> None:
         self.pool_path, self.pool_size, self.log_level = pool_path, pool_size, log_level
+        priority.check(knobs.WRITER_SCHED.get(), knobs.WRITER_IO_CLASS.get())
         self.journal = journal
         self._next_job_id = 1
         self._backlog: deque[WriteJob] = deque()
@@ -80,7 +82,8 @@ class WriterPool:
         slot.process = subprocess.Popen(
             [sys.executable, "-m", "ckptd.storage.writer_process", "--endpoint", slot.endpoint,
              "--parent-pid", str(os.getpid()), "--pool", self.pool_path, "--pool-size", str(self.pool_size),
-             "--log-level", self.log_level, "--nice", str(knobs.WRITER_NICE.get())],
+             "--log-level", self.log_level, "--nice", str(knobs.WRITER_NICE.get()),
+             "--sched", knobs.WRITER_SCHED.get(), "--io-class", knobs.WRITER_IO_CLASS.get()],
             # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
             # kill a writer mid-file; the daemon decides when writers stop.
             stdin=subprocess.DEVNULL, start_new_session=True)

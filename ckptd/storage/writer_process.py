@@ -29,6 +29,7 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.checksum import ChecksumWriter
 from ckptd.storage.durable import write_file_atomically
+from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
                                 WriterReady, WriteResult, WriteTorch)
 from ckptd.storage.torch_format import (RawTensor, raw_tensor, write_tensor_file,
@@ -174,10 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool-size", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--nice", type=int, default=0)
+    parser.add_argument("--sched", default="normal", help="normal, batch or idle")
+    parser.add_argument("--io-class", default="none", help="best-effort:N, idle or none")
     args = parser.parse_args(argv)
     die_with(args.parent_pid)  # first: nothing below may outlive the daemon
-    if args.nice:
-        os.nice(args.nice)
+    yield_to_trainers(args.nice, args.sched, args.io_class)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s ckptd-writer[%(process)d] %(levelname)s %(message)s")
     ctx = zmq.Context()
