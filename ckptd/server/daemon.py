@@ -153,7 +153,7 @@ class Daemon:
             self.loop.watch(sock, lambda sock=sock: self.writers.handle(sock))
         if self.cuda is not None:
             self.loop.watch(self.cuda.results.doorbell,
-                            lambda: self.cuda.results.drain(self.saves.on_device_copied))
+                            lambda: self.cuda.results.drain(self.saves.device.on_copied))
         if self.local.replicator is not None:
             events = self.local.replicator.events
             self.loop.watch(events.doorbell, lambda: events.drain(self.local.on_event))

@@ -46,10 +46,16 @@ class SaveService:
         self.ranks: RankRegistry = daemon.ranks
         self.roots: AllowedRoots = daemon.roots
         self.lifecycle: SaveLifecycle | None = None  # made once the pool exists (start)
+        self.device: DeviceCopies | None = None
 
     def start(self) -> None:
-        """Bind to the staging pool (created at daemon start)."""
+        """Bind to the staging pool and the CUDA stager (created at daemon start)."""
         self.lifecycle = SaveLifecycle(self.daemon.pool, self.table, self)
+        self.device = DeviceCopies(self.daemon.cuda, self.ranks, self.table, self.lifecycle)
+
+    def cancel_device_copy(self, request: SaveRequest) -> None:
+        """An aborted or failed save's device copy: stop it, or release its handles."""
+        self.device.cancel(request)
 
     def routes(self) -> dict:
         """Message body type -> handler, for the client endpoint."""
@@ -67,13 +73,12 @@ class SaveService:
         try:
             request = self._admit(call, body)
         except RequestError:
-            if body.cuda and self.daemon.cuda is not None:  # handed over, never to be opened
-                self.daemon.cuda.release(body.cuda)
+            self.device.release_unopened(body.cuda)
             raise
         if request.phase == Phase.WAITING_FOR_POOL:
             request.pending_reply = call
             return DEFERRED
-        self._start_device_copy(request)
+        self.device.start(request)
         log.info("request %d (rank %d) staging %d bytes for %s (%s)", request.id, request.rank,
                  request.bytes_total, request.path, request.transport_summary())
         return self._extent_reply(request)
@@ -86,7 +91,7 @@ class SaveService:
         request = self._new_request(rank, body)
         copiers = self._copiers_of(request)
         if DEVICE_COPY in copiers:
-            self._check_cuda(request)
+            self.device.check(rank.rank)
         try:
             self.lifecycle.admit(request, copiers)
         except PoolTooSmallError as exc:
@@ -103,11 +108,6 @@ class SaveService:
         device = any(spec is not None for spec in specs)
         client = any(spec is None for spec in specs) or not specs
         return ((CLIENT_COPY,) if client else ()) + ((DEVICE_COPY,) if device else ())
-
-    def _check_cuda(self, request: SaveRequest) -> None:
-        if self.daemon.cuda is None:
-            raise RequestError(ErrorCode.BAD_REQUEST, "this daemon has no CUDA device",
-                               "send CPU copies through the staging pool instead")
 
     def _new_request(self, rank: RankInfo, body: Stage) -> SaveRequest:
         try:
@@ -235,7 +235,7 @@ class SaveService:
     def space_granted(self, request: SaveRequest) -> None:
         """A queued request got its extent: answer its STAGE, start its device copy."""
         call, request.pending_reply = request.pending_reply, None
-        self._start_device_copy(request)
+        self.device.start(request)
         if call is not None:
             call.reply(self._extent_reply(request))
 
@@ -247,7 +247,7 @@ class SaveService:
 
     def write(self, request: SaveRequest) -> int:
         """Submit a staged request's writer jobs; returns how many."""
-        jobs = list(self._jobs_for(request))
+        jobs = list(jobs_for(request, self._job_done(request)))
         for job in jobs:
             self.daemon.writers.submit(job)
         return len(jobs)
@@ -260,44 +260,11 @@ class SaveService:
         """Stop an aborted local part's pushes."""
         self.daemon.local.cancel_replication(request)
 
-    def cancel_device_copy(self, request: SaveRequest) -> None:
-        """An aborted or failed save's device copy: stop it, or release its handles."""
-        if self.daemon.cuda is None:
-            return
-        if request.lease is None:  # still queued for space: its copy never started
-            self.daemon.cuda.release(request.cuda_specs)
-        else:
-            self.daemon.cuda.cancel(request.id)
-
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote."""
         for entry in request.written:
             remove_written(entry["path"], entry.get("file_id"))
         request.written = []
-
-    def _jobs_for(self, request: SaveRequest):
-        base = request.extent.offset
-
-        def item(index: int) -> list:
-            dtype, shape, nbytes = request.buffers[index]
-            return [base + request.offsets[index], nbytes, dtype, shape]
-
-        on_done = self._job_done(request)
-        if request.format == SaveFormat.LOCAL:  # a part is its buffers back to back, raw
-            items = [[base + request.offsets[i], b[2], "bytes", [b[2]]]
-                     for i, b in enumerate(request.buffers)]
-            yield WriteJob(WriteItems(request.path, os.path.basename(request.path), items,
-                                      request.bytes_total), on_done)
-        elif request.format == SaveFormat.TORCH:
-            yield WriteJob(WriteTorch(request.path, request.skeleton,
-                                      [item(i) for i in range(len(request.buffers))],
-                                      request.bytes_total), on_done)
-        else:
-            for name, indices in request.files:
-                yield WriteJob(WriteItems(os.path.join(request.path, name), name,
-                                          [item(i) for i in indices],
-                                          sum(request.buffers[i][2] for i in indices),
-                                          stock=request.stock_files), on_done)
 
     def _job_done(self, request: SaveRequest):
         def on_done(job: WriteJob, result: WriteResult) -> None:
@@ -310,17 +277,76 @@ class SaveService:
                                     job.nbytes, result.error, result.errno)
         return on_done
 
-    # ------------------------------------------------------------------ device copies
-    def _start_device_copy(self, request: SaveRequest) -> None:
+
+def jobs_for(request: SaveRequest, on_done):
+    """The writer jobs of a staged request: what each save format writes, and where."""
+    base = request.extent.offset
+
+    def item(index: int) -> list:
+        dtype, shape, nbytes = request.buffers[index]
+        return [base + request.offsets[index], nbytes, dtype, shape]
+
+    if request.format == SaveFormat.LOCAL:  # a part is its buffers back to back, raw
+        items = [[base + request.offsets[i], b[2], "bytes", [b[2]]]
+                 for i, b in enumerate(request.buffers)]
+        yield WriteJob(WriteItems(request.path, os.path.basename(request.path), items,
+                                  request.bytes_total), on_done)
+    elif request.format == SaveFormat.TORCH:
+        yield WriteJob(WriteTorch(request.path, request.skeleton,
+                                  [item(i) for i in range(len(request.buffers))],
+                                  request.bytes_total), on_done)
+    else:
+        for name, indices in request.files:
+            yield WriteJob(WriteItems(os.path.join(request.path, name), name,
+                                      [item(i) for i in indices],
+                                      sum(request.buffers[i][2] for i in indices),
+                                      stock=request.stock_files), on_done)
+
+
+class DeviceCopies:
+    """The save service's hand-over to the CUDA stager (``None`` on a node without CUDA).
+
+    Owns nothing of a request: it starts a request's device copy once the lifecycle
+    leased its extent, cancels it (or releases never-opened handles) when the save ends
+    early, and reports results to the lifecycle, which alone decides the phase.
+    """
+
+    def __init__(self, cuda, ranks: RankRegistry, table: RequestTable,
+                 lifecycle: SaveLifecycle) -> None:
+        self.cuda, self.ranks, self.table, self.lifecycle = cuda, ranks, table, lifecycle
+
+    def check(self, rank: int) -> None:
+        """Refuse CUDA handles on a daemon without a device."""
+        if self.cuda is None:
+            raise RequestError(ErrorCode.BAD_REQUEST,
+                               f"rank {rank}: this daemon has no CUDA device",
+                               "send CPU copies through the staging pool instead")
+
+    def release_unopened(self, specs: list | None) -> None:
+        """Handles of a refused request: handed over, never to be opened."""
+        if specs and self.cuda is not None:
+            self.cuda.release(specs)
+
+    def start(self, request: SaveRequest) -> None:
+        """Queue the request's device-to-host copy into its leased extent."""
         if DEVICE_COPY not in request.copiers:
             return
         from ckptd.staging.cuda import CudaJob
 
         rank = self.ranks.of(request.identity)
-        self.daemon.cuda.submit(CudaJob(request.id, request.extent.offset, request.offsets,
-                                        request.buffers, request.cuda_specs, rank.pid))
+        self.cuda.submit(CudaJob(request.id, request.extent.offset, request.offsets,
+                                 request.buffers, request.cuda_specs, rank.pid))
 
-    def on_device_copied(self, result) -> None:
+    def cancel(self, request: SaveRequest) -> None:
+        """Stop the copy of a save that ended early, or release its handles if queued."""
+        if self.cuda is None:
+            return
+        if request.lease is None:  # still queued for space: its copy never started
+            self.cuda.release(request.cuda_specs)
+        else:
+            self.cuda.cancel(request.id)
+
+    def on_copied(self, result) -> None:
         """A :class:`ckptd.staging.cuda.CudaStaged` arrived from the stager."""
         request = self.table.find(result.request_id)
         if request is not None:
