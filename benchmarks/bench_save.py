@@ -454,6 +454,7 @@ def run_suite(device: str, load: str, total_bytes: int, outdir: str, repeats: in
     try:
         bench = Bench(state, mix.total_bytes, outdir, repeats, device, watch)
         section["baseline_step_s"] = bench.measure_baseline_step()
+        section["step_matmuls"] = bench.step.matmuls
         print(f"  baseline training step {section['baseline_step_s']:.3f}s", flush=True)
         copy = m.PreallocatedCopy(tensors)
         chosen = full_methods(state, tensors, copy) if full else side_by_side(state, copy)
@@ -510,7 +511,9 @@ def render_section(section: dict) -> list[str]:
         "by dtype: "
         + ", ".join(f"{k} {v / GiB:.3f} GiB" for k, v in section["mix"]["by_dtype"].items()) + ".",
         f"Training step with nothing in flight: {base:.3f} s (median; "
-        f"{section['baseline_step_end_s']:.3f} s re-measured at the end).", ""]
+        f"{section['baseline_step_end_s']:.3f} s re-measured at the end): "
+        f"{section.get('step_matmuls', 4)} 1024² matmuls as the forward/backward (calibrated "
+        "to 3× the update), then an in-place update of every tensor.", ""]
     lines += side_by_side_table(section, results, total)
     lines += ["", "Every measure of every method:", "",
         "| method | blocking s | durable s | durable GB/s | blocking / memcpy | durable / raw disk "
@@ -644,7 +647,8 @@ def render(report: dict) -> str:
               "`maybe_finalize_async_calls(blocking=True)` / `finalize_async_save(blocking=True)` "
               "returned; DCP async: the returned future completed). Measured in runs without a "
               "training step.",
-              "- *1st step after save*: a fixed workload (four 1024² matmuls + an in-place `add_` "
+              "- *1st step after save*: a fixed workload (1024² matmuls standing in for the "
+              "forward/backward, calibrated to last 3× the update, then an in-place `add_` "
               "on every tensor of the state dict) started as soon as the save returned, in "
               "separate runs; the ratio is the median of step-after-save / the same step run "
               "with nothing in flight right before that save. *durable while training* is the "

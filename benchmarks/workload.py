@@ -204,33 +204,54 @@ def leaves_of(state) -> int:
 class TrainingStep:
     """A fixed CPU (or GPU) workload standing in for one training step.
 
-    Four 1024x1024 matmuls plus an in-place update of every tensor of the state dict
-    (``add_``), so the step touches every page the checkpoint covers: copy-on-write,
-    page faults or memory-bandwidth contention from a save in flight show up here.
+    A "forward/backward" of 1024x1024 matmuls, then an "optimizer step": an in-place
+    update of every tensor of the state dict (``add_``), so the step touches every page
+    the checkpoint covers (copy-on-write, page faults or memory-bandwidth contention
+    from a save in flight show up here). As in real training, the forward/backward
+    takes most of the step: the number of matmuls is calibrated once so that it lasts
+    ``compute_ratio`` times the update. That is the window a zero-stall save has to
+    stage in before the optimizer step must wait.
     """
 
-    def __init__(self, state: dict, device: str = "cpu") -> None:
+    def __init__(self, state: dict, device: str = "cpu", compute_ratio: float = 3.0) -> None:
         gen = torch.Generator().manual_seed(1)
         self.a = torch.randn(1024, 1024, generator=gen).to(device)
         self.b = torch.randn(1024, 1024, generator=gen).to(device)
         self.tensors = tensors_of(state)
         self.device = device
+        self.matmuls = 4
+        update = min(self._timed(self._update) for _ in range(3))
+        one = min(self._timed(lambda: self._compute(8)) for _ in range(3)) / 8
+        self.matmuls = max(4, round(compute_ratio * update / one))
+
+    def _timed(self, work) -> float:
+        start = time.perf_counter()
+        work()
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def _compute(self, count: int) -> None:
+        x = self.a
+        for _ in range(count):
+            x = torch.tanh(x @ self.b)
+
+    def _update(self) -> None:
+        for t in self.tensors:
+            t.add_(1 if not t.dtype.is_floating_point else 1e-3)
 
     def run(self, before_update=None) -> float:
         """Run one step; returns its duration in seconds.
 
-        ``before_update()`` runs between the "forward/backward" (the matmuls) and the
-        "optimizer step" (the in-place updates): where a guarded optimizer waits for a
+        ``before_update()`` runs between the forward/backward (the matmuls) and the
+        optimizer step (the in-place updates): where a guarded optimizer waits for a
         zero-stall save's staging. Its time is part of the step.
         """
         start = time.perf_counter()
-        x = self.a
-        for _ in range(4):
-            x = torch.tanh(x @ self.b)
+        self._compute(self.matmuls)
         if before_update is not None:
             before_update()
-        for t in self.tensors:
-            t.add_(1 if not t.dtype.is_floating_point else 1e-3)
+        self._update()
         if self.device != "cpu":
             torch.cuda.synchronize()
         return time.perf_counter() - start
