@@ -40,16 +40,32 @@ from ckptd.storage.roots import AllowedRoots
 log = logging.getLogger(__name__)
 
 
+def network_identity() -> str:
+    """Which host and network namespace this process runs in (two daemons with the same
+    identity reach each other's loopback addresses; others cannot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:
+        machine = host_name()
+    try:
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        namespace = 0
+    return f"{machine}/netns:{namespace}"
+
+
 @dataclass
 class SessionPeers:
     """What the trainers told this daemon about one session's daemons and cliques."""
 
-    peers: list  # per rank: [address, public key] or None
+    peers: list  # per rank: [address, public key, bulk address] or None
     cliques: list = field(default_factory=list)
 
-    def key_of(self, address: str) -> str | None:
-        """The public key the trainers gave for the daemon at ``address``."""
-        return next((entry[1] for entry in self.peers if entry and entry[0] == address), None)
+    def holder(self, address: str) -> tuple | None:
+        """``(address, key, bulk address)`` of the daemon at ``address``, if in the table."""
+        return next((tuple(entry) for entry in self.peers if entry and entry[0] == address),
+                    None)
 
     def clique_of(self, rank: int) -> list:
         """The clique ``rank`` belongs to (``[rank]`` without replication)."""
@@ -95,7 +111,8 @@ class LocalService:
         self.store = LocalStore(allowed, self.daemon.journal)
         if config.peer_listen:
             pool = self.daemon.pool
-            self.replicator = Replicator(config.peer_listen, self.store, pool.path, pool.size)
+            self.replicator = Replicator(config.peer_listen, self.store, pool.path, pool.size,
+                                         config.peer_advertise, config.peer_encryption)
             self.replicator.start()
 
     @property
@@ -127,11 +144,16 @@ class LocalService:
             raise RequestError(ErrorCode.NOT_CONFIGURED, str(exc)) from None
 
     def on_peer_info(self, call: Call, body: Empty) -> dict:
-        """This daemon's peer address and CURVE public key (``None`` without peers)."""
+        """This daemon's peer addresses, CURVE public key and bulk protection (``None``
+        without peers), and where it runs (host and network namespace: a loopback address
+        is reachable only from the same pair)."""
+        replicator = self.replicator
         return {"address": self.address,
-                "public_key": self.replicator.public_key if self.replicator else None,
+                "public_key": replicator.public_key if replicator else None,
+                "bulk_address": replicator.bulk_address if replicator else None,
+                "encryption": replicator.protection if replicator else None,
                 "local_dir": self.daemon.config.local_dir, "host": host_name(),
-                "pid": os.getpid()}
+                "network": network_identity(), "pid": os.getpid()}
 
     def on_local_session(self, call: Call, body: LocalSession) -> dict:
         """Register a session's root, its peer table and cliques."""
@@ -183,8 +205,7 @@ class LocalService:
         path = session.part_path(body.iteration, body.owner)
         moved_aside = self.store.set_aside_if_corrupt(path)
         peers = self.sessions.get(session.session_id) or SessionPeers([])
-        keyed = [(address, peers.key_of(address)) for address in body.holders
-                 if peers.key_of(address)]
+        keyed = [peers.holder(address) for address in body.holders if peers.holder(address)]
         fetch_id, self._next_fetch = self._next_fetch, self._next_fetch + 1
         self._fetches[fetch_id] = (call, body, moved_aside)
         log.info("rank %d: fetching rank %d's part of iteration %d from %s", rank.rank,
@@ -240,7 +261,7 @@ class LocalService:
         if request.format != SaveFormat.LOCAL:
             return []
         holders, wanted = self.holders_for(request.session, request.rank)
-        request.replicas = ReplicaSet.sending_to(wanted, [address for address, _ in holders])
+        request.replicas = ReplicaSet.sending_to(wanted, [holder[0] for holder in holders])
         if wanted and len(holders) < wanted:
             log.warning("request %d (rank %d): only %d of %d clique mates live on other nodes; "
                         "choose replication_jump = ranks per node", request.id, request.rank,
@@ -251,7 +272,7 @@ class LocalService:
                 request.id, PartRef(request.session, request.rank, request.iteration), holders,
                 [(base + offset, buffer[2])
                  for offset, buffer in zip(request.offsets, request.buffers)]))
-        return [address for address, _ in holders]
+        return [holder[0] for holder in holders]
 
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop a save's pushes (they answer with failed outcomes)."""

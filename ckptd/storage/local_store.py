@@ -34,9 +34,11 @@ import re
 import shutil
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 
-from ckptd.checksum import CORRUPT_MARKER, Checksum, ChecksumMismatchError, sidecar_path, verify_file
+from ckptd.checksum import (CORRUPT_MARKER, Checksum, ChecksumMismatchError, combine_pieces,
+                            sidecar_path, verify_file)
 from ckptd.protocol import check_session_id
 from ckptd.storage.durable import (DurableFile, fsync_directory, make_directories,
                                    remove_written, write_small_file)
@@ -292,44 +294,106 @@ class LocalStore:
             self._verified.pop(path, None)
 
 
-class PartWriter:
-    """Writes one part that arrives in pieces: dirty name, fsync, checksum, clean name.
+class PartReceiver:
+    """Receives one part in pieces that may arrive out of order (several connections).
+
+    Each piece is written at its offset under the part's dirty name and checksummed as
+    it arrives (by the thread that received it); once every byte is there,
+    :meth:`finish` folds the pieces' crc32 into the part's, checks it, and makes the
+    part durable under its clean name (fsync, checksum record, rename). The bytes are
+    written once and never read back.
 
     Parameters
     ----------
     path : str
         The clean name the part gets when :meth:`finish` succeeds.
+    size : int
+        Bytes the part has.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, size: int) -> None:
         self.path = path
+        self.size = size
         self._file = DurableFile(path)
+        self._pieces: dict[int, tuple[int, int]] = {}  # offset -> (length, crc32)
+        self._lock = threading.Condition()
+        self._writing = 0     # pieces being written now (the file stays open meanwhile)
+        self._closed = False
+        self.received = 0
 
     @property
-    def size(self) -> int:
-        """Bytes received so far."""
-        return self._file.stream.size
+    def complete(self) -> bool:
+        """Whether every byte arrived."""
+        return self.received >= self.size
 
-    def write(self, data) -> None:
-        """Append ``data`` (folded into the running crc32 as it is written)."""
-        self._file.stream.write(data)
+    def write(self, offset: int, data) -> bool:
+        """Write and checksum one piece (thread-safe); ``False`` for a piece that arrived
+        before (sent again after a reconnection: same bytes, not counted twice).
+
+        Raises
+        ------
+        ValueError
+            If the piece lies outside the part.
+        OSError
+            If writing fails (e.g. ENOSPC).
+        """
+        length = len(data)
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"a piece at bytes {offset}..{offset + length} lies outside "
+                             f"the {self.size}-byte part {self.path}")
+        with self._lock:
+            if self._closed:
+                raise OSError(f"{self.path}: the transfer was abandoned")
+            if offset in self._pieces:
+                return False
+            self._writing += 1
+        try:
+            crc = zlib.crc32(data)
+            self._file.write_at(offset, data)
+        finally:
+            with self._lock:
+                self._writing -= 1
+                self._lock.notify_all()
+        with self._lock:
+            if offset in self._pieces:
+                return False
+            self._pieces[offset] = (length, crc)
+            self.received += length
+        return True
 
     def finish(self, expected_crc: int | None = None) -> Checksum:
-        """Make the part durable under its clean name.
+        """Make the complete part durable under its clean name.
 
         Raises
         ------
         ChecksumMismatchError
-            If the bytes received do not have ``expected_crc``; the dirty file is removed.
+            If the pieces do not form the part, or their crc32 is not ``expected_crc``
+            (a holder's copy that differs from what it recorded); the dirty file is
+            removed.
         """
-        received = self._file.stream.crc
-        if expected_crc is not None and expected_crc != received:
+        with self._lock:
+            self._closed = True
+            self._lock.wait_for(lambda: self._writing == 0)
+            pieces = [(offset, length, crc) for offset, (length, crc) in self._pieces.items()]
+        try:
+            checksum = combine_pieces(pieces)
+        except ValueError as exc:
+            self.discard()
+            raise ChecksumMismatchError(f"{self.path}: the pieces received do not form the "
+                                        f"part ({exc}); the copy is discarded") from None
+        if checksum.size != self.size or (expected_crc is not None
+                                          and checksum.value != expected_crc):
             self.discard()
             raise ChecksumMismatchError(
-                f"{self.path}: received bytes have crc32 {received:08x}, the sender "
-                f"declared {expected_crc:08x}; the copy is discarded")
-        return self._file.commit()
+                f"{self.path}: received {checksum.size} bytes with crc32 {checksum.value:08x}, "
+                f"the holder recorded {self.size} bytes with crc32 "
+                f"{(expected_crc or 0):08x}; the copy is corrupted and discarded")
+        return self._file.commit(checksum=checksum)
 
     def discard(self) -> None:
-        """Drop the dirty file (a stream that failed or was cancelled)."""
+        """Drop the dirty file (a transfer that failed or was cancelled); waits for pieces
+        being written by other threads, so their descriptor is never reused under them."""
+        with self._lock:
+            self._closed = True
+            self._lock.wait_for(lambda: self._writing == 0)
         self._file.discard()

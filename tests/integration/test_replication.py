@@ -19,9 +19,12 @@ from multirank import collect, run_ranks, start_ranks, values
 from test_local_checkpoints import (BIG, SESSION, find_and_load,  # noqa: F401 (fixture)
                                     make_nodes, same, state_of)
 
+import peerclient
+from peerclient import register_session
+
 from ckptd import protocol
-from ckptd.protocol import MessageType
-from ckptd.replication.wire import PartAck, PartBegin, PartEnd, PartGet
+from ckptd.replication.channel import Kind
+from ckptd.replication.wire import PartGet, PeerPing, PeerPong
 
 
 def flip_byte(path: str) -> None:
@@ -204,35 +207,38 @@ def _handshake_event(monitor) -> int:
 
 def test_unknown_key_cannot_push_or_fetch(make_nodes, tmp_path, zmq_context):
     nodes = make_nodes(1)
-    channel = protocol.Channel(protocol.endpoint_for(nodes.daemons[0].socket))
-    try:
-        channel.call(MessageType.HELLO, {"rank": 0, "pid": os.getpid(), "world_size": 1})
-        info = channel.call(MessageType.PEER_INFO).body
-        session = {"session": SESSION, "root": nodes.roots(1)[0], "world_size": 1,
-                   "peers": [[info["address"], info["public_key"]]], "cliques": []}
-        channel.call(MessageType.LOCAL_SESSION, session)
-        stranger = zmq.curve_keypair()
-        sock, monitor = _client(zmq_context, info["address"], info["public_key"], stranger)
-        push = PartBegin(xfer=1, size=4, session=SESSION, owner=5, iteration=9)
-        sock.send_multipart(protocol.encode(PartBegin.message_type, 0, push.to_wire()))
-        get = PartGet(xfer=2, session=SESSION, owner=5, iteration=9)
-        sock.send_multipart(protocol.encode(PartGet.message_type, 0, get.to_wire()))
-        assert _handshake_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        assert not sock.poll(500), "an unknown key got an answer"
-        assert not os.path.exists(os.path.join(nodes.roots(1)[0], SESSION, "iter_0000009"))
-        assert "unknown CURVE key" in nodes.daemons[0].log()
+    root = nodes.roots(1)[0]
+    info = register_session(nodes.daemons[0].socket, SESSION, root)
+    stranger = peerclient.keypair()
+    # the control socket: the CURVE handshake fails, a fetch request gets no answer
+    sock, monitor = _client(zmq_context, info["address"], info["public_key"],
+                            tuple(k.encode() for k in stranger))
+    get = PartGet(xfer=2, session=SESSION, owner=5, iteration=9, requester="tcp://127.0.0.254:1")
+    sock.send_multipart(protocol.encode(PartGet.message_type, 0, get.to_wire()))
+    assert _handshake_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    assert not sock.poll(500), "an unknown key got an answer"
+    assert "unknown CURVE key" in nodes.daemons[0].log()
+    # the bulk path: refused before a byte of answer; nothing is written
+    assert "closed after 0" in peerclient.bulk_refused(info, *stranger)
+    # ... also when it claims the daemon's own (public) key without holding its secret
+    assert peerclient.bulk_refused(info, info["public_key"], stranger[1]) is not None
+    assert not os.path.exists(os.path.join(root, SESSION, "iter_0000009"))
+    wait_for(lambda: nodes.daemons[0].log().count("refused a bulk connection") >= 2, 30,
+             "the daemon to log both refused bulk connections")
 
-        # the same client is served once the trainers' table names its key
-        session["peers"].append(["tcp://127.0.0.254:1", stranger[0].decode()])
-        channel.call(MessageType.LOCAL_SESSION, session)
-        sock2, monitor2 = _client(zmq_context, info["address"], info["public_key"], stranger)
-        sock2.send_multipart(protocol.encode(PartBegin.message_type, 0, push.to_wire()))
-        assert _handshake_event(monitor2) == zmq.EVENT_HANDSHAKE_SUCCEEDED
-        assert sock2.poll(30_000), "a known key got no answer"
-        reply = protocol.decode(sock2.recv_multipart())
-        assert reply.type == PartAck.message_type and reply.body["received"] == 0
-        end = PartEnd(xfer=1, abort=True, error="test")
-        sock2.send_multipart(protocol.encode(PartEnd.message_type, 0, end.to_wire()))
+    # the same key is served on both paths once the trainers' table names it
+    register_session(nodes.daemons[0].socket, SESSION, root,
+                     [["tcp://127.0.0.254:1", stranger[0], "127.0.0.254:1"]])
+    sock2, monitor2 = _client(zmq_context, info["address"], info["public_key"],
+                              tuple(k.encode() for k in stranger))
+    sock2.send_multipart(protocol.encode(PeerPing.message_type, 0, PeerPing(1.0).to_wire()))
+    assert _handshake_event(monitor2) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    assert sock2.poll(30_000), "a known key got no answer"
+    assert protocol.decode(sock2.recv_multipart()).type == PeerPong.message_type
+    channel = peerclient.dial_bulk(info, *stranger)
+    try:
+        assert peerclient.push_begin(channel, 1, SESSION, 5, 9, 4) == {"ok": True}
+        channel.send(Kind.ABORT, 1, payload={"error": "test"})
     finally:
         channel.close()
 
