@@ -42,7 +42,7 @@ from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.local_session import SessionRegistration
-from ckpt_client.parts import read_part
+from ckpt_client.parts import read_part, read_resident
 from ckpt_client.staging import RefusedSave, describe, flatten_state_dict, stage
 from ckpt_client.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
                                       part_state_dict, restore_from_part)
@@ -183,13 +183,17 @@ class LocalCheckpointManager:
     Attributes
     ----------
     last_save_report : dict or None
-        After a save finalized: ``iteration``, ``replicated_to`` (peer addresses that
-        hold the replica), ``failed`` (address -> reason) and ``reduced_redundancy``.
+        After a save finalized: ``iteration``, ``copies`` (the daemons holding a durable
+        copy of this rank's part: its own node's first, then each peer's),
+        ``wanted_copies`` (the replication factor), ``replicated_to`` (the peers among
+        them), ``failed`` (address -> reason) and ``reduced_redundancy``.
     last_load_report : dict or None
-        After ``load``: ``source`` (``"local_disk"`` or ``"peer"``), ``holder`` (the peer's
-        address when the bytes came from a peer, else ``None``), ``bytes`` and ``seconds``
-        of the load, ``iteration``, ``tried`` (holders that failed first, with the reason)
-        and ``moved_aside`` (where a corrupted own part was set aside, or ``None``).
+        After ``load``: ``source`` (``"daemon_memory"``: the node's daemon still held the
+        part in its staging pool; ``"local_disk"``; or ``"peer"``: fetched from another
+        node), ``holder`` (the peer's address when the bytes came from a peer, else
+        ``None``), ``bytes`` and ``seconds`` of the load, ``iteration``, ``tried`` (holders
+        that failed first, with the reason) and ``moved_aside`` (where a corrupted own part
+        was set aside, or ``None``).
     """
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike, session_id: str = "",
@@ -203,7 +207,8 @@ class LocalCheckpointManager:
         self._session = SessionRegistration(session_id, self.root, repl_strategy)
         self._latest: int | None = None
         self._holders: dict[int, list[str]] = {}
-        self._own_paths: dict[int, str] = {}
+        self._own_parts: dict[int, dict] = {}  # owner -> this node's inventory entry
+        self._incomplete: tuple | None = None  # (iteration, owners no node holds)
         self.last_save_report: dict | None = None
         self.last_load_report: dict | None = None
 
@@ -280,9 +285,13 @@ class LocalCheckpointManager:
         """Every rank's part is durable: report replication, commit on this node."""
         replication = daemon_save.last.get("replication") or {}
         holders = replication.get("holders", {})
+        replicated_to = sorted(a for a, h in holders.items() if h["state"] == "done")
+        own = self._session.address_of(daemon_save.connection.rank) or "this node"
         self.last_save_report = {
             "iteration": iteration,
-            "replicated_to": sorted(a for a, h in holders.items() if h["state"] == "done"),
+            "copies": [own, *replicated_to],
+            "wanted_copies": 1 + int(replication.get("wanted") or 0),
+            "replicated_to": replicated_to,
             "failed": {a: h["error"] for a, h in holders.items() if h["state"] != "done"},
             "reduced_redundancy": bool(replication.get("reduced_redundancy")),
         }
@@ -341,24 +350,33 @@ class LocalCheckpointManager:
                 if part["verified"]:
                     holders.setdefault((part["iteration"], part["owner"]), []).append(node)
         own = inventory["parts"]
-        self._own_paths = {}
-        self._latest = -1
+        self._own_parts, self._latest, self._incomplete = {}, -1, None
         for iteration in sorted(committed, reverse=True):
-            if all((iteration, owner) in holders for owner in range(world_size)):
+            lost = [o for o in range(world_size) if (iteration, o) not in holders]
+            if not lost:
                 self._latest = iteration
                 break
+            if self._incomplete is None:
+                self._incomplete = (iteration, lost)
+        if self._incomplete is not None and self._incomplete[0] > self._latest:
+            iteration, lost = self._incomplete
+            log.warning("rank %d: iteration %d was committed but no node holds a verified "
+                        "copy of the parts of ranks %s any more (every node of their clique "
+                        "lost them); falling back to %s", rank, iteration, lost,
+                        self._latest if self._latest >= 0 else "no local checkpoint")
         if self._latest >= 0:
             self._holders = {owner: self._session.order_holders(owner, holders[(self._latest, owner)])
                              for owner in range(world_size)}
-            self._own_paths = {p["owner"]: p["path"] for p in own
+            self._own_parts = {p["owner"]: p for p in own
                                if p["iteration"] == self._latest and p["verified"]}
         log.info("rank %d: latest complete local checkpoint: %d", rank, self._latest)
         return self._latest
 
     def _fetch_own_part(self, rank: int, iteration: int, report: dict,
-                        damage: ChecksumMismatchError | None) -> str:
+                        damage: ChecksumMismatchError | None) -> tuple[str, list | None]:
         """Have the daemon fetch this rank's part from a holder (a corrupted copy here is
-        set aside first); returns where it now is."""
+        set aside first); returns where it now is, and its identity as the daemon verified
+        it on arrival."""
         own = self._session.address_of(rank)
         holders = [h for h in self._holders.get(rank, []) if h != own]
         if damage is not None and not holders:
@@ -375,14 +393,31 @@ class LocalCheckpointManager:
                         "inspection, never loaded)", rank, reply["moved_aside"])
         report.update(source="peer", holder=reply.get("holder"), tried=reply.get("tried", []),
                       moved_aside=reply.get("moved_aside"))
-        return reply["path"]
+        return reply["path"], reply.get("identity")
+
+    def _from_memory(self, rank: int, part: dict | None) -> tuple | None:
+        """This rank's part copied out of the daemon's staging pool, or None (not there, or
+        the memory changed since: the copy failed its checksum)."""
+        if not part or not part.get("resident"):
+            return None
+        try:
+            return read_resident(self._connection().pool, part["resident"],
+                                 f"rank {rank}'s part in the daemon's memory")
+        except (ChecksumMismatchError, ValueError, DaemonUnavailableError, OSError) as exc:
+            log.warning("rank %d: loading from the daemon's memory failed (%s); reading the "
+                        "part from disk", rank, exc)
+            return None
 
     def load(self) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (call on all ranks).
 
-        A part missing on this node, or one that fails its checksum (it is moved aside,
-        never deleted, with a warning naming it), is fetched by the daemon from the
-        holders (clique mates first); a replica failing its checksum is never used.
+        The part comes from the daemon's memory when it still keeps it (a trainer
+        restarted on a node whose daemon lived on), else from this node's disk (read once,
+        not checksummed again when the daemon just verified that very file), else the
+        daemon fetches it from a holder. A part missing on this node, or one that fails
+        its checksum (it is moved aside, never deleted, with a warning naming it), is
+        fetched from the holders (clique mates first); a replica failing its checksum is
+        never used.
 
         Returns
         -------
@@ -394,7 +429,8 @@ class LocalCheckpointManager:
         Raises
         ------
         FileNotFoundError
-            If no complete local checkpoint exists.
+            If no complete local checkpoint exists (naming the ranks whose parts every node
+            lost, if a newer iteration was committed).
         DaemonRequestError
             If the part is missing here and no holder could provide a verified copy (the
             message names the rank, iteration and the holders tried).
@@ -403,31 +439,42 @@ class LocalCheckpointManager:
             self.find_latest()
         rank, _ = rank_and_world()
         if self._latest < 0:
+            lost = ""
+            if self._incomplete is not None:
+                lost = (f"; iteration {self._incomplete[0]} was committed, but no node holds "
+                        f"the parts of ranks {self._incomplete[1]} any more (all the nodes of "
+                        "their clique lost them)")
             raise FileNotFoundError(f"rank {rank}: no complete local checkpoint of session "
-                                    f"{self.session_id!r} under {self.root} on any node")
+                                    f"{self.session_id!r} under {self.root} on any node{lost}")
         iteration, started = self._latest, time.monotonic()
         report = {"iteration": iteration, "source": "local_disk", "holder": None, "tried": [],
                   "moved_aside": None, "bytes": 0, "seconds": 0.0}
-        path = self._own_paths.get(rank)
-        loaded, damage = None, None
-        if path is not None:
+        part = self._own_parts.get(rank)
+        loaded = self._from_memory(rank, part)
+        if loaded is not None:
+            report.update(source="daemon_memory", bytes=int(part["resident"]["size"]))
+        path, damage = (part or {}).get("path"), None
+        if loaded is None and path is not None:
             try:
-                loaded = read_part(path)
+                loaded = read_part(path, part.get("identity"))
             except ChecksumMismatchError as exc:  # corrupted since find_latest: heal it
                 damage = exc
                 log.warning("rank %d: own part of iteration %d is corrupted (%s); fetching a "
                             "verified copy from a peer", rank, iteration, exc)
         if loaded is None:
-            path = self._fetch_own_part(rank, iteration, report, damage)
+            path, identity = self._fetch_own_part(rank, iteration, report, damage)
             try:
-                loaded = read_part(path)
+                loaded = read_part(path, identity)
             except ChecksumMismatchError as exc:
                 raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {exc}") from None
         state_dict, header = loaded
         if header.get("owner") != rank or header.get("iteration") != iteration:
-            raise ValueError(f"{path} holds rank {header.get('owner')}'s part of iteration "
-                             f"{header.get('iteration')}, not rank {rank}'s of {iteration}")
-        report.update(bytes=os.path.getsize(path), seconds=time.monotonic() - started)
+            raise ValueError(f"rank {header.get('owner')}'s part of iteration "
+                             f"{header.get('iteration')} was found, not rank {rank}'s of "
+                             f"{iteration} ({path or 'daemon memory'})")
+        if report["source"] != "daemon_memory":
+            report["bytes"] = os.path.getsize(path)
+        report["seconds"] = time.monotonic() - started
         self.last_load_report = report
         restored = restore_from_part(state_dict)
         if restored is None:

@@ -165,6 +165,7 @@ class Daemon:
             log.info("stop requested: draining %d in-flight request(s), at most %.0fs",
                      len(self.table.in_flight()), self.config.drain_timeout)
             self.stopping_since = time.monotonic()
+            self.local.release_resident()  # parts kept in memory must not hold the drain up
 
     def serve_forever(self) -> None:
         """Run until stopped by SIGTERM/SIGINT or the idle timeout."""
@@ -296,4 +297,6 @@ class Daemon:
             writers=self.writers.describe(),
             peers=self.local.peers_status(), local_checkpoints=self.local.checkpoints_status(),
             replication=self.local.replication_status(),
+            redundancy=self.local.redundancy_status(),
+            memory_tier=self.local.memory_tier_status(),
         )

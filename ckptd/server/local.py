@@ -11,10 +11,14 @@ Owns the daemon's half of ``ckpt_client.LocalCheckpointManager``:
   :func:`ckptd.protocol.holder_order`) while the writers write the local part; each
   push's outcome goes to the save lifecycle, which keeps the extent until the last one.
   A failed or timed-out peer makes the save *reduced redundancy*, never a hang.
-- ``LOCAL_INVENTORY`` (parts held, verified), ``LOCAL_FETCH`` (a missing or corrupted part
+- ``LOCAL_INVENTORY`` (parts held, verified, with the identity of each file as verified
+  and where a part resident in memory is), ``LOCAL_FETCH`` (a missing or corrupted part
   from the holders, in the order given, answered when the replicator reports; a corrupted
-  copy here is first set aside, never deleted) and ``LOCAL_COMMIT``
-  (all ranks agreed: mark committed, drop older iterations).
+  copy here is first set aside, never deleted) and ``LOCAL_COMMIT`` (all ranks agreed:
+  mark committed, drop older iterations, and older resident parts);
+- the end of a ``local`` save: its part is noted verified (its writer checksummed those
+  very bytes), kept in memory (:mod:`ckptd.server.resident`) and its copies recorded
+  (:mod:`ckptd.server.redundancy`).
 
 Files are ``ckptd.storage.local_store``'s business, the network ``ckptd.replication``'s.
 """
@@ -31,7 +35,9 @@ from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDo
                                         Push, PushDone, SetPeers)
 from ckptd.replication.replicator import Replicator
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
+from ckptd.server.redundancy import RedundancyLedger
 from ckptd.server.requests import ReplicaSet, SaveRequest, host_name
+from ckptd.server.resident import ResidentParts
 from ckptd.storage.durable import make_directories
 from ckptd.storage.local_store import LocalStore, LocalStoreError
 from ckptd.storage.local_store import LocalSession as StoredSession
@@ -90,6 +96,8 @@ class LocalService:
         self.store: LocalStore | None = None
         self.replicator: Replicator | None = None
         self.sessions: dict[str, SessionPeers] = {}
+        self.resident: ResidentParts | None = None
+        self.redundancy = RedundancyLedger()
         # answered on FetchDone: (call, request, where a corrupted copy was set aside)
         self._fetches: dict[int, tuple[Call, LocalFetch, str | None]] = {}
         self._next_fetch = 1
@@ -109,6 +117,9 @@ class LocalService:
         else:
             allowed = self.daemon.roots
         self.store = LocalStore(allowed, self.daemon.journal)
+        self.resident = ResidentParts(self.daemon.pool)
+        lifecycle = self.daemon.saves.lifecycle
+        lifecycle.on_done, lifecycle.reclaim = self._save_done, self.resident.reclaim
         if config.peer_listen:
             pool = self.daemon.pool
             self.replicator = Replicator(config.peer_listen, self.store, pool.path, pool.size,
@@ -129,6 +140,11 @@ class LocalService:
                                                          event.error, event.nbytes)
         elif isinstance(event, FetchDone):
             self._fetch_done(event)
+
+    def release_resident(self) -> None:
+        """Give every resident part's space back (the daemon is stopping)."""
+        if self.resident is not None:
+            self.resident.release_all()
 
     def stop(self) -> None:
         """Stop replicating (streams in flight are dropped; peers time them out)."""
@@ -180,15 +196,20 @@ class LocalService:
         if self.replicator is not None:  # every daemon has the key table by now: dial peers
             self.replicator.command(ConnectPeers())
         parts = self.store.inventory(session, verify=True)
+        for part in parts:
+            part["identity"] = self.store.verified_identity(part["path"])
+            part["resident"] = self.resident.lookup(session.session_id, part["owner"],
+                                                    part["iteration"])
         return {"address": self.address, "host": host_name(),
                 "parts": [{k: p[k] for k in ("iteration", "owner", "size", "verified", "committed",
-                                             "path")} for p in parts]}
+                                             "path", "identity", "resident")} for p in parts]}
 
     def on_local_commit(self, call: Call, body: LocalCommit) -> dict:
         """Every rank's save of an iteration is durable: mark it, drop older iterations."""
         rank = self.daemon.ranks.of(call.identity)
         session = self._session(body.session)
         removed = self.store.commit(session, body.iteration)
+        self.resident.committed(session.session_id, body.iteration)
         log.info("rank %d committed iteration %d of session %r", rank.rank, body.iteration,
                  session.session_id)
         return {"removed": removed}
@@ -223,7 +244,8 @@ class LocalService:
             log.info("got rank %d's part of iteration %d from %s", body.owner, body.iteration,
                      event.holder)
             call.reply({"path": event.path, "holder": event.holder, "tried": event.tried,
-                        "moved_aside": moved_aside})
+                        "moved_aside": moved_aside,
+                        "identity": self.store.verified_identity(event.path)})
             return
         tried = "; ".join(f"{t['holder']}: {t['error']}" for t in event.tried) or "none"
         message = (f"rank {body.owner}'s part of iteration {body.iteration} (session "
@@ -274,6 +296,15 @@ class LocalService:
                  for offset, buffer in zip(request.offsets, request.buffers)]))
         return [holder[0] for holder in holders]
 
+    def _save_done(self, request: SaveRequest) -> None:
+        """A save is done (its extent still held): a local part is verified, kept in memory
+        while space allows, and its copies recorded."""
+        if request.format != SaveFormat.LOCAL:
+            return
+        self.store.note_verified(request.path)  # its writer checksummed these very bytes
+        self.resident.keep(request)
+        self.redundancy.record(request, self.address)
+
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop a save's pushes (they answer with failed outcomes)."""
         if self.replicator is not None:
@@ -296,12 +327,26 @@ class LocalService:
                 kind = "unknown" if not entry else "own" if entry[0] == self.address else "replica"
                 if self.address is None:
                     kind = "own"
-                held.append({**part, "kind": kind})
+                resident = self.resident.lookup(session.session_id, part["owner"],
+                                                part["iteration"]) is not None
+                held.append({**part, "kind": kind, "resident": resident})
         return held
+
+    def redundancy_status(self) -> list:
+        """Where the copies of this node's latest local parts are, for the status document."""
+        health = {p["address"]: p["health"] for p in self.peers_status()}
+        return self.redundancy.describe(health)
+
+    def memory_tier_status(self) -> dict:
+        """Local parts kept in the staging pool, for the status document."""
+        return self.resident.describe() if self.resident is not None else {"parts": 0, "bytes": 0}
 
     def replication_status(self) -> dict:
         """This daemon's peer address, key and the part streams in flight."""
         if self.replicator is None:
-            return {"address": None, "public_key": None, "streams": []}
+            return {"address": None, "public_key": None, "bulk_address": None,
+                    "encryption": None, "streams": []}
         return {"address": self.address, "public_key": self.replicator.public_key,
+                "bulk_address": self.replicator.bulk_address,
+                "encryption": self.replicator.protection,
                 "streams": list(self.replicator.snapshot["streams"])}

@@ -204,6 +204,19 @@ class LocalStore:
         with self._lock:
             self._verified[path] = (info.st_size, info.st_mtime_ns, info.st_ino, ok)
 
+    def verified_identity(self, path: str) -> list | None:
+        """``[size, mtime_ns, inode]`` of ``path`` as it was verified intact (still
+        current), else ``None``: a reader whose open file has this identity reads the
+        very bytes that were verified."""
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return None
+        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+        with self._lock:
+            cached = self._verified.get(path)
+        return list(key) if cached is not None and cached == (*key, True) else None
+
     def cached_verification(self, path: str) -> bool | None:
         """The last verification result of ``path`` if still current, else ``None``."""
         try:
