@@ -109,10 +109,14 @@ class Targets:
             target = self._targets.get(xfer)
         return target is not None and target.receiver is not None
 
-    def expire(self, now: float, timeout: float) -> None:
-        """Discard transfers without progress for ``timeout`` seconds."""
+    def expire(self, now: float, timeout: float,
+               activity: Callable[[bytes], float] = lambda key: 0.0) -> None:
+        """Discard transfers without progress for ``timeout`` seconds: no chunk written,
+        and no byte arriving from their sender (``activity(key)``: when bytes last
+        moved on that peer's connections) — a slow link is progress, a cut one is not."""
         with self._lock:
-            stale = [t for t in self._targets.values() if now - t.last_progress > timeout]
+            stale = [t for t in self._targets.values()
+                     if now - max(t.last_progress, activity(t.peer_key)) > timeout]
         for target in stale:
             self._end(target, False, f"{target.peer} sent nothing for {timeout:.0f}s (link "
                                      "down or peer stuck)")
@@ -333,6 +337,12 @@ class BulkListener:
             with self._lock:
                 self._channels.discard(channel)
             channel.close()
+
+    def activity(self, peer_key: bytes) -> float:
+        """When bytes last moved on a connection from the peer with this key (0: never)."""
+        with self._lock:
+            return max((c.last_activity for c in self._channels if c.peer_key == peer_key),
+                       default=0.0)
 
     def close(self) -> None:
         """Stop accepting and close every connection."""

@@ -45,8 +45,8 @@ BEGIN, END, ABORT = "begin", "end", "abort"
 
 
 def io_timeout() -> float:
-    """Seconds a bulk connection may wait on the other end before it is given up (an
-    idle connection is closed then, and dialed again when there is work)."""
+    """Seconds a bulk connection's peer may leave bytes unacknowledged (or keepalive
+    probes unanswered) before the kernel drops the connection."""
     return max(knobs.PEER_TIMEOUT.get(), 1.0)
 
 
@@ -166,6 +166,12 @@ class Lane:
             self.connections.append(connection)
             threading.Thread(target=self._run, args=(connection,), daemon=True,
                              name=f"ckptd-bulk-out-{self.address[0]}-{connection.index}").start()
+
+    def last_activity(self) -> float:
+        """When bytes last moved on any of this lane's connections (0: never)."""
+        with self.lock:
+            return max((c.channel.last_activity for c in self.connections
+                        if c.channel is not None), default=0.0)
 
     def stop(self) -> None:
         """Close every connection; threads end."""
@@ -373,7 +379,7 @@ class BulkSender:
                                                            self._identity, self._post)
         lane.add(job)
 
-    def jobs(self) -> list[tuple[Lane, SendJob]]:
+    def jobs(self) -> list[tuple["Lane", SendJob]]:
         """Every unfinished job with its lane."""
         found = []
         for lane in self._lanes.values():
@@ -390,9 +396,11 @@ class BulkSender:
                     lane.end_job(job, False, reason, notify_peer=True)
 
     def expire(self, now: float, timeout: float) -> None:
-        """Fail jobs that made no progress for ``timeout`` seconds."""
+        """Fail jobs that made no progress for ``timeout`` seconds: no chunk acknowledged
+        and no byte moving on their lane's connections (a chunk crossing a slow link is
+        progress; a cut link is not)."""
         for lane, job in self.jobs():
-            if now - job.last_progress > timeout:
+            if now - max(job.last_progress, lane.last_activity()) > timeout:
                 reason = (f"{job.peer} made no progress for {timeout:.0f}s (link down or peer "
                           f"stuck; last connection error: {lane.last_error or 'none'})")
                 with lane.lock:

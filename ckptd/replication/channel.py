@@ -25,6 +25,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 
 from ckptd import protocol
@@ -86,20 +87,35 @@ class Frame:
         return value
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, moved=None) -> None:
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ChannelError(f"connection closed after {got} of {len(view)} bytes")
         got += n
+        if moved is not None:
+            moved()
 
 
-def _send_all(sock: socket.socket, buffers: list) -> None:
-    """Send every buffer, with as few system calls as the kernel allows (no joining)."""
+#: Most bytes one send call is given: a blocking send returns only when all of it is
+#: queued, and each return is a sign of life on a slow link.
+SEND_SLICE_BYTES = 256 * 1024
+
+
+def _send_all(sock: socket.socket, buffers: list, moved=None) -> None:
+    """Send every buffer (no joining), in slices of at most :data:`SEND_SLICE_BYTES`."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
-        sent = sock.sendmsg(views)
+        batch, room = [], SEND_SLICE_BYTES
+        for view in views:
+            if room <= 0:
+                break
+            batch.append(view[:room])
+            room -= len(batch[-1])
+        sent = sock.sendmsg(batch)
+        if moved is not None:
+            moved()
         while sent and views:
             if sent >= len(views[0]):
                 sent -= len(views.pop(0))
@@ -117,6 +133,9 @@ class Channel:
     ----------
     peer_key : bytes
         The other end's raw public key (authenticated by the handshake).
+    last_activity : float
+        ``time.monotonic()`` when bytes last moved either way: on a slow link a chunk takes
+        long, but its bytes keep moving, and that is progress.
     """
 
     def __init__(self, sock: socket.socket, send_key: bytes, recv_key: bytes, protection: str,
@@ -132,6 +151,10 @@ class Channel:
         self._buffers: dict[str, memoryview] = {}
         self._head = memoryview(bytearray(HEADER_BYTES))
         self.closed = False
+        self.last_activity = time.monotonic()
+
+    def _moved(self) -> None:
+        self.last_activity = time.monotonic()
 
     def _buffer(self, name: str, size: int) -> memoryview:
         buffer = self._buffers.get(name)
@@ -145,8 +168,11 @@ class Channel:
              protection: str, timeout: float, io_timeout: float | None = None) -> "Channel":
         """Connect to a peer's bulk listener and authenticate both ends.
 
-        ``timeout`` bounds connecting and the handshake, ``io_timeout`` every later send
-        or receive (``None``: none).
+        ``timeout`` bounds connecting and the handshake; afterwards the connection is
+        dropped by the kernel when the peer leaves sent bytes unacknowledged, or does not
+        answer keepalive probes, for ``io_timeout`` seconds (:func:`_tune`). Sends and
+        receives themselves wait as long as bytes keep moving: a chunk may take long on a
+        slow link.
 
         Raises
         ------
@@ -158,7 +184,6 @@ class Channel:
         except OSError as exc:
             raise ChannelError(f"cannot reach {address[0]}:{address[1]}: {exc}") from None
         try:
-            _tune(sock)
             salt_c = new_salt()
             hello = _HELLO.pack(MAGIC, PROTECTIONS.index(protection), own_public, peer_public,
                                 salt_c)
@@ -172,7 +197,8 @@ class Channel:
             transcript = hello + salt_s
             channel._in.check_proof(transcript, proof_s)
             sock.sendall(channel._out.proof(transcript + proof_s))
-            sock.settimeout(io_timeout)
+            _tune(sock, io_timeout)
+            sock.settimeout(None)
             return channel
         except (OSError, ChannelError, AuthenticationError) as exc:
             sock.close()
@@ -197,7 +223,6 @@ class Channel:
         """
         try:
             sock.settimeout(timeout)
-            _tune(sock)
             hello = memoryview(bytearray(_HELLO.size))
             _recv_exact(sock, hello)
             magic, choice, client_public, server_public, salt_c = _HELLO.unpack(hello)
@@ -222,7 +247,8 @@ class Channel:
             proof_c = memoryview(bytearray(TAG_BYTES))
             _recv_exact(sock, proof_c)
             channel._in.check_proof(transcript + proof_s, bytes(proof_c))
-            sock.settimeout(io_timeout)
+            _tune(sock, io_timeout)
+            sock.settimeout(None)
             return channel
         except (OSError, AuthenticationError) as exc:
             raise ChannelError(str(exc)) from None
@@ -242,7 +268,7 @@ class Channel:
         try:
             with self._send_lock:
                 scratch = self._buffer("seal", len(payload) + TAG_BYTES)
-                _send_all(self.sock, self._out.seal(header, payload, scratch))
+                _send_all(self.sock, self._out.seal(header, payload, scratch), self._moved)
         except OSError as exc:
             raise ChannelError(f"sending failed: {exc}") from None
 
@@ -255,13 +281,13 @@ class Channel:
             If the connection broke, or a frame is malformed or fails authentication.
         """
         try:
-            _recv_exact(self.sock, self._head)
+            _recv_exact(self.sock, self._head, self._moved)
             kind, _, _, length, xfer, offset, extra = _HEADER.unpack(self._head)
             limit = PART_FRAME_BYTES if kind == Kind.CHUNK else MAX_CONTROL_PAYLOAD
             if kind not in Kind.ALL or length > limit:
                 raise ChannelError(f"refused a frame of kind {kind} with {length} bytes")
             body = self._buffer("body", length + TAG_BYTES)
-            _recv_exact(self.sock, body)
+            _recv_exact(self.sock, body, self._moved)
             payload = self._in.open(bytes(self._head), body, self._buffer("plain", length))
         except OSError as exc:
             raise ChannelError(f"receiving failed: {exc}") from None
@@ -281,6 +307,17 @@ class Channel:
         self.sock.close()
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, stall_timeout: float | None) -> None:
+    """No Nagle delay on small frames; and a connection whose peer vanished (a cut link, a
+    dead node) is dropped by the kernel after ``stall_timeout`` seconds without the peer
+    acknowledging what was sent (``TCP_USER_TIMEOUT``) or answering keepalive probes,
+    while a slow link, whose bytes keep being acknowledged, is never cut."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if stall_timeout is None:
+        return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    probe = max(1, int(stall_timeout / 3))
+    for option, value in (("TCP_KEEPIDLE", probe), ("TCP_KEEPINTVL", probe),
+                          ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", int(stall_timeout * 1000))):
+        if hasattr(socket, option):  # Linux; elsewhere the stream timeouts still bound it
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)

@@ -57,12 +57,16 @@ class Incoming:
         The bulk listener's transfers.
     emit : callable
         Hands a :class:`FetchDone` to the serve loop.
+    activity : callable
+        ``activity(raw key)``: when bytes last arrived from that peer (the listener).
     """
 
     def __init__(self, transport: PeerTransport, targets: Targets,
-                 emit: Callable[[object], None]) -> None:
+                 emit: Callable[[object], None],
+                 activity: Callable[[bytes], float] = lambda key: 0.0) -> None:
         self.transport = transport
         self.targets = targets
+        self._activity = activity
         self.emit = emit
         self._fetches: dict[int, _FetchState] = {}  # xfer -> the fetch waiting for it
         #: Peer message type -> handler ``(body, frames, send, from_router, peer)``.
@@ -125,7 +129,7 @@ class Incoming:
     # ------------------------------------------------------------ timers, status
     def tick(self, now: float) -> None:
         """Fail transfers without progress; ask again where a stream has not begun."""
-        self.targets.expire(now, knobs.PEER_TIMEOUT.get())
+        self.targets.expire(now, knobs.PEER_TIMEOUT.get(), self._activity)
         interval = knobs.PEER_PING_INTERVAL.get()
         for xfer, fetch in list(self._fetches.items()):
             if now - fetch.asked_at > interval and not self.targets.begun(xfer):

@@ -108,7 +108,8 @@ class Replicator:
         self.bulk_address = f"{self.transport.host}:{self.listener.port}"
         sender = BulkSender(identity, self._bulk_events.post)
         self.outgoing = Outgoing(self.transport, store, self._pool, sender, self.events.post)
-        self.incoming = Incoming(self.transport, self.targets, self.events.post)
+        self.incoming = Incoming(self.transport, self.targets, self.events.post,
+                                 self.listener.activity)
         self._command_handlers: dict[type, Callable] = {
             SetPeers: self._set_peers, ConnectPeers: self._connect_peers,
             Push: self.outgoing.push, CancelPush: self.outgoing.cancel,
