@@ -5,12 +5,14 @@ resiliency extension so existing code can switch::
 
     from ckpt_client import AsyncCallsQueue, TorchAsyncCheckpoint
     from ckpt_client import dcp  # dcp.async_save(...), dcp.StorageWriter
+    from ckpt_client import guard_optimizer  # zero-stall saves: wait before the step
 
 Reference module paths (``nvidia_resiliency_ext.checkpointing...``) are served under
 ``ckpt_client.compat``; ``docs/migrating.md`` maps every name.
 
-Imports only ``ckptd.protocol`` and ``ckptd.checksum`` from the daemon package (the
-shared wire and file contracts), never its internals.
+Imports only ``ckptd.protocol``, ``ckptd.checksum`` and ``ckptd.knobs`` from the daemon
+package (the shared wire, file and tuning contracts; their ``__all__``), never its
+internals.
 """
 
 from ckpt_client.async_queue import (AsyncCallsQueue, AsyncRequest, abort_async_checkpoints,
@@ -18,6 +20,7 @@ from ckpt_client.async_queue import (AsyncCallsQueue, AsyncRequest, abort_async_
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.filesystem_async import FileSystemWriterAsync
+from ckpt_client.guard import guard_optimizer
 from ckpt_client.local import (BasicTensorAwareStateDict, CliqueReplicationStrategy,
                                LocalCheckpointManager)
 from ckpt_client.state_dict_saver import (CheckpointMetadataCache, init_checkpoint_metadata_cache,
@@ -33,6 +36,7 @@ __all__ = [
     "DaemonRequestError", "DaemonUnavailableError", "FileSystemWriterAsync",
     "LocalCheckpointManager", "TensorAwareStateDict", "TorchAsyncCheckpoint",
     "abort_async_checkpoints", "abort_nvrx_checkpoint", "async_torch_save", "connect",
+    "guard_optimizer",
     "init_checkpoint_metadata_cache", "preload_tensors", "save_state_dict_async_finalize",
     "save_state_dict_async_plan", "wrap_for_async",
 ]

@@ -87,6 +87,32 @@ class AsyncRequest:
         """A copy that accepts no more finalize functions."""
         return self._replace(is_frozen=True, finalize_fns=list(self.finalize_fns))
 
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once the bytes of this request's saves are staged (at once if they are).
+
+        A zero-stall save returns before its bytes are in the daemon's staging pool; the
+        tensors it saves must not change until this returns (``guard_optimizer`` makes
+        the optimizer wait here). Requests with a Python ``async_fn`` copy what they need
+        before they start, so they are always staged.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most (default: as long as staging takes; it cannot hang:
+            the daemon's death or refusal ends it with an error).
+
+        Raises
+        ------
+        CheckpointException
+            If staging failed (the daemon refused the save, died, or a copy failed).
+        TimeoutError
+            If ``timeout`` passed first; staging goes on.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for save in self.daemon_saves:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            save.wait_staged(left)
+
     def execute_sync(self) -> None:
         """Do the whole request in this process: the async part, then finalize.
 
@@ -398,6 +424,23 @@ class AsyncCallsQueue:
     def get_num_unfinalized_calls(self) -> int:
         """Number of calls scheduled and not yet finalized."""
         return len(self._active)
+
+    def wait_for_staging(self, timeout: float | None = None) -> None:
+        """Return once every scheduled call's bytes are staged (at once if they are).
+
+        Local to this rank (no collective). See :meth:`AsyncRequest.wait_staged`.
+
+        Raises
+        ------
+        CheckpointException
+            If staging of a scheduled save failed.
+        TimeoutError
+            If ``timeout`` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for call in list(self._active):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call.request.wait_staged(left)
 
     def close(self, abort: bool = False) -> None:
         """Finalize everything (``abort=False``), or drop in-flight calls (``abort=True``).

@@ -49,6 +49,8 @@ class DaemonConnection:
     rank : int
     has_cuda : bool
         Whether the daemon can open CUDA IPC handles.
+    cuda_devices : list of str
+        UUIDs of the GPUs it can open them on.
     """
 
     def __init__(self, socket_path: str, channel: protocol.Channel, hello: dict, rank: int) -> None:
@@ -61,6 +63,8 @@ class DaemonConnection:
         self.pool_path = hello["pool_path"]
         self.pool_size = hello["pool_size"]
         self.has_cuda = bool(hello.get("cuda"))
+        #: UUIDs of the GPUs the daemon can open IPC handles on.
+        self.cuda_devices = list(hello.get("cuda_devices") or [])
         self.writers = int(hello.get("writers", 1))
         self.host = hello.get("host")
         self._pool_map: mmap.mmap | None = None

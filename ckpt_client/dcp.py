@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ckptd import protocol
 from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.async_queue import AsyncRequest, wait_for_daemon_saves
@@ -64,6 +65,32 @@ def split_into_files(sources: list, count: int) -> list[list[int]]:
         groups[target].append(index)
         sizes[target] += _item_nbytes(sources[index])
     return [sorted(g) for g in groups if g]
+
+
+def chunk_files(sources: list, count: int, pool_size: int) -> list[list[list[int]]]:
+    """Group ``sources`` into files, and the files into requests that fit the pool.
+
+    Returns
+    -------
+    list of chunks
+        Each chunk is a list of files (lists of source indices) whose staged layout is at
+        most ``pool_size`` bytes; one chunk when everything fits at once.
+    """
+    sizes = [_item_nbytes(s) for s in sources]
+    total = protocol.layout_extent(sizes)[1]
+    if total > pool_size:  # more, smaller files, so that chunks can be packed
+        count = max(count, -(-total // max(pool_size // 2, 1)))
+    chunks: list[list[list[int]]] = []
+    used = 0
+    for group in split_into_files(sources, count):
+        need = protocol.layout_extent([sizes[i] for i in group])[1]
+        if chunks and used + need <= pool_size:
+            chunks[-1].append(group)
+            used += need
+        else:
+            chunks.append([group])
+            used = need
+    return chunks or [[]]
 
 
 def resolve_items(plan: SavePlan, planner: SavePlanner) -> list:
@@ -137,38 +164,67 @@ class DaemonStorageWriter(_StorageWriterBase):
                 for i, p in enumerate(plans)]
 
     # ------------------------------------------------------------------ writing
-    def stage(self, plan: SavePlan, planner: SavePlanner) -> DaemonSave:
-        """Hand this rank's items to the daemon; returns once they are staged."""
+    def stage(self, plan: SavePlan, planner: SavePlanner,
+              zero_stall: bool = False) -> tuple[DaemonSave, ...]:
+        """Hand this rank's items to the daemon; returns once they are staged (or queued,
+        with ``zero_stall``).
+
+        Items are grouped into files (at least one per daemon writer). A rank whose items
+        do not fit the daemon's staging pool at once is streamed: its files go in several
+        requests, each at most the pool's size, each staged when the previous ones have
+        made room (back-pressure). Only a single item larger than the whole pool is
+        refused.
+        """
         sources = resolve_items(plan, planner)
         connection = self.connection
         token = secrets.token_hex(4)
-        count = self.files_per_rank or connection.writers
-        files = [[f"{plan.storage_data.prefix}{token}_{k}{DCP_SUFFIX}", group]
-                 for k, group in enumerate(split_into_files(sources, count))]
-        return stage(connection, SaveFormat.DCP, self.path, sources, files=files)
+        chunks = chunk_files(sources, self.files_per_rank or connection.writers,
+                             connection.pool_size)
+        saves, number = [], 0
+        for chunk in chunks:
+            members = sorted(i for group in chunk for i in group)
+            position = {index: at for at, index in enumerate(members)}
+            files = []
+            for group in chunk:
+                files.append([f"{plan.storage_data.prefix}{token}_{number}{DCP_SUFFIX}",
+                              [position[i] for i in group]])
+                number += 1
+            try:
+                saves.append(stage(connection, SaveFormat.DCP, self.path,
+                                   [sources[i] for i in members], files=files,
+                                   zero_stall=zero_stall))
+            except BaseException:
+                for earlier in saves:  # a save is whole or nothing: drop the chunks before
+                    earlier.abort()
+                raise
+            saves[-1].items = members  # plan item index of each staged buffer
+        return tuple(saves)
 
     @staticmethod
-    def write_results(save: DaemonSave, plan: SavePlan) -> list[WriteResult]:
-        """DCP write results of a finished save (offsets as the daemon wrote them)."""
+    def write_results(saves, plan: SavePlan) -> list[WriteResult]:
+        """DCP write results of finished saves (offsets as the daemon wrote them)."""
         results = []
-        file_items = {entry[0]: entry[1] for entry in save.files}
-        for written in save.last.get("written", []):
-            for index, (offset, length) in zip(file_items[written["name"]], written["items"]):
-                item = plan.items[index]
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(written["name"], offset, length)))
+        for save in (saves if isinstance(saves, (list, tuple)) else (saves,)):
+            file_items = {entry[0]: entry[1] for entry in save.files}
+            plan_index = getattr(save, "items", None) or list(range(len(plan.items)))
+            for written in save.last.get("written", []):
+                for index, (offset, length) in zip(file_items[written["name"]], written["items"]):
+                    item = plan.items[plan_index[index]]
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(written["name"],
+                                                                         offset, length)))
         return results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         """Stage, wait until durable, and return the write results (stock ``dcp.save``)."""
-        save = self.stage(plan, planner)
+        saves = self.stage(plan, planner)
         try:
-            wait_for_daemon_saves([save])  # not execute_sync: no collective inside write_data
+            wait_for_daemon_saves(saves)  # not execute_sync: no collective inside write_data
         except CheckpointException as exc:
             raise OSError(f"ckptd could not write rank {self.rank}'s part of {self.path}: "
                           f"{exc}") from None
         future: Future = Future()
-        future.set_result(self.write_results(save, plan))
+        future.set_result(self.write_results(saves, plan))
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -280,9 +336,9 @@ def _plan_save(state_dict, writer: DaemonStorageWriter, planner: SavePlanner, gr
     return central_plan, metadata
 
 
-def _finalize(writer: DaemonStorageWriter, save: DaemonSave, plan: SavePlan,
+def _finalize(writer: DaemonStorageWriter, saves: tuple, plan: SavePlan,
               metadata: Metadata | None, group: Group) -> None:
-    gathered = group.gather_to_coordinator(writer.write_results(save, plan))
+    gathered = group.gather_to_coordinator(writer.write_results(saves, plan))
     error = None
     if group.is_coordinator:
         try:
@@ -296,13 +352,15 @@ def _finalize(writer: DaemonStorageWriter, save: DaemonSave, plan: SavePlan,
 
 
 def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=None,
-               planner: SavePlanner | None = None, enable_cache: bool = False) -> AsyncRequest:
+               planner: SavePlanner | None = None, enable_cache: bool = False,
+               zero_stall: bool = False) -> AsyncRequest:
     """Save ``state_dict`` as a DCP checkpoint through the daemon, asynchronously.
 
-    Call on all ranks of ``process_group``. Blocks through planning and staging; the
-    daemon then writes while training goes on. Schedule the returned request on an
-    :class:`~ckpt_client.AsyncCallsQueue`: its finalize step commits ``.metadata``
-    (by the coordinator, after every rank's files are durable).
+    Call on all ranks of ``process_group``. Blocks through planning and staging (or, with
+    ``zero_stall``, through planning only); the daemon then writes while training goes
+    on. Schedule the returned request on an :class:`~ckpt_client.AsyncCallsQueue`: its
+    finalize step commits ``.metadata`` (by the coordinator, after every rank's files
+    are durable).
 
     Parameters
     ----------
@@ -317,6 +375,10 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     enable_cache : bool
         Reuse the plan and global metadata of the previous save with the same structure,
         skipping the plan gather/scatter (one small all-reduce confirms every rank hit).
+    zero_stall : bool
+        Return once the save is planned and queued; the bytes are staged in the
+        background, and the state must not change until ``wait_staged`` /
+        ``AsyncCallsQueue.wait_for_staging`` returns (``guard_optimizer`` does that).
 
     Returns
     -------
@@ -328,12 +390,12 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     central_plan, metadata = _plan_save(state_dict, writer, planner, group, enable_cache)
     final_plan = planner.finish_plan(central_plan)
     try:
-        save = writer.stage(final_plan, planner)
+        saves = writer.stage(final_plan, planner, zero_stall=zero_stall)
     except (DaemonRequestError, DaemonUnavailableError) as exc:
         if not group.distributed:
             raise
         # The other ranks are about to wait in the completion collective: report the
         # refusal there, as a failure every rank raises, instead of raising alone.
-        save = RefusedSave(group.rank, str(exc))
-    return AsyncRequest(daemon_saves=(save,),
-                        finalize_fns=[partial(_finalize, writer, save, final_plan, metadata, group)])
+        saves = (RefusedSave(group.rank, str(exc)),)
+    return AsyncRequest(daemon_saves=saves,
+                        finalize_fns=[partial(_finalize, writer, saves, final_plan, metadata, group)])

@@ -43,7 +43,8 @@ from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.local_session import SessionRegistration
 from ckpt_client.parts import read_part, read_resident
-from ckpt_client.staging import RefusedSave, describe, flatten_state_dict, stage
+from ckpt_client.flatten import describe, flatten_state_dict
+from ckpt_client.staging import RefusedSave, stage
 from ckpt_client.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
                                       part_state_dict, restore_from_part)
 

@@ -1,12 +1,23 @@
-"""Handing tensors to the daemon: describe, reserve, copy (or export CUDA handles), confirm.
+"""Handing a rank's buffers to the daemon: reserve, copy (or export CUDA handles), confirm.
 
-A state dict becomes a msgpack *skeleton* (its structure with tensors replaced by
-references) plus a list of buffers. CPU tensors are copied by this process into the
-extent the daemon reserved in the shared staging pool; when every tensor is on a GPU and
-the daemon has CUDA, the daemon copies them itself from CUDA IPC handles. Either way
-:func:`stage` returns only once the bytes are in the pool (the STAGED point), so the
-caller may change its tensors right after. Nothing is pickled and nothing aliases a live
-tensor.
+A save is one request: ``STAGE`` reserves an extent of the daemon's shared staging pool
+(waiting while earlier saves hold it: back-pressure), this process copies its CPU buffers
+(and CUDA tensors the daemon cannot open) into the extent, the daemon copies the CUDA
+tensors it can open from their IPC handles at the same time (mixed transport), and
+``STAGED`` is answered once every byte is in the pool. From then on the caller may change
+its tensors: nothing aliases a live tensor.
+
+Two modes:
+
+- default: :func:`stage` returns at the STAGED point;
+- zero-stall: :func:`stage` returns once the work is queued (a few ms); a background
+  thread of the connection does the exchange above while training goes on, and
+  :meth:`DaemonSave.wait_staged` (or ``guard_optimizer``) waits for it before the
+  parameters change. ``copy_`` releases the GIL, so the copy overlaps the forward and
+  backward passes.
+
+Copies into the pool reuse destination views while the layout is unchanged and run as
+one ``torch._foreach_copy_`` call, so many small tensors cost little more than one.
 """
 
 from __future__ import annotations
@@ -14,111 +25,89 @@ from __future__ import annotations
 import io
 import logging
 import os
+import queue
+import threading
 import warnings
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from ckptd import knobs, protocol
-from ckptd.protocol import ErrorCode, MessageType, Phase, TensorRef
+from ckptd.protocol import ErrorCode, MessageType, Phase
 from ckpt_client.connection import DaemonConnection
-from ckpt_client.errors import DaemonUnavailableError, DaemonRequestError
+from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.flatten import describe
 
 log = logging.getLogger(__name__)
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The protocol's name for a torch dtype."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in protocol.BUFFER_DTYPES:
-        raise TypeError(f"tensors of dtype {dtype} cannot be checkpointed through ckptd")
-    return name
-
-
-def plain_tensor(value: torch.Tensor, where: str) -> torch.Tensor:
-    """The tensor to stage for ``value``: detached, dense; subclasses are refused."""
-    if value.is_quantized or value.layout != torch.strided:
-        raise TypeError(f"{where}: {value.layout} / quantized tensors are not supported; "
-                        "convert them (e.g. .dequantize() or .to_dense()) before saving")
-    if type(value) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"{where}: tensor subclass {type(value).__name__} is not supported; "
-                        "save its plain local tensor instead")
-    return value.detach()
-
-
-def flatten_state_dict(state_dict: Any) -> tuple[bytes, list[torch.Tensor]]:
-    """Split a state dict into its msgpack skeleton and its tensors.
-
-    Raises
-    ------
-    TypeError
-        For values other than tensors, dicts, lists, tuples, str, bytes, int, float,
-        bool and None (naming the key where it was found).
-    """
-    tensors: list[torch.Tensor] = []
-
-    def walk(value: Any, where: str) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(plain_tensor(value, where))
-            return TensorRef(len(tensors) - 1)
-        if isinstance(value, dict):
-            return {k: walk(v, f"{where}.{k}") for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            items = [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
-            return tuple(items) if isinstance(value, tuple) else items
-        if value is None or isinstance(value, (str, bytes, int, float, bool)):
-            return value
-        raise TypeError(f"state_dict{where} is a {type(value).__name__}, which ckptd cannot "
-                        "store without pickling; store it as a tensor or a plain value")
-
-    skeleton = walk(state_dict, "")
-    return protocol.pack_value(skeleton), tensors
-
-
-def describe(source: torch.Tensor | io.BytesIO | bytes) -> list:
-    """The ``[dtype, shape, nbytes]`` entry for one buffer."""
-    if isinstance(source, torch.Tensor):
-        return [dtype_name(source.dtype), list(source.shape), source.numel() * source.element_size()]
-    data = source.getbuffer() if isinstance(source, io.BytesIO) else memoryview(source)
-    return ["bytes", [data.nbytes], data.nbytes]
-
-
-def copy_into_pool(pool: torch.Tensor, base: int, offsets: list[int], sources: list) -> None:
-    """Copy each source into the pool at ``base + offset`` (CPU or CUDA sources)."""
-    for offset, source in zip(offsets, sources):
-        start = base + offset
-        if isinstance(source, torch.Tensor):
-            nbytes = source.numel() * source.element_size()
-            if nbytes:
-                pool[start:start + nbytes].view(source.dtype).view(source.shape).copy_(source)
-        else:
-            data = source.getbuffer() if isinstance(source, io.BytesIO) else memoryview(source)
-            if data.nbytes:
-                with warnings.catch_warnings():
-                    # torch warns that read-only buffers (bytes) could be written through
-                    # the tensor; this one is only read, as the source of the copy.
-                    warnings.simplefilter("ignore", UserWarning)
-                    source_bytes = torch.frombuffer(data, dtype=torch.uint8)
-                pool[start:start + data.nbytes].copy_(source_bytes)
+#: Phase of a zero-stall save whose staging has not finished yet.
+PENDING = "pending"
 
 
 @dataclass
 class DaemonSave:
-    """One save of this rank that the daemon has staged and is writing.
+    """One save of this rank, from its staging to its durable files.
 
     Attributes
     ----------
-    request_id : int
+    request_id : int or None
+        The daemon's id for it (``None`` until a zero-stall save reached the daemon).
     path : str
+    transport_bytes : dict
+        Bytes this rank copied through shared memory (``shm``) and bytes the daemon
+        copied from CUDA IPC handles (``cuda``).
     """
 
     connection: DaemonConnection
-    request_id: int
+    request_id: int | None
     path: str
     files: list = field(default_factory=list)
     last: dict = field(default_factory=dict)
+    transport_bytes: dict = field(default_factory=dict)
+    items: list | None = None  # DCP chunks: the plan item of each staged buffer
+    _staged: threading.Event = field(default_factory=threading.Event, repr=False)
+    _staging_error: str | None = None
+    _cancelled: bool = False
 
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.connection.rank
+
+    # ------------------------------------------------------------------ staging
+    def mark_staged(self, error: str | None = None) -> None:
+        """Every byte is in the pool (or staging failed with ``error``)."""
+        if error is not None:
+            self._staging_error = error if error.startswith(f"rank {self.rank}: ") \
+                else f"rank {self.rank}: staging {self.path} failed: {error}"
+            self.last = {"phase": Phase.FAILED, "error": self._staging_error}
+        self._staged.set()
+
+    @property
+    def staged(self) -> bool:
+        """Whether staging ended (successfully or not)."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once every byte of this save is in the daemon's pool.
+
+        Raises
+        ------
+        CheckpointException
+            If staging failed (daemon refused, died, or the copy failed).
+        TimeoutError
+            If ``timeout`` seconds passed first (staging goes on).
+        """
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"rank {self.rank}: the save of {self.path} was not staged "
+                               f"within {timeout:.1f}s")
+        if self._staging_error is not None:
+            raise CheckpointException("staging a checkpoint failed",
+                                      {self.rank: self._staging_error})
+
+    # ------------------------------------------------------------------ outcome
     def poll(self) -> dict:
         """Ask the daemon for this request's phase.
 
@@ -128,6 +117,8 @@ class DaemonSave:
         """
         if self.last.get("phase") in Phase.FINISHED:
             return self.last
+        if not self._staged.is_set():
+            return {"phase": PENDING}
         try:
             reply = self.connection.call(MessageType.POLL, {"request_ids": [self.request_id]})
             self.last = reply["requests"][self.request_id]
@@ -137,15 +128,10 @@ class DaemonSave:
             self.last = {"phase": "unknown", "error": str(exc)}
         if self.last.get("phase") == "unknown":
             self.last = {"phase": Phase.FAILED, "error": (
-                f"rank {self.connection.rank}: save of {self.path} lost: the ckptd daemon that "
+                f"rank {self.rank}: save of {self.path} lost: the ckptd daemon that "
                 f"accepted it (pid {self.connection.daemon_pid}) no longer has it: "
                 f"{self.last.get('error')}; save again")}
         return self.last
-
-    @property
-    def rank(self) -> int:
-        """The rank that made the save."""
-        return self.connection.rank
 
     @property
     def finished(self) -> bool:
@@ -162,6 +148,8 @@ class DaemonSave:
 
     def forget(self, delete_files: bool) -> None:
         """Tell the daemon the outcome was consumed (and drop files of a failed save)."""
+        if self.request_id is None:
+            return
         try:
             self.connection.call(MessageType.FORGET, {"request_ids": [self.request_id],
                                                       "delete_files": delete_files}, timeout=5.0)
@@ -174,11 +162,15 @@ class DaemonSave:
         Returns at once: a write already under way finishes, and the daemon removes its
         file; a later save of the same path is written only after that (the writer pool
         keeps one job per path in flight), so it can never be overwritten or removed.
+        A zero-stall save still queued here never reaches the daemon.
         """
-        try:
-            self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id]}, timeout=5.0)
-        except (DaemonUnavailableError, DaemonRequestError):
-            pass
+        self._cancelled = True
+        if self.request_id is not None:
+            try:
+                self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id]},
+                                     timeout=5.0)
+            except (DaemonUnavailableError, DaemonRequestError):
+                pass
         self.forget(delete_files=True)
 
 
@@ -188,11 +180,17 @@ class RefusedSave:
     others waiting in the completion collective."""
 
     finished = True
+    staged = True
+    transport_bytes: dict = {}
 
     def __init__(self, rank: int, error: str) -> None:
-        self.rank = rank
         self.error = error if error.startswith(f"rank {rank}: ") else f"rank {rank}: {error}"
+        self.rank = rank
         self.last = {"phase": Phase.FAILED, "error": self.error}
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """The refusal, as a staging failure."""
+        raise CheckpointException("staging a checkpoint failed", {self.rank: self.error})
 
     def forget(self, delete_files: bool) -> None:
         """Nothing was staged: nothing to forget."""
@@ -201,10 +199,169 @@ class RefusedSave:
         """Nothing was staged: nothing to abort."""
 
 
+# ---------------------------------------------------------------------- copies
+
+class PoolCopier:
+    """Copies a save's buffers into the connection's mapped pool.
+
+    Destination views are cached per (extent offset, layout): a training job saves the
+    same structure into the same place again and again, and building thousands of views
+    per save would cost more than copying small tensors.
+    """
+
+    _CACHED_LAYOUTS = 4
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+        self._views: OrderedDict = OrderedDict()
+
+    def _destinations(self, base: int, offsets: list, buffers: list, chosen: list) -> list:
+        key = (base, tuple(chosen), tuple((b[0], tuple(b[1])) for b in buffers))
+        views = self._views.get(key)
+        if views is None:
+            views = []
+            for index in chosen:
+                dtype, shape, nbytes = buffers[index]
+                start = base + offsets[index]
+                raw = self.pool[start:start + nbytes]
+                views.append(raw if dtype == "bytes" else raw.view(getattr(torch, dtype)).view(shape))
+            self._views[key] = views
+            while len(self._views) > self._CACHED_LAYOUTS:
+                self._views.popitem(last=False)
+        self._views.move_to_end(key)
+        return views
+
+    def copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list) -> None:
+        """Copy ``sources[i]`` for ``i`` in ``chosen`` to ``base + offsets[i]``."""
+        chosen = [i for i in chosen if buffers[i][2]]
+        destinations = self._destinations(base, offsets, buffers, chosen)
+        host_dst, host_src, device = [], [], False
+        for index, destination in zip(chosen, destinations):
+            source = sources[index]
+            if isinstance(source, torch.Tensor):
+                if source.is_cuda:
+                    destination.copy_(source, non_blocking=True)
+                    device = True
+                else:
+                    host_dst.append(destination)
+                    host_src.append(source)
+            else:
+                data = source.getbuffer() if isinstance(source, io.BytesIO) else memoryview(source)
+                with warnings.catch_warnings():
+                    # torch warns that read-only buffers (bytes) could be written through
+                    # the tensor; this one is only read, as the source of the copy.
+                    warnings.simplefilter("ignore", UserWarning)
+                    destination.copy_(torch.frombuffer(data, dtype=torch.uint8))
+        if host_dst:
+            torch._foreach_copy_(host_dst, host_src)  # one call for every CPU tensor
+        if device:
+            torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------- one save
+
+@dataclass
+class _StagingJob:
+    """The exchange that stages one save (run inline, or on the background thread)."""
+
+    save: DaemonSave
+    body: dict
+    sources: list
+    specs: list | None
+    events: list = field(default_factory=list)  # producer events, alive until staged
+
+    def run(self) -> None:
+        """STAGE, copy this rank's share, STAGED (answered once the daemon's share is in).
+
+        Raises
+        ------
+        DaemonRequestError, DaemonUnavailableError
+            When the daemon refuses or is gone (the request, if created, is aborted).
+        """
+        connection, save = self.save.connection, self.save
+        if save._cancelled:
+            return
+        reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
+        save.request_id = reply["request_id"]
+        buffers = self.body["buffers"]
+        ours = [i for i in range(len(buffers)) if self.specs is None or self.specs[i] is None]
+        try:
+            if save._cancelled:
+                raise InterruptedError("the save was aborted while it was staged")
+            offsets, _ = protocol.layout_extent([b[2] for b in buffers])
+            _copier(connection).copy(reply["offset"], offsets, buffers, self.sources, ours)
+        except BaseException:
+            save.abort()
+            raise
+        connection.call(MessageType.STAGED, {"request_id": save.request_id},
+                        timeout=knobs.STAGE_TIMEOUT.get())
+        save.transport_bytes = _transport_bytes(buffers, self.specs)
+
+
+def _transport_bytes(buffers: list, specs: list | None) -> dict:
+    cuda = sum(b[2] for i, b in enumerate(buffers) if specs is not None and specs[i] is not None)
+    return {"shm": sum(b[2] for b in buffers) - cuda, "cuda": cuda}
+
+
+_copiers: "weakref.WeakKeyDictionary[DaemonConnection, PoolCopier]" = weakref.WeakKeyDictionary()
+_stagers: "weakref.WeakKeyDictionary[DaemonConnection, BackgroundStager]" = \
+    weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def _copier(connection: DaemonConnection) -> PoolCopier:
+    with _registry_lock:
+        if connection not in _copiers:
+            _copiers[connection] = PoolCopier(connection.pool)
+        return _copiers[connection]
+
+
+def _background_stager(connection: DaemonConnection) -> "BackgroundStager":
+    with _registry_lock:
+        if connection not in _stagers:
+            _stagers[connection] = BackgroundStager()
+        return _stagers[connection]
+
+
+class BackgroundStager:
+    """The thread that stages a connection's zero-stall saves, one after another."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="ckpt-client-stager", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _StagingJob) -> None:
+        """Queue a job; its save's ``wait_staged`` returns (or raises) when it is done."""
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job.run()
+            except BaseException as exc:  # reported through the save, never lost
+                job.save.mark_staged(_reason(exc))
+            else:
+                job.save.mark_staged()
+
+    def stop(self) -> None:
+        """Finish the queued jobs, then end the thread."""
+        self._jobs.put(None)
+        self._thread.join(timeout=knobs.STAGE_TIMEOUT.get())
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, (DaemonRequestError, DaemonUnavailableError)) \
+        else f"{type(exc).__name__}: {exc}"
+
+
 def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
-          skeleton: bytes = b"", files: list | None = None,
-          extra: dict | None = None, allow_cuda_ipc: bool = True) -> DaemonSave:
-    """Hand ``sources`` to the daemon and return once they are staged.
+          skeleton: bytes = b"", files: list | None = None, extra: dict | None = None,
+          allow_cuda_ipc: bool = True, zero_stall: bool = False) -> DaemonSave:
+    """Hand ``sources`` to the daemon: staged on return, or (``zero_stall``) queued.
 
     Parameters
     ----------
@@ -221,34 +378,33 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     allow_cuda_ipc : bool
         ``False``: copy CUDA tensors into the pool here even when the daemon could open
         CUDA IPC handles (the reference's CPU shared-memory mode).
+    zero_stall : bool
+        Return once the work is queued; the bytes are staged in the background (see
+        :meth:`DaemonSave.wait_staged`). The sources must not change until then.
 
     Raises
     ------
     DaemonRequestError
-        If the daemon refuses (path outside the roots, pool too small, ...).
+        If the daemon refuses (path outside the roots, pool too small, ...); zero-stall
+        saves report it through the save instead.
     DaemonUnavailableError
-        If the daemon is gone.
+        If the daemon is gone (likewise).
     """
-    buffers = [describe(s) for s in sources]
-    body = {"format": fmt, "path": os.path.abspath(path), "buffers": buffers,
-            "skeleton": skeleton, "files": files or [], **(extra or {})}
-    from ckpt_client.cuda_export import export_for_daemon
+    from ckpt_client.cuda_export import plan_ipc
 
-    exported = export_for_daemon(connection, sources) if allow_cuda_ipc else None
-    if exported is not None:
-        body["transport"] = "cuda"
-        body["cuda"] = exported
-        reply = connection.call(MessageType.STAGE, body, timeout=knobs.STAGE_TIMEOUT.get())
-        return DaemonSave(connection, reply["request_id"], body["path"], body["files"])
-    reply = connection.call(MessageType.STAGE, body, timeout=knobs.STAGE_TIMEOUT.get())
-    save = DaemonSave(connection, reply["request_id"], body["path"], body["files"])
-    offsets, _ = protocol.layout_extent([b[2] for b in buffers])
+    buffers = [describe(s) for s in sources]
+    specs, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
+    body = {"format": fmt, "path": os.path.abspath(path), "buffers": buffers,
+            "skeleton": skeleton, "files": files or [], "cuda": specs, **(extra or {})}
+    save = DaemonSave(connection, None, body["path"], body["files"])
+    job = _StagingJob(save, body, sources, specs, events)
+    if zero_stall:
+        _background_stager(connection).submit(job)
+        return save
     try:
-        copy_into_pool(connection.pool, reply["offset"], offsets, sources)
-        if any(isinstance(s, torch.Tensor) and s.is_cuda for s in sources):
-            torch.cuda.synchronize()
-    except BaseException:
-        save.abort()
+        job.run()
+    except BaseException as exc:
+        save.mark_staged(_reason(exc))
         raise
-    connection.call(MessageType.STAGED, {"request_id": save.request_id}, timeout=knobs.CALL_TIMEOUT.get())
+    save.mark_staged()
     return save

@@ -1,8 +1,10 @@
 """``TorchAsyncCheckpoint``: ``torch.save`` made asynchronous by the daemon.
 
-The state dict is staged (copied into the daemon's pool) before ``async_save`` returns;
-the daemon writes a file that plain ``torch.load(path, weights_only=True)`` reads,
-under a temporary name, fsynced, then renamed.
+By default the state dict is staged (copied into the daemon's pool) before ``async_save``
+returns; with ``zero_stall=True`` it returns once the save is queued and the bytes are
+staged in the background (``wait_for_staging`` / ``guard_optimizer`` before the weights
+change). The daemon writes a file that plain ``torch.load(path, weights_only=True)``
+reads, under a temporary name, fsynced, then renamed.
 """
 
 from __future__ import annotations
@@ -15,19 +17,24 @@ import torch
 from ckptd.protocol import SaveFormat
 from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest, wait_for_daemon_saves
 from ckpt_client.connection import DaemonConnection, connect
-from ckpt_client.staging import flatten_state_dict, stage
+from ckpt_client.flatten import flatten_state_dict
+from ckpt_client.staging import stage
 
 
 def async_torch_save(state_dict, path: str | os.PathLike,
-                     connection: DaemonConnection | None = None) -> AsyncRequest:
+                     connection: DaemonConnection | None = None,
+                     zero_stall: bool = False) -> AsyncRequest:
     """Stage ``state_dict`` with the daemon and return the request that completes it.
 
-    Returns once the tensors are staged: changing them afterwards does not change the
-    file. Schedule the result on an :class:`AsyncCallsQueue`.
+    Returns once the tensors are staged (changing them afterwards does not change the
+    file), or with ``zero_stall=True`` once the save is queued (then do not change them
+    before :meth:`AsyncRequest.wait_staged`). Schedule the result on an
+    :class:`AsyncCallsQueue`.
     """
     connection = connection or connect()
     skeleton, tensors = flatten_state_dict(state_dict)
-    save = stage(connection, SaveFormat.TORCH, os.fspath(path), tensors, skeleton=skeleton)
+    save = stage(connection, SaveFormat.TORCH, os.fspath(path), tensors, skeleton=skeleton,
+                 zero_stall=zero_stall)
     return AsyncRequest(daemon_saves=(save,))
 
 
@@ -46,16 +53,34 @@ class TorchAsyncCheckpoint:
         self._queue = AsyncCallsQueue(persistent=persistent_queue)
         self._socket = socket
 
-    def async_save(self, state_dict, *args, **kwargs) -> None:
-        """Save ``state_dict`` to ``args[0]`` (or ``f=``) in the background.
+    def async_save(self, state_dict, *args, zero_stall: bool = False, **kwargs) -> None:
+        """Save ``state_dict`` to ``args[0]`` (or ``f=`` / ``path=``) in the background.
 
-        Blocks only until the daemon has staged the tensors.
+        Parameters
+        ----------
+        zero_stall : bool
+            False (default): blocks until the daemon has staged the tensors. True: returns
+            once the save is queued; the tensors must not change until
+            :meth:`wait_for_staging` returns (``ckpt_client.guard_optimizer(optimizer,
+            checkpoint)`` does that before every ``optimizer.step()``).
         """
         path = args[0] if args else kwargs.get("f", kwargs.get("path"))
         if path is None:
             raise TypeError("async_save needs a destination path")
-        request = async_torch_save(state_dict, path, connect(self._socket))
+        request = async_torch_save(state_dict, path, connect(self._socket), zero_stall=zero_stall)
         self._queue.schedule_async_request(request)
+
+    def wait_for_staging(self, timeout: float | None = None) -> None:
+        """Return once every scheduled save's bytes are staged (at once if they are).
+
+        Raises
+        ------
+        CheckpointException
+            If staging failed (the daemon refused a save or died).
+        TimeoutError
+            If ``timeout`` seconds passed first.
+        """
+        self._queue.wait_for_staging(timeout)
 
     def save(self, state_dict: Any, f: str | os.PathLike | IO[bytes], **kwargs) -> None:
         """Save ``state_dict`` to ``f`` now (the reference's synchronous ``torch.save``).

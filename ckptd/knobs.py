@@ -23,6 +23,7 @@ __all__ = [
     "POOL_SIZE", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES",
+    "CUDA_REGISTER_CHUNK_BYTES",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
     "PEER_IO_THREADS", "REPLICATOR_TICK", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
@@ -149,6 +150,15 @@ def all_knobs() -> list[Knob]:
     return list(_registry.values())
 
 
+def markdown_table() -> str:
+    """The table of every knob that ``docs/operations.md`` carries (``python -m ckptd.knobs``)."""
+    rows = ["| variable | default | what it changes |", "| --- | --- | --- |"]
+    for knob in all_knobs():
+        default = "unset" if knob.default is None else knob.default
+        rows.append(f"| `{knob.env}` | `{default}` | {knob.doc} |")
+    return "\n".join(rows) + "\n"
+
+
 # Each knob: name, default, parser, what it changes. Its variable is CKPTD_<name>.
 
 # ---------------------------------------------------------------- the daemon (ckptd serve)
@@ -176,6 +186,8 @@ CHECKSUM_OVERLAP_MIN_BYTES = _knob(
     "CHECKSUM_OVERLAP_MIN_BYTES", 1 << 20, int, "Chunks checksummed beside their write from")
 WRITEBACK_EVERY_BYTES = _knob(
     "WRITEBACK_EVERY_BYTES", 64 << 20, int, "Start writeback (sync_file_range) every so many")
+CUDA_REGISTER_CHUNK_BYTES = _knob(
+    "CUDA_REGISTER_CHUNK_BYTES", 64 << 30, int, "Bytes page-locked per cudaHostRegister call")
 METRICS_INTERVAL = _knob(
     "METRICS_INTERVAL", 2.0, float, "Seconds between two renders of the Prometheus metrics")
 
@@ -234,3 +246,7 @@ LOCAL_LOAD_TIMEOUT = _knob(
 # Named CKPTD_ROOTS since the first release.
 AUTO_ROOTS = _knob(
     "AUTO_ROOTS", "/", str, "':'-separated roots an auto-started daemon allows", "CKPTD_ROOTS")
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

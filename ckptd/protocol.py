@@ -494,10 +494,12 @@ class Hello(Body, message="hello"):
 
 
 class Stage(Body, message="stage"):
-    """Reserve staging space for a save (CPU path) or hand over CUDA IPC handles.
+    """Reserve staging space for a save; buffers with a CUDA IPC spec are the daemon's to copy.
 
     ``buffers`` lists ``[dtype, shape, nbytes]`` in staging order; ``files`` (DCP) maps
-    each output file name to the buffer indices it holds.
+    each output file name to the buffer indices it holds; ``cuda`` (mixed transport) has
+    one entry per buffer: an IPC spec the daemon copies from, or None for a buffer the
+    trainer copies into shared memory itself.
     """
     format: str = check(lambda v: v in (SaveFormat.TORCH, SaveFormat.DCP, SaveFormat.LOCAL),
                         "one of torch, dcp, local")
@@ -506,8 +508,7 @@ class Stage(Body, message="stage"):
                           "a list of [dtype name, shape list, byte count]")
     skeleton: bytes = b""
     files: list = check(_valid_files, "a list of [plain file name, [buffer indices]]", [])
-    transport: str = check(lambda v: v in ("shm", "cuda"), "shm or cuda", "shm")
-    cuda: list | None = None
+    cuda: list | None = None  # per buffer: a CUDA IPC spec the daemon copies from, or None
     session: str | None = None
     iteration: int | None = check(_non_negative, "an iteration >= 0", None)
     stock_files: bool = False
@@ -521,6 +522,10 @@ class Stage(Body, message="stage"):
                                     f"{len(self.buffers)} described")
         if self.format == SaveFormat.LOCAL and self.iteration is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: a local part needs 'iteration'")
+        if self.cuda is not None and (len(self.cuda) != len(self.buffers) or not all(
+                spec is None or isinstance(spec, dict) for spec in self.cuda)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: 'cuda' needs one entry (a spec "
+                                "or null) per buffer, in order")
 
 
 class Staged(Body, message="staged"):
@@ -829,7 +834,10 @@ class Channel:
     """A DEALER socket that sends requests and waits for the matching reply.
 
     Used by the trainer library and by ``ckptd status``: the one place that matches
-    replies to requests. Replies to earlier requests that timed out are discarded.
+    replies to requests. Safe to use from several threads at once (a trainer's main
+    thread polls while a background thread stages a zero-stall save): one lock guards
+    the socket, and a reply that arrives for another waiting thread is kept for it.
+    Replies to requests nobody waits for any more (they timed out) are discarded.
 
     Parameters
     ----------
@@ -848,12 +856,17 @@ class Channel:
         self.socket.linger = 0
         self.socket.connect(endpoint)
         self._next_id = 1
+        self._lock = threading.Lock()
+        self._awaited: set[int] = set()       # ids some thread still waits for
+        self._arrived: dict[int, Message] = {}  # their replies, when another thread read them
 
     def send(self, msg_type: str, body: dict | None = None, frames=()) -> int:
         """Send a request without waiting; returns its id."""
-        msg_id = self._next_id
-        self._next_id += 1
-        self.socket.send_multipart(encode(msg_type, msg_id, body, frames), copy=False)
+        with self._lock:
+            msg_id = self._next_id
+            self._next_id += 1
+            self._awaited.add(msg_id)
+            self.socket.send_multipart(encode(msg_type, msg_id, body, frames), copy=False)
         return msg_id
 
     def wait(self, msg_id: int, timeout: float, still_worth_waiting=None,
@@ -874,19 +887,44 @@ class Channel:
         import time
 
         deadline = time.monotonic() + timeout
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ReplyTimeout(f"no reply from {self.endpoint} within {timeout:.1f}s")
+                reply = self._receive(msg_id, min(remaining, slice_seconds))
+                if reply is not None:
+                    if reply.type == MessageType.ERROR:
+                        raise ErrorReply(reply.body)
+                    return reply
+                if still_worth_waiting is not None:
+                    still_worth_waiting()
+        finally:
+            with self._lock:
+                self._awaited.discard(msg_id)
+                self._arrived.pop(msg_id, None)
+
+    def _receive(self, msg_id: int, seconds: float) -> Message | None:
+        """One slice of waiting: ``msg_id``'s reply if it came, else ``None``."""
+        import time
+
+        deadline = time.monotonic() + seconds
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ReplyTimeout(f"no reply from {self.endpoint} within {timeout:.1f}s")
-            if self.socket.poll(int(min(remaining, slice_seconds) * 1000) + 1):
-                reply = decode(self.socket.recv_multipart())
-                if reply.id != msg_id:
-                    continue  # a late answer to a request we gave up on
-                if reply.type == MessageType.ERROR:
-                    raise ErrorReply(reply.body)
-                return reply
-            if still_worth_waiting is not None:
-                still_worth_waiting()
+            with self._lock:
+                if msg_id in self._arrived:
+                    return self._arrived.pop(msg_id)
+                # Short polls while holding the lock, so other waiting threads get their
+                # turn at the socket (and at the replies it delivers for them).
+                left = deadline - time.monotonic()
+                if self.socket.poll(max(1, int(min(left, 0.01) * 1000))):
+                    reply = decode(self.socket.recv_multipart())
+                    if reply.id == msg_id:
+                        return reply
+                    if reply.id in self._awaited:
+                        self._arrived[reply.id] = reply
+                    continue  # else: a late answer to a request we gave up on
+            if time.monotonic() >= deadline:
+                return None
 
     def call(self, msg_type: str, body: dict | None = None, frames=(), timeout: float = 30.0,
              still_worth_waiting=None) -> Message:

@@ -224,7 +224,8 @@ class Daemon:
         return {"daemon_pid": os.getpid(), "incarnation": self.incarnation,
                 "version": __version__, "pool_path": self.pool.path,
                 "pool_size": self.pool.size, "writers": self.config.writers,
-                "host": host_name(), "cuda": self.cuda is not None}
+                "host": host_name(), "cuda": self.cuda is not None,
+                "cuda_devices": sorted(self.cuda.devices) if self.cuda is not None else []}
 
     def on_goodbye(self, call: Call, body: Empty) -> dict:
         """A trainer disconnects: space reserved for copies that will never come is freed;

@@ -29,7 +29,6 @@ import time
 from typing import Callable, Iterable, Protocol
 
 from ckptd.protocol import ErrorCode, Phase
-from ckptd.server.endpoint import RequestError
 from ckptd.server.requests import RequestTable, SaveRequest
 from ckptd.staging.pool import Extent, StagingPool
 
@@ -98,7 +97,10 @@ class SaveEffects(Protocol):
     """The work that goes with each step of a save (done by the save service)."""
 
     def space_granted(self, request: SaveRequest) -> None:
-        """A queued request got its extent: answer its STAGE (or start its device copy)."""
+        """A queued request got its extent: answer its STAGE, start its device copy."""
+
+    def staged(self, request: SaveRequest) -> None:
+        """Every byte of the request is in its extent (writing has begun)."""
 
     def write(self, request: SaveRequest) -> int:
         """Submit the writer jobs of a staged request; returns how many."""
@@ -108,6 +110,10 @@ class SaveEffects(Protocol):
 
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop a request's pushes (each still reports its outcome)."""
+
+    def cancel_device_copy(self, request: SaveRequest) -> None:
+        """The request stopped before (or while) its device copy ran: open nothing more,
+        and give back what the trainer exported for it."""
 
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote."""
@@ -138,17 +144,14 @@ class SaveLifecycle:
         self.reclaim: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ space
-    def admit(self, request: SaveRequest, copiers: tuple[str, ...] = (CLIENT_COPY,),
-              may_wait: bool = True) -> bool:
-        """Give ``request`` staging space now, or queue it.
+    def admit(self, request: SaveRequest, copiers: tuple[str, ...] = (CLIENT_COPY,)) -> bool:
+        """Give ``request`` staging space now, or queue it (back-pressure, FIFO).
 
         Parameters
         ----------
         copiers : tuple of str
-            Who fills the extent (:data:`CLIENT_COPY`, :data:`DEVICE_COPY`); each holds
-            it until it reports with :meth:`copied`.
-        may_wait : bool
-            Queue for space when the pool is full (False: refuse instead).
+            Who fills the extent (:data:`CLIENT_COPY`, :data:`DEVICE_COPY`, or both for a
+            mixed-transport save); each holds it until it reports with :meth:`copied`.
 
         Returns
         -------
@@ -160,17 +163,11 @@ class SaveLifecycle:
         ------
         ckptd.staging.pool.PoolTooSmallError
             If the request can never fit.
-        ckptd.server.endpoint.RequestError
-            If it does not fit now and ``may_wait`` is False.
         """
         extent = self.pool.try_allocate(request.extent_length)
         while extent is None and self.reclaim is not None and self.reclaim(request.extent_length):
             extent = self.pool.try_allocate(request.extent_length)
         request.copiers = copiers
-        if extent is None and not may_wait:
-            raise RequestError(ErrorCode.POOL_TOO_SMALL,
-                               "staging pool is full; CUDA staging does not queue",
-                               "finalize earlier saves first or raise --pool-size")
         self.table.add(request)
         if extent is not None:
             self._lease(request, extent)
@@ -220,6 +217,7 @@ class SaveLifecycle:
             lease.hold(replica_hold(holder))
         log.info("request %d (rank %d) staged in %.3fs; writing %d file(s)", request.id,
                  request.rank, request.staged_at - request.created_at, request.jobs_pending)
+        self.effects.staged(request)
         if request.jobs_pending == 0:
             self._writers_finished(request)
 
@@ -296,6 +294,8 @@ class SaveLifecycle:
             for waiter, granted in self.pool.cancel_wait(request):
                 self._granted(waiter, granted)
         lease = request.lease
+        if DEVICE_COPY in request.copiers and (lease is None or lease.has(DEVICE_COPY)):
+            self.effects.cancel_device_copy(request)
         if lease is not None and any(h.startswith("replica:") for h in lease.holds):
             self.effects.cancel_replication(request)  # each push answers; its hold drops then
         if lease is None or not lease.has(WRITERS):

@@ -83,9 +83,8 @@ class SaveRequest:
     extent_length: int
     skeleton: bytes = b""
     files: list = field(default_factory=list)  # DCP: [name, [buffer indices]]
-    transport: str = "shm"
     stock_files: bool = False      # protocol.STOCK_FILES: torch's exact files, no records
-    cuda_specs: list | None = None
+    cuda_specs: list | None = None  # per buffer: a CUDA IPC spec (daemon copies) or None
     copiers: tuple = ()            # who fills the extent (holds on it until they report)
     session: str | None = None     # local parts: the session and iteration
     iteration: int | None = None
@@ -105,6 +104,18 @@ class SaveRequest:
     def bytes_total(self) -> int:
         """Bytes this request stages."""
         return sum(b[2] for b in self.buffers)
+
+    @property
+    def transport_bytes(self) -> dict:
+        """Bytes copied by the trainer through shared memory, and by the daemon from CUDA."""
+        specs = self.cuda_specs or [None] * len(self.buffers)
+        cuda = sum(b[2] for b, spec in zip(self.buffers, specs) if spec is not None)
+        return {"shm": self.bytes_total - cuda, "cuda": cuda}
+
+    def transport_summary(self) -> str:
+        """How the bytes travel, for log lines."""
+        moved = self.transport_bytes
+        return ", ".join(f"{k} {v} bytes" for k, v in moved.items() if v) or "empty"
 
     @property
     def error(self) -> str | None:
@@ -133,14 +144,15 @@ class SaveRequest:
             "phase": self.phase, "bytes_total": self.bytes_total,
             "bytes_written": self.bytes_written, "created_at": self.created_at,
             "staged_at": self.staged_at, "finished_at": self.finished_at,
-            "error": self.error,
+            "error": self.error, "transport_bytes": self.transport_bytes,
             "replication": self.replicas.to_wire() if self.replicas is not None else None,
         }
 
     def poll_entry(self) -> dict:
         """What ``poll`` answers about this request."""
         entry = {"phase": self.phase, "bytes_total": self.bytes_total,
-                 "bytes_written": self.bytes_written, "error": self.error, "errors": self.errors}
+                 "bytes_written": self.bytes_written, "error": self.error, "errors": self.errors,
+                 "transport_bytes": self.transport_bytes}
         if self.phase == Phase.DONE:
             entry["written"] = self.written
         if self.replicas is not None:

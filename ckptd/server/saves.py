@@ -58,39 +58,56 @@ class SaveService:
 
     # ------------------------------------------------------------------ handlers
     def on_stage(self, call: Call, body: Stage):
-        """Reserve staging space (or queue for it); CUDA saves start the device copy."""
+        """Reserve staging space (or queue for it, back-pressure) and start filling it.
+
+        The trainer copies its CPU buffers into the extent it is answered with; buffers
+        described by a CUDA IPC spec are copied by the daemon's stager (mixed transport:
+        one request, both copiers), starting as soon as the extent is leased.
+        """
+        try:
+            request = self._admit(call, body)
+        except RequestError:
+            if body.cuda and self.daemon.cuda is not None:  # handed over, never to be opened
+                self.daemon.cuda.release(body.cuda)
+            raise
+        if request.phase == Phase.WAITING_FOR_POOL:
+            request.pending_reply = call
+            return DEFERRED
+        self._start_device_copy(request)
+        log.info("request %d (rank %d) staging %d bytes for %s (%s)", request.id, request.rank,
+                 request.bytes_total, request.path, request.transport_summary())
+        return self._extent_reply(request)
+
+    def _admit(self, call: Call, body: Stage) -> SaveRequest:
         rank = self.ranks.of(call.identity)
         if self.daemon.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
                                "the save was not started; retry once a daemon is running")
         request = self._new_request(rank, body)
-        cuda = request.transport == "cuda"
-        if cuda:
+        copiers = self._copiers_of(request)
+        if DEVICE_COPY in copiers:
             self._check_cuda(request)
         try:
-            leased = self.lifecycle.admit(request, (DEVICE_COPY,) if cuda else (CLIENT_COPY,),
-                                          may_wait=not cuda)
+            self.lifecycle.admit(request, copiers)
         except PoolTooSmallError as exc:
             raise RequestError(ErrorCode.POOL_TOO_SMALL, f"rank {rank.rank}: {exc}",
                                "or save fewer bytes per rank at once") from None
         self.daemon.note_busy()
-        if cuda:
-            request.pending_reply = call
-            self._copy_from_device(request)
-            return DEFERRED
-        if not leased:
-            request.pending_reply = call
-            return DEFERRED
-        log.info("request %d (rank %d) staging %d bytes for %s", request.id, rank.rank,
-                 request.bytes_total, request.path)
-        return self._extent_reply(request)
+        return request
+
+    @staticmethod
+    def _copiers_of(request: SaveRequest) -> tuple[str, ...]:
+        """Who fills the extent: the trainer (buffers without a spec; also an empty
+        save, which the trainer confirms), the CUDA stager (buffers with one), or both."""
+        specs = request.cuda_specs or [None] * len(request.buffers)
+        device = any(spec is not None for spec in specs)
+        client = any(spec is None for spec in specs) or not specs
+        return ((CLIENT_COPY,) if client else ()) + ((DEVICE_COPY,) if device else ())
 
     def _check_cuda(self, request: SaveRequest) -> None:
         if self.daemon.cuda is None:
             raise RequestError(ErrorCode.BAD_REQUEST, "this daemon has no CUDA device",
                                "send CPU copies through the staging pool instead")
-        if not isinstance(request.cuda_specs, list) or len(request.cuda_specs) != len(request.buffers):
-            raise RequestError(ErrorCode.BAD_REQUEST, "'cuda' must describe every buffer, in order")
 
     def _new_request(self, rank: RankInfo, body: Stage) -> SaveRequest:
         try:
@@ -105,8 +122,7 @@ class SaveService:
             id=self.table.new_id(), rank=rank.rank, identity=rank.identity, format=body.format,
             path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
             skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
-            transport=body.transport, cuda_specs=body.cuda, session=body.session,
-            iteration=body.iteration,
+            cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
             stock_files=body.format == SaveFormat.DCP and body.stock_files)
 
     @staticmethod
@@ -122,13 +138,24 @@ class SaveService:
                                "was the daemon restarted? save again")
         return request
 
-    def on_staged(self, call: Call, body: Staged) -> dict:
-        """The trainer copied its tensors in: start writing."""
+    def on_staged(self, call: Call, body: Staged):
+        """The trainer copied its buffers in; answered once every byte is staged (a device
+        copy of the same request may still be running), or the save failed."""
         request = self._own_request(call.identity, body.request_id)
-        if request.phase != Phase.STAGING:
+        if request.finished:
+            raise RequestError(ErrorCode.ABORTED if request.phase == Phase.ABORTED
+                               else ErrorCode.INTERNAL,
+                               request.error or f"request {request.id} was {request.phase}",
+                               "the save did not happen; save again")
+        if request.phase != Phase.STAGING and request.phase != Phase.WRITING \
+                and request.phase != Phase.REPLICATING:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"request {request.id} is {request.phase}, not staging")
-        self.lifecycle.copied(request, CLIENT_COPY)
+        if request.lease.has(CLIENT_COPY):
+            self.lifecycle.copied(request, CLIENT_COPY)
+        if request.phase == Phase.STAGING:  # the device copy answers it (staged())
+            request.pending_reply = call
+            return DEFERRED
         return {"request_id": request.id, "phase": request.phase}
 
     def on_poll(self, call: Call, body: Poll) -> dict:
@@ -206,10 +233,17 @@ class SaveService:
 
     # ------------------------------------------------------------------ SaveEffects
     def space_granted(self, request: SaveRequest) -> None:
-        """A queued request got its extent: answer its STAGE."""
+        """A queued request got its extent: answer its STAGE, start its device copy."""
         call, request.pending_reply = request.pending_reply, None
+        self._start_device_copy(request)
         if call is not None:
             call.reply(self._extent_reply(request))
+
+    def staged(self, request: SaveRequest) -> None:
+        """Every byte is in the extent: answer a STAGED that waited for the device copy."""
+        call, request.pending_reply = request.pending_reply, None
+        if call is not None:
+            call.reply({"request_id": request.id, "phase": request.phase})
 
     def write(self, request: SaveRequest) -> int:
         """Submit a staged request's writer jobs; returns how many."""
@@ -225,6 +259,15 @@ class SaveService:
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop an aborted local part's pushes."""
         self.daemon.local.cancel_replication(request)
+
+    def cancel_device_copy(self, request: SaveRequest) -> None:
+        """An aborted or failed save's device copy: stop it, or release its handles."""
+        if self.daemon.cuda is None:
+            return
+        if request.lease is None:  # still queued for space: its copy never started
+            self.daemon.cuda.release(request.cuda_specs)
+        else:
+            self.daemon.cuda.cancel(request.id)
 
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote."""
@@ -268,7 +311,9 @@ class SaveService:
         return on_done
 
     # ------------------------------------------------------------------ device copies
-    def _copy_from_device(self, request: SaveRequest) -> None:
+    def _start_device_copy(self, request: SaveRequest) -> None:
+        if DEVICE_COPY not in request.copiers:
+            return
         from ckptd.staging.cuda import CudaJob
 
         rank = self.ranks.of(request.identity)
@@ -278,9 +323,5 @@ class SaveService:
     def on_device_copied(self, result) -> None:
         """A :class:`ckptd.staging.cuda.CudaStaged` arrived from the stager."""
         request = self.table.find(result.request_id)
-        if request is None:
-            return
-        self.lifecycle.copied(request, DEVICE_COPY, result.error)
-        call, request.pending_reply = request.pending_reply, None
-        if call is not None:  # failures were answered by the lifecycle
-            call.reply({"request_id": request.id, "phase": request.phase})
+        if request is not None:
+            self.lifecycle.copied(request, DEVICE_COPY, result.error)

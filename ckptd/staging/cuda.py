@@ -1,12 +1,28 @@
-"""Staging CUDA tensors of trainers: open their IPC handles, copy device-to-host.
+"""Staging CUDA tensors of trainers: open their IPC handles, copy device-to-host, in order.
 
-Owns the daemon's CUDA side: the page-locked registration of the staging pool, a CUDA
-context on each device before a handle is opened, device matching by UUID, the cache of
-opened mappings per trainer process (reused across saves, dropped when a save no longer
-names them or the trainer goes away), and a worker thread that does the copies so the
-serve loop keeps answering. Jobs and results are typed (:class:`CudaJob`,
-:class:`CudaStaged`) and cross threads through :class:`ckptd.mailbox.Mailbox` es; the
-stager never sees a request object. Only loaded when the node has an NVIDIA driver.
+Owns the daemon's CUDA side:
+
+- one worker thread and one persistent copy stream per visible device, with the CUDA
+  context created at daemon start (not inside the first save); devices are matched by
+  UUID, since the trainer's ``CUDA_VISIBLE_DEVICES`` may differ from ours;
+- stream order: each save carries, per device, an inter-process event the trainer
+  recorded on its current stream; the copy stream waits on it before copying, so the copy
+  sees the values the trainer's queued kernels produce, whether the mapping is new or
+  cached;
+- the cache of opened mappings per trainer process: a storage is kept mapped only when
+  two consecutive saves used it (parameters, optimizer state), so the trainer's
+  temporaries are not pinned until the next save; mappings of a trainer that went away
+  are dropped;
+- IPC reference counters: a description that is never opened (the save was refused,
+  aborted while queued, or failed first) has its counter released, so the trainer's
+  freed blocks do not stay in torch's sent-data limbo; events the daemon opened are
+  destroyed with the save;
+- safety: every copy is synchronized (also when one fails) before the extent's hold is
+  dropped, so a reused extent is never still being written by the GPU.
+
+Jobs and results are typed (:class:`CudaJob`, :class:`CudaStaged`); results cross to the
+serve loop through a :class:`ckptd.mailbox.Mailbox`. The stager never sees a request
+object. Only loaded when the node has an NVIDIA driver; exercised by ``tests/gpu``.
 """
 
 from __future__ import annotations
@@ -33,7 +49,7 @@ class CudaJob:
     base: int       # the extent's offset in the pool
     offsets: list   # of each buffer, relative to ``base``
     buffers: list   # [dtype, shape, nbytes] as the request declared them
-    specs: list     # the client's IPC descriptions, one per buffer
+    specs: list     # per buffer: the client's IPC description, or None (trainer copies it)
     pid: int        # the trainer process that exported the handles
 
 
@@ -46,15 +62,123 @@ class CudaStaged:
 
 
 @dataclass(frozen=True)
-class _ForgetProcess:
+class _Part:
+    """The share of one job that one device copies."""
+
+    job: CudaJob
+    indices: list
+
+
+@dataclass(frozen=True)
+class _Forget:
     pid: int
 
 
 _STOP = object()
 
 
+def never_opened(specs: list, indices: list, opened: set) -> list:
+    """The descriptions among ``specs[indices]`` whose handle was not opened: their IPC
+    reference counters are still held for us and must be released."""
+    return [specs[i] for i in indices if specs[i] is not None and i not in opened]
+
+
+class _DeviceWorker:
+    """The thread and copy stream of one device."""
+
+    def __init__(self, stager: "CudaStager", device: int) -> None:
+        torch = stager.torch
+        self.stager, self.device, self.torch = stager, device, torch
+        torch.cuda.set_device(device)  # the context exists before any handle is opened
+        self.stream = torch.cuda.Stream(device)
+        self._mapped: dict[int, dict] = {}     # trainer pid -> {key: storage} kept mapped
+        self._last_used: dict[int, set] = {}   # trainer pid -> keys of its previous save
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"ckptd-cuda-{device}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.torch.cuda.set_device(self.device)
+        while True:
+            item = self.jobs.get()
+            if item is _STOP:
+                return
+            if isinstance(item, _Forget):
+                self._mapped.pop(item.pid, None)
+                self._last_used.pop(item.pid, None)
+                continue
+            opened: set = set()
+            error = None
+            try:
+                if self.stager.is_cancelled(item.job.request_id):
+                    raise InterruptedError("the save was aborted before its copy started")
+                self._copy(item, opened)
+            except Exception as exc:  # reported to the trainer, never kills the thread
+                if not isinstance(exc, InterruptedError):
+                    log.exception("CUDA staging of request %d on device %d failed",
+                                  item.job.request_id, self.device)
+                error = f"CUDA staging failed on the daemon: {type(exc).__name__}: {exc}"
+            finally:
+                self.stream.synchronize()  # nothing may still write the extent
+                self._release_counters(never_opened(item.job.specs, item.indices, opened))
+            self.stager.part_done(item.job, error)
+
+    def _copy(self, part: _Part, opened: set) -> None:
+        torch, job = self.torch, part.job
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        ready_events = {}
+        used: dict = {}
+        cached = self._mapped.get(job.pid, {})
+        for index in part.indices:
+            spec, offset, (_, _, expected) = job.specs[index], job.offsets[index], job.buffers[index]
+            if spec.get("dtype") not in protocol.BUFFER_DTYPES or spec["dtype"] == "bytes":
+                raise ValueError(f"unsupported dtype {spec.get('dtype')!r} in a CUDA IPC description")
+            handle = spec["ready_event"]
+            if handle not in ready_events:  # order the copy after the trainer's kernels
+                event = torch.cuda.Event.from_ipc_handle(self.device, handle)
+                self.stream.wait_event(event)
+                ready_events[handle] = event
+            key = (spec["handle"], spec["storage_offset"])
+            dtype = getattr(torch, spec["dtype"])
+            with torch.cuda.stream(self.stream):
+                source = rebuild_cuda_tensor(
+                    torch.Tensor, spec["size"], spec["stride"], spec["offset"],
+                    torch.UntypedStorage, dtype, self.device, spec["handle"], spec["storage_size"],
+                    spec["storage_offset"], False, spec["ref_counter_handle"],
+                    spec["ref_counter_offset"], spec["event_handle"], False)
+            opened.add(index)
+            used[key] = cached.get(key) or source.untyped_storage()
+            nbytes = source.numel() * source.element_size()
+            if nbytes != expected:
+                raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {expected} "
+                                 "bytes the request declared; refusing to write past its extent")
+            start = job.base + offset
+            destination = self.stager.pool_tensor[start:start + nbytes].view(dtype).view(source.shape)
+            with torch.cuda.stream(self.stream):
+                destination.copy_(source, non_blocking=self.stager.pool.registered_with_cuda)
+        self.stream.synchronize()
+        # Keep mapped only what two consecutive saves used (parameters, optimizer state):
+        # a temporary of the trainer is unmapped right away instead of pinned.
+        previous = self._last_used.get(job.pid, set())
+        self._mapped[job.pid] = {k: v for k, v in used.items() if k in previous}
+        self._last_used[job.pid] = set(used)
+        ready_events.clear()  # the opened events are destroyed with their objects
+
+    def _release_counters(self, specs: list) -> None:
+        for spec in specs:
+            try:
+                self.torch.UntypedStorage._release_ipc_counter_cuda(  # noqa: SLF001
+                    spec["ref_counter_handle"], spec["ref_counter_offset"])
+            except Exception as exc:  # a counter file already gone: its trainer is gone too
+                log.debug("could not release an IPC counter: %s", exc)
+
+
 class CudaStager:
-    """Copies trainers' CUDA tensors into the staging pool on a worker thread."""
+    """Copies trainers' CUDA tensors into the staging pool, one worker per device.
+
+    Results arrive in :attr:`results`: poll ``results.doorbell``, then ``results.drain``.
+    """
 
     @classmethod
     def create_if_available(cls, pool) -> "CudaStager | None":
@@ -76,82 +200,74 @@ class CudaStager:
         self.pool_tensor = torch.frombuffer(pool._map, dtype=torch.uint8)
         self.devices = {str(torch.cuda.get_device_properties(i).uuid): i
                         for i in range(torch.cuda.device_count())}
-        self._opened: dict[int, dict] = {}  # trainer pid -> {(handle, offset): storage}
-        # Jobs wait in a plain queue (the stager thread blocks on it); results go back to
-        # the serve loop through a mailbox it polls.
-        self._jobs: queue.Queue = queue.Queue()
-        #: Results for the serve loop: poll ``results.doorbell``, then ``results.drain``.
+        self.workers = {index: _DeviceWorker(self, index) for index in self.devices.values()}
         self.results = Mailbox(zmq.Context.instance(), "cuda-staged")
-        self._thread = threading.Thread(target=self._run, name="ckptd-cuda-staging", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # workers finish parts concurrently
+        self._pending: dict[int, list] = {}  # request id -> [parts left, first error]
+        self._cancelled: set[int] = set()
 
     def submit(self, job: CudaJob) -> None:
-        """Queue a device-to-host copy; a :class:`CudaStaged` comes back in :attr:`results`."""
-        self._jobs.put(job)
+        """Queue a job; its parts go to the workers of their devices."""
+        parts: dict[int, list] = {}
+        unknown = []
+        for index, spec in enumerate(job.specs):
+            if spec is None:
+                continue
+            device = self.devices.get(spec.get("device_uuid"))
+            (parts.setdefault(device, []) if device is not None else unknown).append(index)
+        if unknown:
+            self._release_now([s for s in job.specs if s is not None])
+            with self._lock:
+                self.results.post(CudaStaged(job.request_id, (
+                    f"the trainer's GPU {job.specs[unknown[0]].get('device_uuid')} is not "
+                    "visible to the daemon; give ckptd the same devices (CUDA_VISIBLE_DEVICES)")))
+            return
+        with self._lock:
+            self._pending[job.request_id] = [len(parts), None]
+        for device, indices in parts.items():
+            self.workers[device].jobs.put(_Part(job, indices))
+
+    def cancel(self, request_id: int) -> None:
+        """The save was aborted: parts not started yet open nothing."""
+        with self._lock:
+            if request_id in self._pending:
+                self._cancelled.add(request_id)
+
+    def is_cancelled(self, request_id: int) -> bool:
+        """Whether the save was aborted (workers check before opening handles)."""
+        with self._lock:
+            return request_id in self._cancelled
+
+    def part_done(self, job: CudaJob, error: str | None) -> None:
+        """A worker finished its part; the last one reports the job."""
+        with self._lock:
+            state = self._pending.get(job.request_id)
+            if state is None:
+                return
+            state[0] -= 1
+            state[1] = state[1] or error
+            if state[0]:
+                return
+            del self._pending[job.request_id]
+            self._cancelled.discard(job.request_id)
+            self.results.post(CudaStaged(job.request_id, state[1]))
+
+    def release(self, specs: list) -> None:
+        """Release the counters of descriptions the daemon will never open (a refused save)."""
+        self._release_now([s for s in specs if s is not None])
+
+    def _release_now(self, specs: list) -> None:
+        next(iter(self.workers.values()))._release_counters(specs)
 
     def forget_process(self, pid: int) -> None:
         """Drop the mappings opened for a trainer that went away."""
-        self._jobs.put(_ForgetProcess(pid))
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            if isinstance(job, _ForgetProcess):
-                self._opened.pop(job.pid, None)
-                continue
-            try:
-                self._stage(job)
-                error = None
-            except Exception as exc:  # reported to the trainer, never kills the thread
-                log.exception("CUDA staging of request %d failed", job.request_id)
-                error = f"CUDA staging failed on the daemon: {type(exc).__name__}: {exc}"
-            self.results.post(CudaStaged(job.request_id, error))
-
-    def _stage(self, job: CudaJob) -> None:
-        torch = self.torch
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        cache = self._opened.setdefault(job.pid, {})
-        used = {}
-        base = job.base
-        streams = {}
-        for spec, offset, (_, _, expected_nbytes) in zip(job.specs, job.offsets, job.buffers):
-            device = self.devices.get(spec["device_uuid"])
-            if device is None:
-                raise RuntimeError(f"the trainer's GPU {spec['device_uuid']} is not visible to "
-                                   "the daemon; give ckptd the same devices (CUDA_VISIBLE_DEVICES)")
-            if spec.get("dtype") not in protocol.BUFFER_DTYPES or spec["dtype"] == "bytes":
-                raise ValueError(f"unsupported dtype {spec.get('dtype')!r} in a CUDA IPC description")
-            torch.cuda.set_device(device)  # a context must exist before opening the handle
-            key = (spec["handle"], spec["storage_offset"])
-            dtype = getattr(torch, spec["dtype"])
-            source = rebuild_cuda_tensor(
-                torch.Tensor, spec["size"], spec["stride"], spec["offset"], torch.UntypedStorage,
-                dtype, device, spec["handle"], spec["storage_size"], spec["storage_offset"], False,
-                spec["ref_counter_handle"], spec["ref_counter_offset"], spec["event_handle"],
-                spec["event_sync_required"])
-            used[key] = source.untyped_storage()
-            nbytes = source.numel() * source.element_size()
-            if nbytes != expected_nbytes:
-                raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {expected_nbytes} "
-                                 "bytes the request declared; refusing to write past its extent")
-            if nbytes:
-                start = base + offset
-                destination = self.pool_tensor[start:start + nbytes].view(dtype).view(source.shape)
-                stream = streams.setdefault(device, torch.cuda.Stream(device))
-                with torch.cuda.stream(stream):
-                    destination.copy_(source, non_blocking=self.pool.registered_with_cuda)
-        for stream in streams.values():
-            stream.synchronize()
-        # Keep only what this save used: a handle the trainer no longer sends belongs to
-        # an allocation it freed or replaced.
-        cache.clear()
-        cache.update(used)
+        for worker in self.workers.values():
+            worker.jobs.put(_Forget(pid))
 
     def close(self) -> None:
-        """Stop the worker thread and close the result mailbox."""
-        self._jobs.put(_STOP)
-        self._thread.join(timeout=5)
+        """Stop the workers and close the result mailbox."""
+        for worker in self.workers.values():
+            worker.jobs.put(_STOP)
+        for worker in self.workers.values():
+            worker.thread.join(timeout=5)
         self.results.close()

@@ -20,6 +20,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
+from ckptd import knobs
 from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class StagingPool:
     _waiters: deque = field(default_factory=deque)
     _map: mmap.mmap | None = None
     registered_with_cuda: bool = False
+    _registered: list = field(default_factory=list)  # page-locked chunk addresses
 
     def __post_init__(self) -> None:
         self.size = align_up(self.size, EXTENT_ALIGNMENT)
@@ -204,23 +206,53 @@ class StagingPool:
         return memoryview(self._map)[extent.offset:extent.offset + extent.length]
 
     def register_with_cuda(self) -> None:
-        """Page-lock the pool so device-to-host copies run at full speed."""
+        """Page-lock the pool so device-to-host copies run at full speed.
+
+        Registered in chunks of :data:`ckptd.knobs.CUDA_REGISTER_CHUNK_BYTES` (single
+        registrations of hundreds of GiB fail on recent drivers); a failure clears CUDA's
+        sticky error and leaves the pool pageable (slower copies, still correct).
+        """
         import ctypes
+        import time
 
         import torch
 
         buf = (ctypes.c_char * self.size).from_buffer(self._map)
         address = ctypes.addressof(buf)
         del buf
-        status = torch.cuda.cudart().cudaHostRegister(address, self.size, 0)
-        if int(status) != 0:
-            log.warning("cudaHostRegister of the %d-byte staging pool failed (status %s); "
-                        "device-to-host copies will be slower", self.size, status)
-            return
+        cudart, chunk = torch.cuda.cudart(), knobs.CUDA_REGISTER_CHUNK_BYTES.get()
+        started, registered = time.monotonic(), []
+        for start in range(0, self.size, chunk):
+            length = min(chunk, self.size - start)
+            status = cudart.cudaHostRegister(address + start, length, 0)
+            if int(status) != 0:
+                cudart.cudaGetLastError()  # clear it, or the next CUDA call reports it
+                for done, _ in registered:
+                    cudart.cudaHostUnregister(done)
+                log.warning("cudaHostRegister of the staging pool failed at byte %d (status %s); "
+                            "device-to-host copies will be slower", start, status)
+                return
+            registered.append((address + start, length))
+        self._registered = [a for a, _ in registered]
         self.registered_with_cuda = True
+        seconds = time.monotonic() - started
+        log.info("staging pool page-locked in %.2fs (%.2f s/GiB)", seconds,
+                 seconds / max(self.size / (1 << 30), 1e-9))
+
+    def unregister_from_cuda(self) -> None:
+        """Undo :meth:`register_with_cuda` (at shutdown)."""
+        if not self.registered_with_cuda:
+            return
+        import torch
+
+        cudart = torch.cuda.cudart()
+        for address in self._registered:
+            cudart.cudaHostUnregister(address)
+        self.registered_with_cuda = False
 
     def close(self) -> None:
         """Unmap and unlink the segment."""
+        self.unregister_from_cuda()
         if self._map is not None:
             try:
                 self._map.close()

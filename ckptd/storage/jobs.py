@@ -28,8 +28,8 @@ class WriteTorch(Body, message="write_torch"):
 class WriteItems(Body, message="write_items"):
     """Write items back to back into one file: DCP ``.distcp`` files and local parts.
 
-    Tensor items are ``torch.save``-d each (DCP's own layout); ``bytes`` items are copied
-    raw. The result's ``items`` records each item's ``[start, length]`` in the file.
+    Tensor items are one ``torch.save`` archive each (DCP's own layout); ``bytes`` items
+    are copied raw. The result's ``items`` records each item's ``[start, length]`` in the file.
     """
     path: str
     name: str

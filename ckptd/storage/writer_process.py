@@ -3,18 +3,19 @@
 Started by :class:`ckptd.storage.writer_pool.WriterPool` as
 ``python -m ckptd.storage.writer_process``. It maps the staging pool, tells the daemon it
 is ready, then executes jobs (:mod:`ckptd.storage.jobs`) received over a ZeroMQ PAIR
-socket: tensors are viewed in place in the pool (no copy), serialized into a
-:class:`ckptd.storage.durable.DurableFile`, and the result (size, crc32, item offsets, or
-the errno of the failure) goes back. A bad job never kills the writer; the writer exits
-when its daemon is gone, since nobody wants its results any more.
+socket: tensors are read in place in the pool (no copy), written in torch's file format by
+:mod:`ckptd.storage.torch_format` into a :class:`ckptd.storage.durable.DurableFile`, and the
+result (size, crc32, item offsets, or the errno of the failure) goes back. A bad job never
+kills the writer; the writer exits when its daemon is gone, since nobody wants its results
+any more.
 
-Only this process imports torch for writing; the daemon itself stays light.
+Must not import torch: every writer would carry ~150 MB of it for nothing, since the bytes
+are already in the pool and only torch's file format is needed (issue 11).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import errno as errno_mod
 import logging
@@ -25,11 +26,13 @@ import time
 
 import zmq
 
-from ckptd import protocol
+from ckptd import knobs, protocol
 from ckptd.checksum import ChecksumWriter
 from ckptd.storage.durable import write_file_atomically
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
                                 WriterReady, WriteResult, WriteTorch)
+from ckptd.storage.torch_format import (RawTensor, raw_tensor, write_tensor_file,
+                                        write_torch_file)
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +49,6 @@ class Writer:
     """
 
     def __init__(self, pool_path: str, pool_size: int) -> None:
-        import torch  # only writer processes pay for torch
-        import torch.utils.serialization  # not imported by `import torch` alone
-
-        # The zip records' own CRC would be a second checksum pass over every byte; the
-        # crc32 sidecar already covers the whole file, and torch.load does not need it.
-        torch.utils.serialization.config.save.compute_crc32 = False
-        self.torch = torch
         fd = os.open(pool_path, os.O_RDWR)
         try:
             self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
@@ -61,46 +57,49 @@ class Writer:
         self.handlers = {WriteTorch: self.write_torch, WriteItems: self.write_items,
                          WriteBytes: self.write_bytes}
 
-    def tensor_at(self, offset: int, nbytes: int, dtype: str, shape: list):
-        """A tensor whose storage is exactly the pool bytes at ``offset``: no copy."""
-        torch = self.torch
-        torch_dtype = getattr(torch, dtype)
-        if nbytes == 0:
-            return torch.empty(shape, dtype=torch_dtype)
-        raw = torch.frombuffer(self.pool, dtype=torch.uint8, count=nbytes, offset=offset)
-        return raw.view(torch_dtype).view(shape)
+    def pool_bytes(self, offset: int, nbytes: int) -> memoryview:
+        """The pool's bytes ``[offset, offset + nbytes)``, as a view: no copy."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(self.pool):
+            raise ValueError(f"bytes [{offset}, {offset + nbytes}) are outside the "
+                             f"{len(self.pool)}-byte staging pool")
+        return memoryview(self.pool)[offset:offset + nbytes]
+
+    def tensor_at(self, offset: int, nbytes: int, dtype: str, shape: list) -> RawTensor:
+        """The tensor whose bytes are the pool's at ``offset``."""
+        return raw_tensor(self.pool_bytes(offset, nbytes), dtype, shape)
 
     def write_torch(self, job: WriteTorch, frames: list) -> dict:
-        """One ``torch.save`` file of the skeleton filled with pool tensors."""
+        """One file ``torch.load(weights_only=True)`` reads: the skeleton, pool tensors."""
         tensors = [self.tensor_at(*spec) for spec in job.tensors]
-        obj = protocol.fill_skeleton(protocol.unpack_value(job.skeleton), tensors)
-        return write_file_atomically(job.path, lambda f: self.torch.save(obj, f))
-
-    @contextlib.contextmanager
-    def _zip_crc32(self, on: bool):
-        """Have torch.save compute its per-record CRC32 (stock bytes) inside the block."""
-        config = self.torch.utils.serialization.config.save
-        before, config.compute_crc32 = config.compute_crc32, on
-        try:
-            yield
-        finally:
-            config.compute_crc32 = before
+        skeleton = protocol.unpack_value(job.skeleton)
+        max_write = knobs.WRITEBACK_EVERY_BYTES.get()
+        return write_file_atomically(
+            job.path, lambda f: write_torch_file(f, skeleton, tensors, max_write=max_write))
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
-        """Items back to back; records where each one landed."""
+        """Items back to back; records where each one landed.
+
+        A tensor item is one complete torch archive, as DCP's ``FileSystemWriter`` writes
+        it (``torch.save(tensor, stream)``); with ``stock`` its zip records carry their
+        CRC-32, as torch computes them by default, so the file is torch's byte for byte.
+        """
         placements: list = []
+        max_write = knobs.WRITEBACK_EVERY_BYTES.get()
+        items = [(self.pool_bytes(offset, nbytes) if dtype == "bytes"
+                  else self.tensor_at(offset, nbytes, dtype, shape))
+                 for offset, nbytes, dtype, shape in job.items]
 
         def write_items(stream: ChecksumWriter) -> None:
-            for offset, nbytes, dtype, shape in job.items:
+            for item in items:
                 start = stream.tell()
-                if dtype == "bytes":
-                    stream.write(memoryview(self.pool)[offset:offset + nbytes])
-                else:
-                    self.torch.save(self.tensor_at(offset, nbytes, dtype, shape), stream)
+                if isinstance(item, RawTensor):
+                    write_tensor_file(stream, item, crc32=job.stock, max_write=max_write)
+                else:  # in slices, so writeback starts while a large part is written
+                    for offset in range(0, item.nbytes, max_write):
+                        stream.write(item[offset:offset + max_write])
                 placements.append([start, stream.tell() - start])
 
-        with self._zip_crc32(job.stock):
-            result = write_file_atomically(job.path, write_items, checksum=not job.stock)
+        result = write_file_atomically(job.path, write_items, checksum=not job.stock)
         result["items"] = placements
         return result
 
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--nice", type=int, default=0)
     args = parser.parse_args(argv)
-    die_with(args.parent_pid)  # first: importing torch below takes seconds
+    die_with(args.parent_pid)  # first: nothing below may outlive the daemon
     if args.nice:
         os.nice(args.nice)
     logging.basicConfig(level=args.log_level,

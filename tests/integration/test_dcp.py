@@ -144,3 +144,30 @@ def overwrite_in_place(rank, world_size, directory):
 def test_saving_again_into_the_same_directory_never_overwrites_referenced_files(daemon, tmp_path):
     directory = os.path.join(daemon.roots[0], "same")
     assert values(run_ranks(overwrite_in_place, 2, daemon.socket, tmp_path, args=(directory,))) == [True, True]
+
+
+@pytest.mark.parametrize("zero_stall", [False, True], ids=["default", "zero-stall"])
+def test_a_state_larger_than_the_pool_is_streamed_in_chunks(start_daemon, monkeypatch,
+                                                            zero_stall):
+    daemon = start_daemon(pool_size="12M")
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    state = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(6)}  # 6 x 4 MiB
+    path = os.path.join(daemon.roots[0], "big")
+    queue = AsyncCallsQueue()
+    request = dcp.async_save(state, path, zero_stall=zero_stall)
+    assert len(request.daemon_saves) >= 2, "24 MiB cannot go in one 12 MiB request"
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    DCP.load(loaded, storage_reader=FileSystemReader(path))
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    assert daemon.status()["pool"]["used_bytes"] == 0
+
+
+def test_one_tensor_larger_than_the_pool_is_refused_with_the_fix(start_daemon, monkeypatch):
+    from ckpt_client.errors import DaemonRequestError
+
+    daemon = start_daemon(pool_size="4M")
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    with pytest.raises(DaemonRequestError, match="--pool-size"):
+        dcp.async_save({"huge": torch.ones(2 << 20)}, os.path.join(daemon.roots[0], "x"))

@@ -80,10 +80,10 @@ def test_a_stage_body_is_checked_field_by_field_and_as_a_whole():
     good = {"format": "dcp", "path": "/ckpt/s", "buffers": [["float32", [2, 2], 16]],
             "files": [["__0_0.distcp", [0]]]}
     stage = protocol.Stage.from_wire(good)
-    assert stage.files == [["__0_0.distcp", [0]]] and stage.transport == "shm"
+    assert stage.files == [["__0_0.distcp", [0]]] and stage.cuda is None
     for field, bad in (("buffers", [["float32", [2], -1]]), ("buffers", [["object", [1], 8]]),
                        ("files", [[".metadata", [0]]]), ("files", [["a/b", [0]]]),
-                       ("format", "pickle"), ("transport", "tcp")):
+                       ("format", "pickle")):
         with pytest.raises(ProtocolError, match=f"'{field}'") as info:
             protocol.Stage.from_wire({**good, field: bad})
         assert info.value.code == ErrorCode.BAD_REQUEST
@@ -91,6 +91,10 @@ def test_a_stage_body_is_checked_field_by_field_and_as_a_whole():
         protocol.Stage.from_wire({**good, "files": [["f.distcp", [0, 1]]]})
     with pytest.raises(ProtocolError, match="needs 'iteration'"):
         protocol.Stage.from_wire({**good, "format": "local"})
+    with pytest.raises(ProtocolError, match="one entry .* per buffer"):
+        protocol.Stage.from_wire({**good, "cuda": []})
+    mixed = protocol.Stage.from_wire({**good, "cuda": [None]})
+    assert mixed.cuda == [None]
 
 
 def test_unknown_fields_are_ignored_so_a_newer_client_can_add_optional_ones():

@@ -52,10 +52,14 @@ class Effects:
 
     def __init__(self, jobs: int = 1, holders: tuple = ()) -> None:
         self.jobs, self.holders = jobs, list(holders)
-        self.granted, self.removed, self.cancelled = [], [], []
+        self.granted, self.removed, self.cancelled, self.staged_ids = [], [], [], []
+        self.device_cancelled = []
 
     def space_granted(self, request):
         self.granted.append(request.id)
+
+    def staged(self, request):
+        self.staged_ids.append(request.id)
 
     def write(self, request):
         return self.jobs
@@ -67,6 +71,9 @@ class Effects:
 
     def cancel_replication(self, request):
         self.cancelled.append(request.id)
+
+    def cancel_device_copy(self, request):
+        self.device_cancelled.append((request.id, request.lease is not None))
 
     def remove_outputs(self, request):
         self.removed.append(request.id)
@@ -201,7 +208,7 @@ def device_save(pool):
     """A save whose bytes the CUDA stager copies; its STAGE is answered when it is done."""
     table, fx, life = setup(pool)
     request = make(table)
-    life.admit(request, (DEVICE_COPY,), may_wait=False)
+    life.admit(request, (DEVICE_COPY,))
     request.pending_reply = call = Call()
     return life, request, call
 
@@ -210,6 +217,7 @@ def test_a_device_copy_keeps_the_extent_of_an_aborted_save_until_it_stops(pool):
     life, request, call = device_save(pool)
     life.abort(request, "trainer gone")
     assert call.answers == [("error", "aborted")] and pool.returned == []
+    assert life.effects.device_cancelled == [(request.id, True)], "the copy must be cancelled"
     life.copied(request, DEVICE_COPY)
     assert pool.returned == [request.lease.extent] and request.phase == Phase.ABORTED
 
@@ -226,20 +234,22 @@ def test_a_save_filled_by_two_copiers_writes_only_when_both_are_done(pool):
     request = make(table)
     life.admit(request, (CLIENT_COPY, DEVICE_COPY))
     life.copied(request, DEVICE_COPY)
-    assert request.phase == Phase.STAGING
+    assert request.phase == Phase.STAGING and fx.staged_ids == []
     life.copied(request, CLIENT_COPY)
-    assert request.phase == Phase.WRITING
+    assert request.phase == Phase.WRITING and fx.staged_ids == [request.id]
 
 
-def test_a_device_save_that_does_not_fit_is_refused_not_queued(pool):
-    from ckptd.server.endpoint import RequestError
-
+def test_a_device_save_that_does_not_fit_waits_like_any_other(pool):
     table, fx, life = setup(pool)
-    life.admit(make(table, 6 * UNIT))
-    refused = make(table, 4 * UNIT)
-    with pytest.raises(RequestError, match="does not queue"):
-        life.admit(refused, (DEVICE_COPY,), may_wait=False)
-    assert pool.waiting == 0 and table.get(refused.id) is None
+    first = make(table, 6 * UNIT)
+    life.admit(first)
+    queued = make(table, 4 * UNIT)
+    assert not life.admit(queued, (DEVICE_COPY,)) and queued.phase == Phase.WAITING_FOR_POOL
+    life.copied(first, CLIENT_COPY)
+    ok(life, first)
+    assert fx.granted == [queued.id] and queued.lease.holds == {DEVICE_COPY}
+    life.copied(queued, DEVICE_COPY)
+    assert queued.phase == Phase.WRITING and fx.staged_ids == [first.id, queued.id]
 
 
 def test_a_forgotten_request_is_still_found_until_its_extent_comes_back(pool):

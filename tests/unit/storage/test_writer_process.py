@@ -1,5 +1,6 @@
 """A writer's jobs, run in this process against a real pool file: files torch and DCP read."""
 
+import io
 import os
 
 import pytest
@@ -8,15 +9,6 @@ import torch
 from ckptd import protocol
 from ckptd.storage.jobs import WriteItems, WriteTorch
 from ckptd.storage.writer_process import Writer
-
-
-@pytest.fixture
-def writer(tmp_path):
-    path = f"/dev/shm/ckptd-test-writer-{os.getpid()}-{tmp_path.name}"
-    with open(path, "wb") as f:
-        f.truncate(1 << 20)
-    yield Writer(path, 1 << 20)
-    os.unlink(path)
 
 
 def put(writer: Writer, offset: int, tensor: torch.Tensor) -> list:
@@ -102,3 +94,58 @@ def test_hostile_bytes_on_the_writer_channel_are_answered_not_fatal(writer, tmp_
         daemon_side.close(linger=0)
         writer_side.close(linger=0)
         context.term()
+
+
+def torch_mapped(pid: int) -> list[str]:
+    """Files of torch's package mapped into process ``pid`` (its extension, libtorch)."""
+    package = os.path.dirname(torch.__file__)
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split()[-1] for line in f if package in line})
+
+
+def test_a_writer_process_writes_torch_and_dcp_files_without_importing_torch(
+        tmp_path, pool_path, writer):
+    import subprocess
+    import sys
+
+    import zmq
+
+    assert torch_mapped(os.getpid()), "the probe must see torch where it is imported"
+    a, b = torch.randn(3, 4), torch.arange(5, dtype=torch.int64)
+    specs = [put(writer, 0, a), put(writer, 4096, b)]  # into the pool the process maps
+    context = zmq.Context()
+    daemon_side = context.socket(zmq.PAIR)
+    port = daemon_side.bind_to_random_port("tcp://127.0.0.1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ckptd.storage.writer_process", "--endpoint",
+         f"tcp://127.0.0.1:{port}", "--parent-pid", str(os.getpid()), "--pool", pool_path,
+         "--pool-size", str(len(writer.pool))])
+    try:
+        assert daemon_side.poll(60_000), "the writer never said it was ready"
+        assert protocol.decode(daemon_side.recv_multipart()).type == "writer_ready"
+        skeleton = protocol.pack_value({"a": protocol.TensorRef(0), "b": [protocol.TensorRef(1)]})
+        jobs = [WriteTorch(str(tmp_path / "m.pt"), skeleton, specs, 100),
+                WriteItems(str(tmp_path / "x.distcp"), "x.distcp", specs, 100),
+                WriteItems(str(tmp_path / "s.distcp"), "s.distcp", specs, 100, stock=True)]
+        results = []
+        for number, job in enumerate(jobs):
+            daemon_side.send_multipart(protocol.encode(job.message_type, number, job.to_wire()))
+            assert daemon_side.poll(60_000), f"no result for {job.message_type}"
+            results.append(protocol.decode(daemon_side.recv_multipart()).body)
+        assert all(r["ok"] for r in results), results
+        assert torch_mapped(process.pid) == []
+        daemon_side.send_multipart(protocol.encode("stop", 0))
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        daemon_side.close(linger=0)
+        context.term()
+    loaded = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"][0], b)
+    for name, result in zip(("x.distcp", "s.distcp"), results[1:]):
+        data = (tmp_path / name).read_bytes()
+        items = [torch.load(io.BytesIO(data[start:start + length]), weights_only=True)
+                 for start, length in result["items"]]
+        assert torch.equal(items[0], a) and torch.equal(items[1], b)

@@ -1,0 +1,74 @@
+"""Turning a state dict into what the daemon stages: a msgpack skeleton and a list of buffers.
+
+The skeleton is the state dict's structure with every tensor replaced by a
+:class:`ckptd.protocol.TensorRef`; the buffers are the tensors (detached, never copied
+here) and raw byte items, each described as ``[dtype, shape, nbytes]``. Only plain values
+travel in the skeleton (dict, list, tuple, str, bytes, numbers, bool, None): nothing is
+pickled. Owns the rules for what can be saved; knows nothing of connections.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from ckptd import protocol
+from ckptd.protocol import TensorRef
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The protocol's name for a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in protocol.BUFFER_DTYPES:
+        raise TypeError(f"tensors of dtype {dtype} cannot be checkpointed through ckptd")
+    return name
+
+
+def plain_tensor(value: torch.Tensor, where: str) -> torch.Tensor:
+    """The tensor to stage for ``value``: detached, dense; subclasses are refused."""
+    if value.is_quantized or value.layout != torch.strided:
+        raise TypeError(f"{where}: {value.layout} / quantized tensors are not supported; "
+                        "convert them (e.g. .dequantize() or .to_dense()) before saving")
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(f"{where}: tensor subclass {type(value).__name__} is not supported; "
+                        "save its plain local tensor instead")
+    return value.detach()
+
+
+def flatten_state_dict(state_dict: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """Split a state dict into its msgpack skeleton and its tensors.
+
+    Raises
+    ------
+    TypeError
+        For values other than tensors, dicts, lists, tuples, str, bytes, int, float,
+        bool and None (naming the key where it was found).
+    """
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors.append(plain_tensor(value, where))
+            return TensorRef(len(tensors) - 1)
+        if isinstance(value, dict):
+            return {k: walk(v, f"{where}.{k}") for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            items = [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            return tuple(items) if isinstance(value, tuple) else items
+        if value is None or isinstance(value, (str, bytes, int, float, bool)):
+            return value
+        raise TypeError(f"state_dict{where} is a {type(value).__name__}, which ckptd cannot "
+                        "store without pickling; store it as a tensor or a plain value")
+
+    skeleton = walk(state_dict, "")
+    return protocol.pack_value(skeleton), tensors
+
+
+def describe(source: torch.Tensor | io.BytesIO | bytes) -> list:
+    """The ``[dtype, shape, nbytes]`` entry for one buffer."""
+    if isinstance(source, torch.Tensor):
+        return [dtype_name(source.dtype), list(source.shape), source.numel() * source.element_size()]
+    data = source.getbuffer() if isinstance(source, io.BytesIO) else memoryview(source)
+    return ["bytes", [data.nbytes], data.nbytes]

@@ -1,0 +1,168 @@
+"""Zero-stall saves: the call returns at once, and the snapshot is still exact.
+
+A zero-stall save queues its staging and returns; ``guard_optimizer`` makes the next
+``optimizer.step()`` wait until the bytes are in the daemon's pool. To make the window
+real (not a race the test hopes to win), staging is held by real back-pressure: the
+daemon's writers are paused while an earlier save fills the staging pool, so the zero-
+stall save cannot get its extent until the test lets the writers go. Meanwhile the
+optimizer step must be blocked, and afterwards the checkpoint must equal the parameters
+*before* the step, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as DCP
+from torch.distributed.checkpoint import FileSystemReader
+
+from conftest import wait_for
+from faults import writers_paused
+from multirank import collect, start_ranks, values
+
+from ckpt_client import (AsyncCallsQueue, CheckpointException, TorchAsyncCheckpoint, dcp,
+                         guard_optimizer)
+
+POOL = "12M"  # one 8 MiB model state fits, two do not
+
+
+def model_and_optimizer(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    step(model, optimizer)  # Adam state exists from here on
+    return model, optimizer
+
+
+def step(model, optimizer) -> None:
+    loss = model(torch.randn(8, 1024)).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def snapshot(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def phases(daemon) -> list[str]:
+    return [r["phase"] for r in daemon.status()["requests"]]
+
+
+def second_save_held_by_back_pressure(daemon, checkpoint, model, first, second) -> None:
+    """Fill the pool with ``first`` (writers paused), then start ``second``: it must wait."""
+    checkpoint.async_save(model.state_dict(), first, zero_stall=True)
+    checkpoint.wait_for_staging(timeout=60)  # the pool is now full until writers run
+    checkpoint.async_save(model.state_dict(), second, zero_stall=True)  # returns at once
+    wait_for(lambda: phases(daemon)[-1:] == ["waiting_for_pool"], 30, "back-pressure")
+
+
+@pytest.fixture
+def guarded(start_daemon, monkeypatch):
+    """A daemon with a small pool, a model, its guarded optimizer and a checkpointer."""
+    daemon = start_daemon(pool_size=POOL)
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    model, optimizer = model_and_optimizer()
+    checkpoint = TorchAsyncCheckpoint()
+    handle = guard_optimizer(optimizer, checkpoint)
+    return daemon, model, optimizer, checkpoint, handle
+
+
+def test_a_guarded_step_waits_for_staging_and_the_file_holds_the_pre_step_weights(guarded):
+    daemon, model, optimizer, checkpoint, handle = guarded
+    first, second = (os.path.join(daemon.roots[0], n) for n in ("first.pt", "second.pt"))
+    before = snapshot(model)
+    with writers_paused(daemon):
+        second_save_held_by_back_pressure(daemon, checkpoint, model, first, second)
+        with pytest.raises(TimeoutError):
+            checkpoint.wait_for_staging(timeout=0.2)
+        stepped = threading.Event()
+        worker = threading.Thread(target=lambda: (step(model, optimizer), stepped.set()))
+        worker.start()
+        assert not stepped.wait(1.0), "the optimizer stepped before the snapshot was staged"
+    worker.join(60)  # writers run: the first save frees the pool, the second stages
+    assert stepped.is_set()
+    checkpoint.finalize_async_save(blocking=True)
+    saved = torch.load(second, weights_only=True)
+    assert all(torch.equal(saved[k], before[k]) for k in before)
+    assert not all(torch.equal(model.state_dict()[k], before[k]) for k in before), \
+        "the step after the save must have changed the weights (else the test proves nothing)"
+    handle.remove()
+    assert not optimizer._optimizer_step_pre_hooks
+
+
+def test_the_guard_does_not_wait_when_staging_is_done(daemon, monkeypatch):
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    model, optimizer = model_and_optimizer()
+    queue = AsyncCallsQueue()
+    guard_optimizer(optimizer, queue)
+    queue.schedule_async_request(dcp.async_save(model.state_dict(),
+                                                os.path.join(daemon.roots[0], "s"),
+                                                zero_stall=True))
+    queue.wait_for_staging(timeout=60)
+    queue.wait_for_staging(timeout=0)  # already staged: returns at once, no TimeoutError
+    step(model, optimizer)
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert os.path.exists(os.path.join(daemon.roots[0], "s", ".metadata"))
+
+
+def test_a_daemon_that_dies_during_staging_fails_the_guarded_step_instead_of_hanging(guarded):
+    daemon, model, optimizer, checkpoint, _ = guarded
+    with writers_paused(daemon) as writers:
+        second_save_held_by_back_pressure(daemon, checkpoint, model,
+                                          *(os.path.join(daemon.roots[0], n) for n in ("a.pt", "b.pt")))
+        os.kill(daemon.pid, signal.SIGKILL)
+        daemon.process.wait()
+        with pytest.raises(CheckpointException, match="died"):
+            step(model, optimizer)
+        for pid in writers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def zero_stall_dcp_rank(rank, world_size, root, signals):
+    """Two zero-stall DCP saves; the second waits for pool space while writers are paused."""
+    import time
+
+    model, optimizer = model_and_optimizer(seed=rank)
+    # Per-rank keys: DCP would let only one rank write a tensor every rank has.
+    mine = lambda: {f"rank{rank}.{k}": v for k, v in model.state_dict().items()}
+    queue = AsyncCallsQueue()
+    guard_optimizer(optimizer, queue)
+    queue.schedule_async_request(dcp.async_save(mine(), os.path.join(root, "one"),
+                                                zero_stall=True))
+    step(model, optimizer)  # waits (guard) until "one" is staged
+    before = {k: v.detach().clone() for k, v in mine().items()}
+    started = time.monotonic()
+    queue.schedule_async_request(dcp.async_save(mine(), os.path.join(root, "two"),
+                                                zero_stall=True))
+    returned_after = time.monotonic() - started
+    open(os.path.join(signals, f"queued{rank}"), "w").close()
+    step(model, optimizer)  # must wait until "two" is staged
+    queue.maybe_finalize_async_calls(blocking=True)
+    loaded = {k: torch.zeros_like(v) for k, v in before.items()}
+    DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, "two")))
+    changed = not all(torch.equal(mine()[k], before[k]) for k in before)
+    return all(torch.equal(loaded[k], before[k]) for k in before), changed, returned_after
+
+
+def test_zero_stall_dcp_on_two_ranks_keeps_the_pre_step_snapshot(start_daemon, tmp_path):
+    daemon = start_daemon(pool_size="20M")  # both ranks' first saves fit, no more
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    with writers_paused(daemon):
+        processes, results = start_ranks(zero_stall_dcp_rank, 2, daemon.socket, tmp_path,
+                                         args=(daemon.roots[0], str(signals)))
+        wait_for(lambda: all((signals / f"queued{r}").exists() for r in range(2)), 120,
+                 "both ranks to queue their second save")
+        wait_for(lambda: phases(daemon).count("waiting_for_pool") >= 1, 30, "back-pressure")
+    outcomes = values(collect(processes, results, timeout=240))
+    for exact, changed, returned_after in outcomes:
+        assert exact, "the checkpoint must hold the weights from before the guarded step"
+        assert changed
