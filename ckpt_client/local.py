@@ -35,14 +35,13 @@ from pathlib import Path
 
 
 from ckptd import knobs, protocol
-from ckptd.checksum import ChecksumMismatchError
 from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
 from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.local_session import SessionRegistration
-from ckpt_client.parts import read_part, read_resident
+from ckpt_client.local_load import Latest, PartLoader, choose_latest
 from ckpt_client.flatten import describe, flatten_state_dict
 from ckpt_client.staging import RefusedSave, stage
 from ckpt_client.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
@@ -207,9 +206,7 @@ class LocalCheckpointManager:
         self._socket = socket
         self._session = SessionRegistration(session_id, self.root, repl_strategy)
         self._latest: int | None = None
-        self._holders: dict[int, list[str]] = {}
-        self._own_parts: dict[int, dict] = {}  # owner -> this node's inventory entry
-        self._incomplete: tuple | None = None  # (iteration, owners no node holds)
+        self._found = Latest()
         self.last_save_report: dict | None = None
         self.last_load_report: dict | None = None
 
@@ -337,77 +334,13 @@ class LocalCheckpointManager:
         failures = {r: e for r, _, e in gathered if e}
         if failures:
             raise CheckpointException("find_latest failed", failures)
-        holders: dict[tuple, list] = {}
-        committed: set = set()
-        seen: set = set()
-        for other, inv, _ in gathered:
-            node = inv["address"] or f"node of rank {other}"  # no peer socket: no sharing
-            if node in seen:
-                continue  # several ranks share a daemon
-            seen.add(node)
-            for part in inv["parts"]:
-                if part["committed"]:
-                    committed.add(part["iteration"])
-                if part["verified"]:
-                    holders.setdefault((part["iteration"], part["owner"]), []).append(node)
-        own = inventory["parts"]
-        self._own_parts, self._latest, self._incomplete = {}, -1, None
-        for iteration in sorted(committed, reverse=True):
-            lost = [o for o in range(world_size) if (iteration, o) not in holders]
-            if not lost:
-                self._latest = iteration
-                break
-            if self._incomplete is None:
-                self._incomplete = (iteration, lost)
-        if self._incomplete is not None and self._incomplete[0] > self._latest:
-            iteration, lost = self._incomplete
-            log.warning("rank %d: iteration %d was committed but no node holds a verified "
-                        "copy of the parts of ranks %s any more (every node of their clique "
-                        "lost them); falling back to %s", rank, iteration, lost,
-                        self._latest if self._latest >= 0 else "no local checkpoint")
-        if self._latest >= 0:
-            self._holders = {owner: self._session.order_holders(owner, holders[(self._latest, owner)])
-                             for owner in range(world_size)}
-            self._own_parts = {p["owner"]: p for p in own
-                               if p["iteration"] == self._latest and p["verified"]}
+        self._found = choose_latest(gathered, inventory, world_size, self._session.order_holders)
+        if self._found.missing_text():
+            log.warning("rank %d: %s; the latest complete one is %s", rank,
+                        self._found.missing_text(), self._found.iteration)
+        self._latest = self._found.iteration
         log.info("rank %d: latest complete local checkpoint: %d", rank, self._latest)
         return self._latest
-
-    def _fetch_own_part(self, rank: int, iteration: int, report: dict,
-                        damage: ChecksumMismatchError | None) -> tuple[str, list | None]:
-        """Have the daemon fetch this rank's part from a holder (a corrupted copy here is
-        set aside first); returns where it now is, and its identity as the daemon verified
-        it on arrival."""
-        own = self._session.address_of(rank)
-        holders = [h for h in self._holders.get(rank, []) if h != own]
-        if damage is not None and not holders:
-            raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {damage} (and no "
-                                        "other node holds a replica)")
-        log.info("rank %d: part of iteration %d %s here; fetching from %s", rank, iteration,
-                 "corrupted" if damage else "missing", holders)
-        reply = self._connection().call(
-            MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
-                                      "owner": rank, "holders": holders},
-            timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
-        if reply.get("moved_aside"):
-            log.warning("rank %d: the corrupted part was moved aside to %s (kept for "
-                        "inspection, never loaded)", rank, reply["moved_aside"])
-        report.update(source="peer", holder=reply.get("holder"), tried=reply.get("tried", []),
-                      moved_aside=reply.get("moved_aside"))
-        return reply["path"], reply.get("identity")
-
-    def _from_memory(self, rank: int, part: dict | None) -> tuple | None:
-        """This rank's part copied out of the daemon's staging pool, or None (not there, or
-        the memory changed since: the copy failed its checksum)."""
-        if not part or not part.get("resident"):
-            return None
-        try:
-            return read_resident(self._connection().pool, part["resident"],
-                                 f"rank {rank}'s part in the daemon's memory")
-        except (ChecksumMismatchError, ValueError, DaemonUnavailableError, OSError) as exc:
-            log.warning("rank %d: loading from the daemon's memory failed (%s); reading the "
-                        "part from disk", rank, exc)
-            return None
 
     def load(self) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (call on all ranks).
@@ -440,41 +373,19 @@ class LocalCheckpointManager:
             self.find_latest()
         rank, _ = rank_and_world()
         if self._latest < 0:
-            lost = ""
-            if self._incomplete is not None:
-                lost = (f"; iteration {self._incomplete[0]} was committed, but no node holds "
-                        f"the parts of ranks {self._incomplete[1]} any more (all the nodes of "
-                        "their clique lost them)")
+            missing = self._found.missing_text()
             raise FileNotFoundError(f"rank {rank}: no complete local checkpoint of session "
-                                    f"{self.session_id!r} under {self.root} on any node{lost}")
+                                    f"{self.session_id!r} under {self.root} on any node"
+                                    f"{'; ' + missing if missing else ''}")
         iteration, started = self._latest, time.monotonic()
         report = {"iteration": iteration, "source": "local_disk", "holder": None, "tried": [],
                   "moved_aside": None, "bytes": 0, "seconds": 0.0}
-        part = self._own_parts.get(rank)
-        loaded = self._from_memory(rank, part)
-        if loaded is not None:
-            report.update(source="daemon_memory", bytes=int(part["resident"]["size"]))
-        path, damage = (part or {}).get("path"), None
-        if loaded is None and path is not None:
-            try:
-                loaded = read_part(path, part.get("identity"))
-            except ChecksumMismatchError as exc:  # corrupted since find_latest: heal it
-                damage = exc
-                log.warning("rank %d: own part of iteration %d is corrupted (%s); fetching a "
-                            "verified copy from a peer", rank, iteration, exc)
-        if loaded is None:
-            path, identity = self._fetch_own_part(rank, iteration, report, damage)
-            try:
-                loaded = read_part(path, identity)
-            except ChecksumMismatchError as exc:
-                raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {exc}") from None
-        state_dict, header = loaded
+        loader = PartLoader(self.session_id, self._connection, self._session.address_of(rank))
+        state_dict, header, path = loader.load(rank, self._found, report)
         if header.get("owner") != rank or header.get("iteration") != iteration:
             raise ValueError(f"rank {header.get('owner')}'s part of iteration "
                              f"{header.get('iteration')} was found, not rank {rank}'s of "
                              f"{iteration} ({path or 'daemon memory'})")
-        if report["source"] != "daemon_memory":
-            report["bytes"] = os.path.getsize(path)
         report["seconds"] = time.monotonic() - started
         self.last_load_report = report
         restored = restore_from_part(state_dict)

@@ -296,8 +296,5 @@ class Daemon:
                   "free_bytes": pool.free_bytes, "waiting_requests": pool.waiting,
                   "pinned": pool.registered_with_cuda},
             writers=self.writers.describe(),
-            peers=self.local.peers_status(), local_checkpoints=self.local.checkpoints_status(),
-            replication=self.local.replication_status(),
-            redundancy=self.local.redundancy_status(),
-            memory_tier=self.local.memory_tier_status(),
+            **self.local.status_sections(),
         )

@@ -34,6 +34,7 @@ from ckptd.protocol import (Empty, ErrorCode, LocalCommit, LocalFetch, LocalInve
 from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDone, PartRef,
                                         Push, PushDone, SetPeers)
 from ckptd.replication.replicator import Replicator
+from ckptd.server import local_status
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.redundancy import RedundancyLedger
 from ckptd.server.requests import ReplicaSet, SaveRequest, host_name
@@ -311,42 +312,6 @@ class LocalService:
             self.replicator.command(CancelPush(request.id))
 
     # ------------------------------------------------------------------ status
-    def peers_status(self) -> list:
-        """Peer daemons and their health, for the status document."""
-        return list(self.replicator.snapshot["peers"]) if self.replicator is not None else []
-
-    def checkpoints_status(self) -> list:
-        """Local checkpoint parts held here (own and replicas), for the status document."""
-        if self.store is None:
-            return []
-        held = []
-        for session in self.store.sessions():
-            peers = self.sessions.get(session.session_id)
-            for part in self.store.inventory(session, verify=False):
-                entry = peers.entry_of(part["owner"]) if peers else None
-                kind = "unknown" if not entry else "own" if entry[0] == self.address else "replica"
-                if self.address is None:
-                    kind = "own"
-                resident = self.resident.lookup(session.session_id, part["owner"],
-                                                part["iteration"]) is not None
-                held.append({**part, "kind": kind, "resident": resident})
-        return held
-
-    def redundancy_status(self) -> list:
-        """Where the copies of this node's latest local parts are, for the status document."""
-        health = {p["address"]: p["health"] for p in self.peers_status()}
-        return self.redundancy.describe(health)
-
-    def memory_tier_status(self) -> dict:
-        """Local parts kept in the staging pool, for the status document."""
-        return self.resident.describe() if self.resident is not None else {"parts": 0, "bytes": 0}
-
-    def replication_status(self) -> dict:
-        """This daemon's peer address, key and the part streams in flight."""
-        if self.replicator is None:
-            return {"address": None, "public_key": None, "bulk_address": None,
-                    "encryption": None, "streams": []}
-        return {"address": self.address, "public_key": self.replicator.public_key,
-                "bulk_address": self.replicator.bulk_address,
-                "encryption": self.replicator.protection,
-                "streams": list(self.replicator.snapshot["streams"])}
+    def status_sections(self) -> dict:
+        """The status document's local-checkpoint sections (:mod:`.local_status`)."""
+        return local_status.sections(self)

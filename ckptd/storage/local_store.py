@@ -174,15 +174,22 @@ class LocalStore:
         """Whether every rank agreed this iteration's save succeeded (marker present)."""
         return os.path.exists(os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER))
 
-    def verify(self, path: str, use_cache: bool = True) -> bool:
-        """Whether ``path`` matches its checksum record (cached per size/mtime/inode)."""
+    def _identity_and_cache(self, path: str) -> tuple[tuple | None, tuple | None]:
+        """The file's current ``(size, mtime_ns, inode)`` (None if absent) and its cached
+        verification entry."""
         try:
             info = os.stat(path)
         except FileNotFoundError:
-            return False
-        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+            return None, None
         with self._lock:
             cached = self._verified.get(path)
+        return (info.st_size, info.st_mtime_ns, info.st_ino), cached
+
+    def verify(self, path: str, use_cache: bool = True) -> bool:
+        """Whether ``path`` matches its checksum record (cached per size/mtime/inode)."""
+        key, cached = self._identity_and_cache(path)
+        if key is None:
+            return False
         if use_cache and cached is not None and cached[:3] == key:
             return cached[3]
         try:
@@ -196,38 +203,23 @@ class LocalStore:
         return ok
 
     def note_verified(self, path: str, ok: bool = True) -> None:
-        """Record a verification done elsewhere (a part just written, or served)."""
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:
-            return
-        with self._lock:
-            self._verified[path] = (info.st_size, info.st_mtime_ns, info.st_ino, ok)
+        """Record a verification done elsewhere (a part just written, received, or served)."""
+        key, _ = self._identity_and_cache(path)
+        if key is not None:
+            with self._lock:
+                self._verified[path] = (*key, ok)
+
+    def cached_verification(self, path: str) -> bool | None:
+        """The last verification result of ``path`` if still current, else ``None``."""
+        key, cached = self._identity_and_cache(path)
+        return cached[3] if key is not None and cached is not None and cached[:3] == key else None
 
     def verified_identity(self, path: str) -> list | None:
         """``[size, mtime_ns, inode]`` of ``path`` as it was verified intact (still
         current), else ``None``: a reader whose open file has this identity reads the
         very bytes that were verified."""
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:
-            return None
-        key = (info.st_size, info.st_mtime_ns, info.st_ino)
-        with self._lock:
-            cached = self._verified.get(path)
-        return list(key) if cached is not None and cached == (*key, True) else None
-
-    def cached_verification(self, path: str) -> bool | None:
-        """The last verification result of ``path`` if still current, else ``None``."""
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:
-            return None
-        with self._lock:
-            cached = self._verified.get(path)
-        if cached is None or cached[:3] != (info.st_size, info.st_mtime_ns, info.st_ino):
-            return None
-        return cached[3]
+        key, cached = self._identity_and_cache(path)
+        return list(key) if key is not None and cached == (*key, True) else None
 
     def inventory(self, session: LocalSession, verify: bool = True) -> list[dict]:
         """Every clean part held for ``session``: iteration, owner, size, verified, committed.
