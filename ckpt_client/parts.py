@@ -3,17 +3,20 @@
 A part is a msgpack header (:func:`ckptd.protocol.decode_part_header`) followed by the raw
 bytes of its tensors; nothing is unpickled. Either way the bytes are copied once, into
 one fresh buffer, and every tensor is a view of it (a tensor whose offset does not suit
-its dtype is copied out alone):
+its dtype is copied out alone).
 
-- :func:`read_part` reads the file in one pass. When the daemon verified this very file
-  (same size, modification time and inode as it checked), its bytes are not checksummed
-  again: that is what lets a rank read its own part at the disk's raw rate. Otherwise
-  the crc32 is computed on a helper thread while the next piece is read, and compared
-  with the record beside the file at the end;
+The copy runs in pieces of :data:`PIECE_BYTES` on a few threads (reads, ``copy_`` and
+zlib's crc32 all release the GIL); a piece's crc32 is computed by the thread that just
+copied it, while it is hot, and the pieces' crc32 are folded in order
+(:func:`ckptd.checksum.crc32_combine`):
+
+- :func:`read_part` reads the file. When the daemon verified this very file (same size,
+  modification time and inode as it checked), its bytes are not checksummed again: that
+  is what lets a rank read its own part at the disk's raw rate. Otherwise the crc32 is
+  compared with the record beside the file at the end;
 - :func:`read_resident` copies a part the daemon keeps in its staging pool (the memory
-  tier) and checks the copy against the crc32 the daemon's writer recorded, on a helper
-  thread while the next piece is copied: shared memory that changed (reused for another
-  save, or scribbled on) is never loaded.
+  tier) and checks the copy against the crc32 the daemon's writer recorded: shared
+  memory that changed (reused for another save, or scribbled on) is never loaded.
 """
 
 from __future__ import annotations
@@ -28,41 +31,39 @@ from ckptd import protocol
 from ckptd.checksum import (Checksum, ChecksumMismatchError, check_matches, crc32_combine,
                             read_sidecar, verify_file)
 
-#: Bytes read or copied before their checksum is handed to the helper thread.
+#: Bytes each worker reads or copies (and checksums) at a time.
 PIECE_BYTES = 16 << 20
 _ELEMENT_SIZE = {name: (torch.empty(0, dtype=getattr(torch, name)).element_size()
                         if hasattr(torch, name) else 1) for name in protocol.BUFFER_DTYPES}
 
 
-class _Crc:
-    """crc32 of pieces handed over in order, computed on helper threads while the next
-    piece is read or copied (zlib releases the GIL); pieces are checksummed independently
-    and folded in order (:func:`ckptd.checksum.crc32_combine`), so several run at once."""
-
-    def __init__(self) -> None:
-        workers = max(1, min(4, (os.cpu_count() or 2) - 1))
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-crc")
-        self._pieces: list = []
-
-    def add(self, *views) -> None:
-        """Checksum these consecutive views (of one piece) as one run."""
-        self._pieces.append((sum(map(len, views)), self._pool.submit(_crc_of, views)))
-
-    def result(self) -> int:
-        try:
-            value = 0
-            for length, piece in self._pieces:
-                value = crc32_combine(value, piece.result(), length)
-            return value
-        finally:
-            self._pool.shutdown()
+def _in_pieces(total: int, piece) -> list:
+    """Run ``piece(start, end)`` over ``[0, total)`` in :data:`PIECE_BYTES` pieces on a few
+    threads; returns each piece's result, in order."""
+    bounds = [(start, min(start + PIECE_BYTES, total)) for start in range(0, total, PIECE_BYTES)]
+    if len(bounds) <= 1:
+        return [piece(start, end) for start, end in bounds]
+    workers = max(1, min(4, os.cpu_count() or 2, len(bounds)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-load") as pool:
+        return list(pool.map(lambda b: piece(*b), bounds))
 
 
-def _crc_of(views) -> int:
-    crc = 0
+def _crc_of(views) -> tuple[int, int]:
+    """(crc32, length) of consecutive views taken as one run."""
+    crc, length = 0, 0
     for view in views:
         crc = zlib.crc32(view, crc)
-    return crc
+        length += len(view)
+    return crc, length
+
+
+def _fold(first: tuple[int, int], pieces: list) -> tuple[int, int]:
+    """The crc32 and length of ``first`` followed by every ``(crc32, length)`` piece."""
+    crc, size = first
+    for piece_crc, length in pieces:
+        crc = crc32_combine(crc, piece_crc, length)
+        size += length
+    return crc, size
 
 
 def identity_of(fd: int) -> list:
@@ -155,20 +156,20 @@ def read_part(path: str, trusted: list | None = None) -> tuple[dict, dict]:
         shift = _best_shift(offsets, specs)
         buffer = torch.empty(shift + total, dtype=torch.uint8)
         view = memoryview(buffer.numpy())[shift:]
-        crc = _Crc() if check else None
-        if crc is not None:
-            crc.add(prefix[:data_offset])
-        done = 0
-        while done < total:
-            piece = view[done:done + PIECE_BYTES]
-            got = os.preadv(fd, [piece], data_offset + done)
-            if got <= 0:
-                raise ValueError(f"{path} is truncated at byte {data_offset + done}")
-            if crc is not None:
-                crc.add(piece[:got])
-            done += got
-    if crc is not None:
-        check_matches(path, Checksum(crc.result(), data_offset + total), expected)
+
+        def read_piece(start: int, end: int):
+            done = start
+            while done < end:
+                got = os.preadv(fd, [view[done:end]], data_offset + done)
+                if got <= 0:
+                    raise ValueError(f"{path} is truncated at byte {data_offset + done}")
+                done += got
+            return _crc_of([view[start:end]]) if check else None
+
+        pieces = _in_pieces(total, read_piece)
+    if check:
+        crc, size = _fold((zlib.crc32(prefix[:data_offset]), data_offset), pieces)
+        check_matches(path, Checksum(crc, size), expected)
     return _assemble(header, buffer, [shift + o for o in offsets], specs), header
 
 
@@ -201,16 +202,14 @@ def read_resident(pool: torch.Tensor, resident: dict, where: str) -> tuple[dict,
                                     "its pool")
     buffer = torch.empty(span, dtype=torch.uint8)
     copy, source = memoryview(buffer.numpy()), pool[base:base + span]
-    crc = _Crc()
-    piece_ends = sorted({min(p, span) for p in range(PIECE_BYTES, span + PIECE_BYTES, PIECE_BYTES)})
-    start = 0
-    for end in piece_ends:
+
+    def copy_piece(start: int, end: int) -> tuple[int, int]:
         buffer[start:end].copy_(source[start:end])
         # checksum the part's bytes of this piece, not the alignment gaps between them
-        crc.add(*(copy[max(o - base, start):min(o - base + n, end)] for o, n in items
-                  if max(o - base, start) < min(o - base + n, end)))
-        start = end
-    value, size = crc.result(), sum(n for _, n in items)
+        return _crc_of([copy[max(o - base, start):min(o - base + n, end)] for o, n in items
+                        if max(o - base, start) < min(o - base + n, end)])
+
+    value, size = _fold((0, 0), _in_pieces(span, copy_piece))
     if (value, size) != (int(resident["crc"]), int(resident["size"])):
         raise ChecksumMismatchError(f"{where}: the copy from the daemon's memory has crc32 "
                                     f"{value:08x} over {size} bytes, {int(resident['crc']):08x} "

@@ -205,15 +205,18 @@ class LocalService:
                 "parts": [{k: p[k] for k in ("iteration", "owner", "size", "verified", "committed",
                                              "path", "identity", "resident")} for p in parts]}
 
-    def on_local_commit(self, call: Call, body: LocalCommit) -> dict:
-        """Every rank's save of an iteration is durable: mark it, drop older iterations."""
+    def on_local_commit(self, call: Call, body: LocalCommit):
+        """Every rank's save of an iteration is durable: mark it, answer, then drop older
+        iterations (the trainer's finalize does not wait for files to be unlinked)."""
         rank = self.daemon.ranks.of(call.identity)
         session = self._session(body.session)
-        removed = self.store.commit(session, body.iteration)
+        older = self.store.commit(session, body.iteration, remove_older=False)
         self.resident.committed(session.session_id, body.iteration)
         log.info("rank %d committed iteration %d of session %r", rank.rank, body.iteration,
                  session.session_id)
-        return {"removed": removed}
+        call.reply({"removed": older})
+        self.store.remove_iterations(session, older)
+        return DEFERRED
 
     def on_local_fetch(self, call: Call, body: LocalFetch):
         """Fetch a part this node lacks from the holders, in the order the client gave."""

@@ -248,27 +248,37 @@ class LocalStore:
             remove_written(marker)
             fsync_directory(session.iteration_dir(iteration))
 
-    def commit(self, session: LocalSession, iteration: int) -> list[int]:
+    def commit(self, session: LocalSession, iteration: int, remove_older: bool = True) -> list[int]:
         """Mark ``iteration`` committed here, then remove every older iteration.
 
         Called after all ranks agreed that their saves of ``iteration`` are durable, so
         the older checkpoints are no longer the newest complete one anywhere.
 
+        Parameters
+        ----------
+        remove_older : bool
+            False: only mark it; the caller removes the older ones later
+            (:meth:`remove_iterations`), e.g. after answering the trainer.
+
         Returns
         -------
         list of int
-            The iterations removed.
+            The older iterations (removed, or to remove).
         """
         marker = os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER)
         write_small_file(marker, f"{iteration}\n".encode(), checksum=True)
-        removed = [old for old in self.iterations(session) if old < iteration]
-        for old in removed:
+        older = [old for old in self.iterations(session) if old < iteration]
+        if remove_older:
+            self.remove_iterations(session, older)
+        return older
+
+    def remove_iterations(self, session: LocalSession, iterations: list[int]) -> None:
+        """Remove whole iterations of ``session`` (older than a committed one)."""
+        for old in iterations:
             shutil.rmtree(session.iteration_dir(old), ignore_errors=True)
-        if removed:
+        if iterations:
             fsync_directory(session.directory)
-            log.info("session %r: iteration %d committed; removed iterations %s",
-                     session.session_id, iteration, removed)
-        return removed
+            log.info("session %r: removed iterations %s", session.session_id, iterations)
 
     def set_aside_if_corrupt(self, path: str) -> str | None:
         """Move a part that fails its checksum out of the way (kept, never loaded).
