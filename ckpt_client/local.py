@@ -5,20 +5,23 @@ The names and semantics mirror the reference's local checkpointing
 so training scripts can switch. What differs is *who* moves the bytes: ``save`` only
 stages this rank's tensors with its node's ckptd (one copy into shared memory); the
 daemon writes the part and, at the same time, streams it to the daemons of the rank's
-clique mates over CURVE-encrypted tcp. Training goes on meanwhile.
+clique mates over several authenticated (by default AES-256-GCM encrypted) tcp
+connections. Training goes on meanwhile, and the daemon keeps the latest committed part
+in memory for a trainer restarted on the node.
 
 Collectives (all over the trainers' default process group, so every rank must call
 ``save``, ``find_latest`` and ``load`` together, as in the reference):
 
 - the key exchange, on first use and whenever a daemon restarted: each rank asks its
-  daemon for (peer address, CURVE public key), the table is all-gathered, and each rank
-  hands it to its daemon together with the cliques; daemons accept no other keys;
+  daemon for (peer and bulk addresses, CURVE public key), the table is all-gathered, and
+  each rank hands it to its daemon together with the cliques; daemons accept no other
+  keys, on either path (:mod:`ckpt_client.local_session`);
 - completion of a save: one all-reduce agrees every rank's part is durable, then each
   rank's daemon marks the iteration committed and drops older ones;
 - ``find_latest``: each node's inventory (parts held, own or replica, verified against
   their checksums) is all-gathered; the newest committed iteration whose every part is
-  somewhere wins. ``load`` then reads the local part, or has the daemon fetch it from the
-  holders first.
+  somewhere wins. ``load`` then takes the part from the daemon's memory, this node's disk,
+  or has the daemon fetch it from the holders first (:mod:`ckpt_client.local_load`).
 
 Part files hold a msgpack header and raw tensor bytes (no pickle); only a
 ``TensorAwareStateDict`` subclass other than the basic one is stored pickled, as the

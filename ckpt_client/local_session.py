@@ -1,12 +1,15 @@
 """The key exchange of local checkpoints: every rank's daemon, known to every daemon.
 
-Before parts can be replicated, each daemon must know the address and CURVE public key of
-the daemons of its clique mates, and accept only those. The trainers carry that table
-over their own process group: each rank asks its daemon for (address, key), the table is
-all-gathered, and every rank hands its daemon the whole table and the cliques. A
-:class:`SessionRegistration` does that once per daemon incarnation (again after a daemon
-restarted) and keeps the table, which also orders the holders a part is fetched from
-(the shared :func:`ckptd.protocol.holder_order`).
+Before parts can be replicated, each daemon must know the addresses (control and bulk)
+and CURVE public key of the daemons of its clique mates, and accept only those. The
+trainers carry that table over their own process group: each rank asks its daemon for
+its entry, the table is all-gathered, checked (:func:`check_peer_table`: every daemon
+listens, all protect bulk bytes alike, none advertises a loopback address to another
+host), and every rank hands its daemon the whole table and the cliques. Only public keys
+travel: two daemons derive their bulk connection keys from their own secret and the
+other's public key. A :class:`SessionRegistration` does that once per daemon
+incarnation (again after a daemon restarted) and keeps the table, which also orders the
+holders a part is fetched from (the shared :func:`ckptd.protocol.holder_order`).
 """
 
 from __future__ import annotations
