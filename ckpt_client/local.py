@@ -5,20 +5,23 @@ The names and semantics mirror the reference's local checkpointing
 so training scripts can switch. What differs is *who* moves the bytes: ``save`` only
 stages this rank's tensors with its node's ckptd (one copy into shared memory); the
 daemon writes the part and, at the same time, streams it to the daemons of the rank's
-clique mates over CURVE-encrypted tcp. Training goes on meanwhile.
+clique mates over several authenticated (by default AES-256-GCM encrypted) tcp
+connections. Training goes on meanwhile, and the daemon keeps the latest committed part
+in memory for a trainer restarted on the node.
 
 Collectives (all over the trainers' default process group, so every rank must call
 ``save``, ``find_latest`` and ``load`` together, as in the reference):
 
 - the key exchange, on first use and whenever a daemon restarted: each rank asks its
-  daemon for (peer address, CURVE public key), the table is all-gathered, and each rank
-  hands it to its daemon together with the cliques; daemons accept no other keys;
+  daemon for (peer and bulk addresses, CURVE public key), the table is all-gathered, and
+  each rank hands it to its daemon together with the cliques; daemons accept no other
+  keys, on either path (:mod:`ckpt_client.local_session`);
 - completion of a save: one all-reduce agrees every rank's part is durable, then each
   rank's daemon marks the iteration committed and drops older ones;
 - ``find_latest``: each node's inventory (parts held, own or replica, verified against
   their checksums) is all-gathered; the newest committed iteration whose every part is
-  somewhere wins. ``load`` then reads the local part, or has the daemon fetch it from the
-  holders first.
+  somewhere wins. ``load`` then takes the part from the daemon's memory, this node's disk,
+  or has the daemon fetch it from the holders first (:mod:`ckpt_client.local_load`).
 
 Part files hold a msgpack header and raw tensor bytes (no pickle); only a
 ``TensorAwareStateDict`` subclass other than the basic one is stored pickled, as the
@@ -35,14 +38,13 @@ from pathlib import Path
 
 
 from ckptd import knobs, protocol
-from ckptd.checksum import ChecksumMismatchError
 from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
 from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
 from ckpt_client.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.local_session import SessionRegistration
-from ckpt_client.parts import read_part
+from ckpt_client.local_load import Latest, PartLoader, choose_latest
 from ckpt_client.flatten import describe, flatten_state_dict
 from ckpt_client.staging import RefusedSave, stage
 from ckpt_client.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
@@ -184,13 +186,17 @@ class LocalCheckpointManager:
     Attributes
     ----------
     last_save_report : dict or None
-        After a save finalized: ``iteration``, ``replicated_to`` (peer addresses that
-        hold the replica), ``failed`` (address -> reason) and ``reduced_redundancy``.
+        After a save finalized: ``iteration``, ``copies`` (the daemons holding a durable
+        copy of this rank's part: its own node's first, then each peer's),
+        ``wanted_copies`` (the replication factor), ``replicated_to`` (the peers among
+        them), ``failed`` (address -> reason) and ``reduced_redundancy``.
     last_load_report : dict or None
-        After ``load``: ``source`` (``"local_disk"`` or ``"peer"``), ``holder`` (the peer's
-        address when the bytes came from a peer, else ``None``), ``bytes`` and ``seconds``
-        of the load, ``iteration``, ``tried`` (holders that failed first, with the reason)
-        and ``moved_aside`` (where a corrupted own part was set aside, or ``None``).
+        After ``load``: ``source`` (``"daemon_memory"``: the node's daemon still held the
+        part in its staging pool; ``"local_disk"``; or ``"peer"``: fetched from another
+        node), ``holder`` (the peer's address when the bytes came from a peer, else
+        ``None``), ``bytes`` and ``seconds`` of the load, ``iteration``, ``tried`` (holders
+        that failed first, with the reason) and ``moved_aside`` (where a corrupted own part
+        was set aside, or ``None``).
     """
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike, session_id: str = "",
@@ -203,8 +209,7 @@ class LocalCheckpointManager:
         self._socket = socket
         self._session = SessionRegistration(session_id, self.root, repl_strategy)
         self._latest: int | None = None
-        self._holders: dict[int, list[str]] = {}
-        self._own_paths: dict[int, str] = {}
+        self._found = Latest()
         self.last_save_report: dict | None = None
         self.last_load_report: dict | None = None
 
@@ -281,9 +286,13 @@ class LocalCheckpointManager:
         """Every rank's part is durable: report replication, commit on this node."""
         replication = daemon_save.last.get("replication") or {}
         holders = replication.get("holders", {})
+        replicated_to = sorted(a for a, h in holders.items() if h["state"] == "done")
+        own = self._session.address_of(daemon_save.connection.rank) or "this node"
         self.last_save_report = {
             "iteration": iteration,
-            "replicated_to": sorted(a for a, h in holders.items() if h["state"] == "done"),
+            "copies": [own, *replicated_to],
+            "wanted_copies": 1 + int(replication.get("wanted") or 0),
+            "replicated_to": replicated_to,
             "failed": {a: h["error"] for a, h in holders.items() if h["state"] != "done"},
             "reduced_redundancy": bool(replication.get("reduced_redundancy")),
         }
@@ -328,62 +337,24 @@ class LocalCheckpointManager:
         failures = {r: e for r, _, e in gathered if e}
         if failures:
             raise CheckpointException("find_latest failed", failures)
-        holders: dict[tuple, list] = {}
-        committed: set = set()
-        seen: set = set()
-        for other, inv, _ in gathered:
-            node = inv["address"] or f"node of rank {other}"  # no peer socket: no sharing
-            if node in seen:
-                continue  # several ranks share a daemon
-            seen.add(node)
-            for part in inv["parts"]:
-                if part["committed"]:
-                    committed.add(part["iteration"])
-                if part["verified"]:
-                    holders.setdefault((part["iteration"], part["owner"]), []).append(node)
-        own = inventory["parts"]
-        self._own_paths = {}
-        self._latest = -1
-        for iteration in sorted(committed, reverse=True):
-            if all((iteration, owner) in holders for owner in range(world_size)):
-                self._latest = iteration
-                break
-        if self._latest >= 0:
-            self._holders = {owner: self._session.order_holders(owner, holders[(self._latest, owner)])
-                             for owner in range(world_size)}
-            self._own_paths = {p["owner"]: p["path"] for p in own
-                               if p["iteration"] == self._latest and p["verified"]}
+        self._found = choose_latest(gathered, inventory, world_size, self._session.order_holders)
+        if self._found.missing_text():
+            log.warning("rank %d: %s; the latest complete one is %s", rank,
+                        self._found.missing_text(), self._found.iteration)
+        self._latest = self._found.iteration
         log.info("rank %d: latest complete local checkpoint: %d", rank, self._latest)
         return self._latest
-
-    def _fetch_own_part(self, rank: int, iteration: int, report: dict,
-                        damage: ChecksumMismatchError | None) -> str:
-        """Have the daemon fetch this rank's part from a holder (a corrupted copy here is
-        set aside first); returns where it now is."""
-        own = self._session.address_of(rank)
-        holders = [h for h in self._holders.get(rank, []) if h != own]
-        if damage is not None and not holders:
-            raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {damage} (and no "
-                                        "other node holds a replica)")
-        log.info("rank %d: part of iteration %d %s here; fetching from %s", rank, iteration,
-                 "corrupted" if damage else "missing", holders)
-        reply = self._connection().call(
-            MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
-                                      "owner": rank, "holders": holders},
-            timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
-        if reply.get("moved_aside"):
-            log.warning("rank %d: the corrupted part was moved aside to %s (kept for "
-                        "inspection, never loaded)", rank, reply["moved_aside"])
-        report.update(source="peer", holder=reply.get("holder"), tried=reply.get("tried", []),
-                      moved_aside=reply.get("moved_aside"))
-        return reply["path"]
 
     def load(self) -> tuple[TensorAwareStateDict, CkptID]:
         """Load this rank's part of the latest complete iteration (call on all ranks).
 
-        A part missing on this node, or one that fails its checksum (it is moved aside,
-        never deleted, with a warning naming it), is fetched by the daemon from the
-        holders (clique mates first); a replica failing its checksum is never used.
+        The part comes from the daemon's memory when it still keeps it (a trainer
+        restarted on a node whose daemon lived on), else from this node's disk (read once,
+        not checksummed again when the daemon just verified that very file), else the
+        daemon fetches it from a holder. A part missing on this node, or one that fails
+        its checksum (it is moved aside, never deleted, with a warning naming it), is
+        fetched from the holders (clique mates first); a replica failing its checksum is
+        never used.
 
         Returns
         -------
@@ -395,7 +366,8 @@ class LocalCheckpointManager:
         Raises
         ------
         FileNotFoundError
-            If no complete local checkpoint exists.
+            If no complete local checkpoint exists (naming the ranks whose parts every node
+            lost, if a newer iteration was committed).
         DaemonRequestError
             If the part is missing here and no holder could provide a verified copy (the
             message names the rank, iteration and the holders tried).
@@ -404,31 +376,20 @@ class LocalCheckpointManager:
             self.find_latest()
         rank, _ = rank_and_world()
         if self._latest < 0:
+            missing = self._found.missing_text()
             raise FileNotFoundError(f"rank {rank}: no complete local checkpoint of session "
-                                    f"{self.session_id!r} under {self.root} on any node")
+                                    f"{self.session_id!r} under {self.root} on any node"
+                                    f"{'; ' + missing if missing else ''}")
         iteration, started = self._latest, time.monotonic()
         report = {"iteration": iteration, "source": "local_disk", "holder": None, "tried": [],
                   "moved_aside": None, "bytes": 0, "seconds": 0.0}
-        path = self._own_paths.get(rank)
-        loaded, damage = None, None
-        if path is not None:
-            try:
-                loaded = read_part(path)
-            except ChecksumMismatchError as exc:  # corrupted since find_latest: heal it
-                damage = exc
-                log.warning("rank %d: own part of iteration %d is corrupted (%s); fetching a "
-                            "verified copy from a peer", rank, iteration, exc)
-        if loaded is None:
-            path = self._fetch_own_part(rank, iteration, report, damage)
-            try:
-                loaded = read_part(path)
-            except ChecksumMismatchError as exc:
-                raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {exc}") from None
-        state_dict, header = loaded
+        loader = PartLoader(self.session_id, self._connection, self._session.address_of(rank))
+        state_dict, header, path = loader.load(rank, self._found, report)
         if header.get("owner") != rank or header.get("iteration") != iteration:
-            raise ValueError(f"{path} holds rank {header.get('owner')}'s part of iteration "
-                             f"{header.get('iteration')}, not rank {rank}'s of {iteration}")
-        report.update(bytes=os.path.getsize(path), seconds=time.monotonic() - started)
+            raise ValueError(f"rank {header.get('owner')}'s part of iteration "
+                             f"{header.get('iteration')} was found, not rank {rank}'s of "
+                             f"{iteration} ({path or 'daemon memory'})")
+        report["seconds"] = time.monotonic() - started
         self.last_load_report = report
         restored = restore_from_part(state_dict)
         if restored is None:

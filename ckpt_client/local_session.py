@@ -1,12 +1,15 @@
 """The key exchange of local checkpoints: every rank's daemon, known to every daemon.
 
-Before parts can be replicated, each daemon must know the address and CURVE public key of
-the daemons of its clique mates, and accept only those. The trainers carry that table
-over their own process group: each rank asks its daemon for (address, key), the table is
-all-gathered, and every rank hands its daemon the whole table and the cliques. A
-:class:`SessionRegistration` does that once per daemon incarnation (again after a daemon
-restarted) and keeps the table, which also orders the holders a part is fetched from
-(the shared :func:`ckptd.protocol.holder_order`).
+Before parts can be replicated, each daemon must know the addresses (control and bulk)
+and CURVE public key of the daemons of its clique mates, and accept only those. The
+trainers carry that table over their own process group: each rank asks its daemon for
+its entry, the table is all-gathered, checked (:func:`check_peer_table`: every daemon
+listens, all protect bulk bytes alike, none advertises a loopback address to another
+host), and every rank hands its daemon the whole table and the cliques. Only public keys
+travel: two daemons derive their bulk connection keys from their own secret and the
+other's public key. A :class:`SessionRegistration` does that once per daemon
+incarnation (again after a daemon restarted) and keeps the table, which also orders the
+holders a part is fetched from (the shared :func:`ckptd.protocol.holder_order`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,36 @@ from ckpt_client.connection import DaemonConnection
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)
+
+
+def check_peer_table(gathered: list[dict]) -> None:
+    """Refuse a table whose daemons cannot all reach each other (same on every rank).
+
+    Raises
+    ------
+    ValueError
+        If a daemon has no peer address, the daemons protect bulk bytes differently, or a
+        daemon advertises a loopback address to daemons on other hosts (or in other
+        network namespaces), which could never reach it.
+    """
+    missing = [r for r, g in enumerate(gathered) if not g["address"]]
+    if missing:
+        raise ValueError(f"replication needs every node's ckptd to listen for peers, but the "
+                         f"daemons of ranks {missing} have no --peer-listen address")
+    choices = {g["encryption"] for g in gathered}
+    if len(choices) > 1:
+        raise ValueError(f"the job's daemons protect replicas differently ({sorted(map(str, choices))}); "
+                         "start every ckptd of the job with the same --peer-encryption")
+    networks = {g["network"] for g in gathered}
+    if len(networks) > 1:
+        loopback = sorted({(r, g["address"]) for r, g in enumerate(gathered)
+                           if protocol.is_loopback_address(g["address"])})
+        if loopback:
+            rank, address = loopback[0]
+            raise ValueError(
+                f"the ckptd of rank {rank} advertises the loopback address {address}, which "
+                "daemons on other nodes cannot reach; start it with --peer-listen on an address "
+                "of this node, or --peer-advertise <address other nodes reach it at>")
 
 
 class SessionRegistration:
@@ -80,16 +113,15 @@ class SessionRegistration:
                 info = connection.call(MessageType.PEER_INFO)
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             error = str(exc)
-        self.table = [[a, k] if a else None for a, k in
-                      all_gather((info.get("address"), info.get("public_key")))]
+        gathered = all_gather({k: info.get(k) for k in ("address", "public_key", "bulk_address",
+                                                         "encryption", "network")})
+        self.table = [[g["address"], g["public_key"], g["bulk_address"]] if g["address"] else None
+                      for g in gathered]
         raise_if_any_failed("local checkpoints: asking the daemons for their peer keys failed",
                             error)
         cliques = self.cliques(world_size)
         if any(len(c) > 1 for c in cliques):
-            missing = [r for r, entry in enumerate(self.table) if entry is None]
-            if missing:
-                raise ValueError(f"replication needs every node's ckptd to listen for peers, but "
-                                 f"the daemons of ranks {missing} have no --peer-listen address")
+            check_peer_table(gathered)
         try:
             connection.call(MessageType.LOCAL_SESSION, {
                 "session": self.session_id, "root": self.root, "world_size": world_size,

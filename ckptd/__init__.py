@@ -10,8 +10,8 @@ The tree follows the execution boundaries (where each piece of code runs):
                     stager thread (IPC handles, device-to-host copies);
 - ``storage/``      writer processes and the one durable-write module, allowed roots, the
                     node-local checkpoint store;
-- ``replication/``  the replicator thread: peer transport (CURVE), heartbeats, part
-                    streams, push / fetch / serve;
+- ``replication/``  the replicator thread and its bulk connection threads: peer control
+                    (CURVE), heartbeats, part streams over sealed tcp, push / fetch / serve;
 
 and, at the top, what several of them (or the client) share:
 

@@ -10,6 +10,7 @@ without torch. ``__all__`` is what ``ckpt_client`` may use.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import zlib
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 __all__ = [
     "SIDECAR_SUFFIX", "TMP_MARKER", "CORRUPT_MARKER", "ALGORITHM", "ChecksumMismatchError", "Checksum",
     "ChecksumWriter", "sidecar_path", "checksum_file", "checksum_bytes", "read_sidecar",
-    "verify_file", "check_matches", "verify_tree",
+    "verify_file", "check_matches", "verify_tree", "crc32_combine", "combine_pieces",
 ]
 
 SIDECAR_SUFFIX = ".ckptd-sum"
@@ -191,3 +192,66 @@ def verify_tree(path: str) -> list[str]:
             verify_file(full)
             checked.append(full)
     return sorted(checked)
+
+
+# ------------------------------------------------------------------ crc32 of pieces
+# A file received in pieces over several connections is checksummed piece by piece, as
+# each piece arrives; the file's crc32 is then folded from the pieces' crc32 (zlib's
+# crc32_combine, which Python's zlib does not export). Appending n zero bytes to a
+# message is a linear map of its crc32 over GF(2): a 32x32 matrix, kept per length.
+
+def _gf2_times(matrix: tuple, vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _gf2_compose(outer: tuple, inner: tuple) -> tuple:
+    return tuple(_gf2_times(outer, column) for column in inner)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_operator(nbytes: int) -> tuple:
+    """The matrix that turns crc32(A) into crc32(A + nbytes zero bytes) (pre/post
+    conditioning aside, as in zlib)."""
+    one_bit = (0xEDB88320,) + tuple(1 << n for n in range(31))
+    power = _gf2_compose(one_bit, one_bit)        # 2 zero bits
+    power = _gf2_compose(power, power)            # 4
+    power = _gf2_compose(power, power)            # 8 = one zero byte
+    result = tuple(1 << n for n in range(32))     # identity
+    while nbytes:
+        if nbytes & 1:
+            result = _gf2_compose(power, result)
+        nbytes >>= 1
+        if nbytes:
+            power = _gf2_compose(power, power)
+    return result
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``."""
+    if len2 <= 0:
+        return crc1
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+
+
+def combine_pieces(pieces) -> Checksum:
+    """The checksum of a file from its pieces' ``(offset, length, crc32)``.
+
+    Raises
+    ------
+    ValueError
+        If the pieces do not tile ``[0, size)`` without gaps or overlaps.
+    """
+    crc, size = 0, 0
+    for offset, length, piece_crc in sorted(pieces):
+        if offset != size:
+            raise ValueError(f"pieces leave a gap or overlap at byte {size} (next piece at "
+                             f"{offset})")
+        crc = crc32_combine(crc, piece_crc, length)
+        size += length
+    return Checksum(crc, size)

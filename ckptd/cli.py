@@ -47,7 +47,15 @@ def main() -> None:
 @click.option("--writers", type=click.IntRange(1, 64), default=knobs.WRITERS.get,
               show_default=knobs.WRITERS.default, help="Number of writer processes.")
 @click.option("--peer-listen", default=None,
-              help="tcp address peers reach this daemon on, e.g. tcp://10.0.0.5:7740.")
+              help="tcp address to listen for peer daemons on, e.g. tcp://10.0.0.5:7740 "
+                   "(tcp://0.0.0.0:PORT: every interface, advertising an interface address).")
+@click.option("--peer-advertise", default=None, metavar="HOST",
+              help="Address other nodes reach this daemon at (default: the --peer-listen "
+                   "host, or for 0.0.0.0 the first non-loopback interface address).")
+@click.option("--peer-encryption", type=click.Choice(["aes-256-gcm", "none"]),
+              default=knobs.PEER_ENCRYPTION.get, show_default=knobs.PEER_ENCRYPTION.default,
+              help="Protection of part bytes between daemons: AES-256-GCM, or none (bytes in "
+                   "clear, still authenticated per chunk). Same on every node of a job.")
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--ready-file", type=click.Path(), default=None,
@@ -67,9 +75,9 @@ def main() -> None:
               help="Allow a non-loopback --metrics-listen address (the endpoint has no auth).")
 @click.option("--metrics-label", "metrics_labels", multiple=True, metavar="NAME=VALUE",
               help="Label added to every metric, e.g. slurm_job_id=42 (repeatable).")
-def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, log_level,
-          ready_file, exit_when_idle, drain_timeout, metrics_textfile, metrics_listen,
-          metrics_allow_remote, metrics_labels) -> None:
+def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_advertise,
+          peer_encryption, log_level, ready_file, exit_when_idle, drain_timeout,
+          metrics_textfile, metrics_listen, metrics_allow_remote, metrics_labels) -> None:
     """Run the daemon in the foreground until SIGTERM."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s ckptd[%(process)d] %(levelname)s %(name)s: %(message)s")
@@ -80,7 +88,8 @@ def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, log_le
     config = DaemonConfig(
         socket_path=protocol.resolve_socket_path(socket_path),
         roots=list(roots) or [os.getcwd()], pool_size=parse_size(pool_size), writers=writers,
-        local_dir=local_dir, peer_listen=peer_listen, log_level=log_level.upper(),
+        local_dir=local_dir, peer_listen=peer_listen, peer_advertise=peer_advertise,
+        peer_encryption=peer_encryption, log_level=log_level.upper(),
         exit_when_idle=exit_when_idle, drain_timeout=drain_timeout, ready_file=ready_file,
         metrics_textfile=metrics_textfile and os.path.abspath(metrics_textfile),
         metrics_listen=listen, metrics_labels=labels)

@@ -25,7 +25,8 @@ __all__ = [
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES",
     "CUDA_REGISTER_CHUNK_BYTES",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
-    "PEER_IO_THREADS", "REPLICATOR_TICK", "METRICS_INTERVAL",
+    "PEER_IO_THREADS", "REPLICATOR_TICK", "METRICS_INTERVAL", "PEER_STREAMS",
+    "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
     "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
     "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT",
 ]
@@ -202,16 +203,35 @@ PEER_PING_INTERVAL = _knob(
     "PEER_PING_INTERVAL", 1.0, float, "Seconds between heartbeats to each peer")
 PEER_MISS_BUDGET = _knob(
     "PEER_MISS_BUDGET", 3, int, "Heartbeats a peer may miss before it is reported down")
-# Enough to keep a stream busy across the receiver's disk writes (4 was ~35% slower on
-# loopback); each stream queues at most this many frames in ZeroMQ.
+# Part bytes travel on plain tcp connections of their own (never behind heartbeats),
+# several per peer: one connection thread seals while another waits on the wire, and a
+# fast NIC needs a core per stream for AES-GCM (benchmarks/RESULTS_TRANSPORT.md).
+PEER_STREAMS = _knob(
+    "PEER_STREAMS", 4, int, "Bulk tcp connections per peer daemon")
+# Per connection: enough to keep the wire busy while the receiver writes a chunk (4 MiB
+# each), few enough that a broken connection has little to resend.
 REPLICATION_WINDOW = _knob(
-    "REPLICATION_WINDOW", 16, int, "Part frames in flight without acknowledgement")
-# CURVE encryption runs in ZeroMQ's I/O threads: two let a node encrypt what it pushes
-# while it decrypts what it receives.
+    "REPLICATION_WINDOW", 4, int, "Part chunks in flight without acknowledgement, per connection")
+# Measured (RESULTS_TRANSPORT.md): AES-256-GCM costs ~0.15 CPU s/GiB per end over plain
+# tcp; "none" still authenticates every chunk (GMAC) for ~0.1.
+PEER_ENCRYPTION = _knob(
+    "PEER_ENCRYPTION", "aes-256-gcm", str,
+    "Bulk bytes between daemons: aes-256-gcm or none (authenticated only; --peer-encryption)")
+PEER_HANDSHAKE_TIMEOUT = _knob(
+    "PEER_HANDSHAKE_TIMEOUT", 10.0, float, "Seconds to connect and authenticate a bulk connection")
+PEER_BULK_PORT = _knob(
+    "PEER_BULK_PORT", 0, int, "tcp port of the bulk listener (0: any free port, advertised)")
+# Control messages only (heartbeats, fetch requests): one I/O thread is plenty, two let
+# CURVE of a busy peer not delay another's.
 PEER_IO_THREADS = _knob(
-    "PEER_IO_THREADS", 2, int, "ZeroMQ I/O threads of the peer context")
+    "PEER_IO_THREADS", 2, int, "ZeroMQ I/O threads of the peer context (control messages)")
 REPLICATOR_TICK = _knob(
     "REPLICATOR_TICK", 0.1, float, "Seconds between the replicator's timer checks")
+
+# The latest committed local part of each rank stays in the staging pool until a newer
+# one is committed or a save needs the space: a restarted trainer loads it from memory.
+MEMORY_TIER = _knob(
+    "MEMORY_TIER", True, parse_bool, "Keep the latest committed local parts in the staging pool")
 
 # ---------------------------------------------------------------- the client (ckpt_client)
 AUTO_START = _knob(

@@ -46,7 +46,7 @@ _FINISHED = ("done", "failed", "aborted")
 _IN_FLIGHT_PHASES = ("waiting_for_pool", "staging", "writing", "replicating")
 #: Label names our own series use; a ``--metrics-label`` may not reuse them.
 RESERVED_LABELS = frozenset({"le", "quantile", "outcome", "state", "phase", "peer", "kind",
-                             "version", "host", "socket"})
+                             "version", "host", "socket", "session", "owner"})
 
 
 class MetricsAddressError(ValueError):
@@ -278,6 +278,24 @@ def _replication(out: _Families, doc: dict) -> None:
         out.sample(sum(p.get("kind") == kind for p in parts), kind=kind)
     out.family("ckptd_local_checkpoint_bytes", "gauge", "Bytes of local checkpoint parts held.")
     out.sample(sum(int(p.get("size", 0)) for p in parts))
+    _redundancy(out, doc)
+
+
+def _redundancy(out: _Families, doc: dict) -> None:
+    # Per local rank of this node; the job's redundancy is the min over every node's series.
+    parts = doc.get("redundancy", [])
+    out.family("ckptd_local_part_copies", "gauge",
+               "Reachable durable copies of the latest part of each local rank (own + peers "
+               "not down).", ("session", "owner"))
+    for p in parts:
+        out.sample(int(p["reachable"]), session=p["session"], owner=str(p["owner"]))
+    out.family("ckptd_local_parts_reduced_redundancy", "gauge",
+               "Local ranks whose latest part has fewer reachable copies than the clique asks.")
+    out.sample(sum(1 for p in parts if p["reduced"]))
+    tier = doc.get("memory_tier") or {}
+    out.family("ckptd_memory_tier_bytes", "gauge",
+               "Staging pool bytes keeping the latest committed local parts in memory.")
+    out.sample(int(tier.get("bytes", 0)))
 
 
 def _peers(out: _Families, peers: list) -> None:

@@ -46,7 +46,7 @@ __all__ = [
     "align_up", "layout_extent", "encode_part_header", "decode_part_header",
     "read_part_header", "PART_FRAME_BYTES",
     # shared rules
-    "check_session_id", "holder_order", "process_alive",
+    "check_session_id", "holder_order", "process_alive", "is_loopback_address",
     # endpoint discovery and the request channel
     "SOCKET_ENV", "default_runtime_dir", "resolve_socket_path", "ready_file_for",
     "endpoint_for", "socket_is_live", "ensure_private_dir",
@@ -476,7 +476,8 @@ def _valid_files(entries: Any) -> bool:
 
 
 def _valid_peers(peers: Any) -> bool:
-    return all(p is None or (isinstance(p, list) and len(p) == 2
+    # [control address, public key] or, since bulk streams, [..., bulk address host:port]
+    return all(p is None or (isinstance(p, list) and len(p) in (2, 3)
                              and all(isinstance(x, str) for x in p)) for p in peers)
 
 
@@ -565,7 +566,8 @@ class LocalSession(Body, message="local_session"):
     root: str
     session: str = ""
     world_size: int = 1
-    peers: list = check(_valid_peers, "a list of [address, key] (or null) per rank", [])
+    peers: list = check(_valid_peers, "a list of [address, key, bulk address] (or null) per "
+                        "rank", [])
     cliques: list[list[int]] = field(default_factory=list)
 
 
@@ -699,6 +701,23 @@ def holder_order(clique: Sequence[int], owner: int) -> list[int]:
     """
     at = list(clique).index(owner)
     return list(clique[at + 1:]) + list(clique[:at])
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether ``tcp://host:port``, ``host:port`` or a host names a loopback address (one
+    only the same host, in the same network namespace, can reach)."""
+    import ipaddress
+
+    host = address.removeprefix("tcp://")
+    if host.startswith("[") or host.count(":") == 1:
+        host = host.rpartition(":")[0]
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: whoever resolves it decides
+        return False
 
 
 def process_alive(pid: int) -> bool:

@@ -179,12 +179,24 @@ def _render_local(doc: dict) -> list[str]:
                           f"{_size(s['bytes_done'])}/{_size(max(s['size'], 0))}"]
                          for s in replication["streams"]])
     if doc.get("local_checkpoints"):
-        lines += ["", "LOCAL CHECKPOINTS"]
-        lines += _table(["session", "iteration", "owner", "kind", "size", "verified", "committed"],
+        tier = doc.get("memory_tier") or {}
+        lines += ["", f"LOCAL CHECKPOINTS   (in memory: {tier.get('parts', 0)} part(s), "
+                      f"{_size(tier.get('bytes', 0))} of the pool)"]
+        lines += _table(["session", "iteration", "owner", "kind", "size", "verified", "committed",
+                         "in memory"],
                         [[p["session"] or "-", p["iteration"], p["owner"], p["kind"],
                           _size(p["size"]), {True: "yes", False: "NO", None: "?"}[p["verified"]],
-                          "yes" if p["committed"] else "no"]
+                          "yes" if p["committed"] else "no", "yes" if p.get("resident") else ""]
                          for p in doc["local_checkpoints"]])
+    if doc.get("redundancy"):
+        lines += ["", "REDUNDANCY   (latest part of each local rank: where its copies are)"]
+        lines += _table(["session", "owner", "iteration", "copies", "wanted", "where",
+                         "failed"],
+                        [[p["session"] or "-", p["owner"], p["iteration"],
+                          f"{p['reachable']}{' REDUCED' if p['reduced'] else ''}", p["wanted"],
+                          ", ".join(p["copies"]),
+                          "; ".join(f"{a}: {e}" for a, e in p["failed"].items())]
+                         for p in doc["redundancy"]])
     return lines
 
 

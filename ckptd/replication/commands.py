@@ -1,8 +1,10 @@
-"""The replicator's mailbox vocabulary: commands from the serve loop, events back to it.
+"""The replicator's mailbox vocabulary: commands from the serve loop, events back to it,
+and what the bulk connection threads report to the replicator.
 
 Plain dataclasses that cross threads inside one process through
 :class:`ckptd.mailbox.Mailbox` (nothing is serialized). Each side dispatches on the class
-through one handler table.
+through one handler table. A holder is ``(control address, public key, bulk address)`` as
+the trainers' table names it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class PartRef:
 class SetPeers:
     """The trainers' table: peer daemons (address, public key) and every key allowed in."""
 
-    peers: list          # [(address, key)] of this session's daemons
+    peers: list          # [(address, key, bulk address)] of this session's daemons
     allowed_keys: list   # keys of every registered session's daemons
 
 
@@ -45,7 +47,7 @@ class Push:
 
     request_id: int
     part: PartRef
-    holders: list   # [(address, key)] in holder order
+    holders: list   # [(address, key, bulk address)] in holder order
     items: list     # [(pool offset, nbytes)] back to back
 
 
@@ -63,7 +65,7 @@ class Fetch:
     fetch_id: int
     part: PartRef
     path: str       # where the part goes on this node
-    holders: list   # [(address, key)]
+    holders: list   # [(address, key, bulk address)]
 
 
 # ---------------------------------------------------------------- replicator -> serve loop
@@ -88,3 +90,28 @@ class FetchDone:
     path: str | None
     holder: str | None
     tried: list     # [{"holder", "error"}] of holders that failed first
+
+
+# ---------------------------------------------------------------- bulk threads -> replicator
+
+@dataclass(frozen=True)
+class Sent:
+    """A part this daemon streamed (a push or a served fetch) ended."""
+
+    xfer: int
+    ok: bool
+    error: str | None
+    corrupted: bool = False  # serving: this daemon's own copy failed its checksum
+
+
+@dataclass(frozen=True)
+class Received:
+    """A part streamed to this daemon (a replica or a fetched part) ended."""
+
+    xfer: int
+    kind: str           # "replica" or "fetch"
+    ok: bool
+    error: str | None
+    path: str | None
+    peer: str           # the sender's control address (or its key, if unknown)
+    size: int

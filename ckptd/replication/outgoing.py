@@ -1,12 +1,14 @@
 """Parts this daemon sends: pushes to holders, and a holder's copy served to a fetcher.
 
-Owns the outgoing streams (:class:`~ckptd.replication.streams.OutStream`):
+Owns the replicator thread's side of outgoing streams (the bytes move on the bulk
+connections of :mod:`.bulk_send`):
 
 - *push*: after staging, the owner's daemon streams a part straight from the staging pool
   to each clique mate's daemon while its writers write the local copy; each holder's
   outcome goes back to the serve loop as a :class:`~ckptd.replication.commands.PushDone`;
-- *serve*: asked with ``PART_GET``, a holder verifies its copy against its checksum before
-  sending it, so a corrupted replica is never sent.
+- *serve*: asked with ``PART_GET`` (on the control link), a holder streams its copy to the
+  requester's bulk address, checksumming what it reads: a copy that no longer matches its
+  record is never completed, and is marked unverified here.
 
 A stream without progress for :data:`ckptd.knobs.PEER_TIMEOUT` fails (reduced redundancy
 for a push), never hangs. Runs on the replicator thread; it reads only the extents it was
@@ -21,11 +23,13 @@ import secrets
 from typing import Callable
 
 from ckptd import knobs
-from ckptd.checksum import ChecksumMismatchError, verify_file
-from ckptd.replication.commands import CancelPush, Push, PushDone
-from ckptd.replication.streams import FileSource, OutStream, PoolItems
-from ckptd.replication.transport import PeerGone, PeerTransport, Sender, send_quietly
-from ckptd.replication.wire import PartAck, PartBegin, PartDone, PartEnd, PartGet
+from ckptd.checksum import ChecksumMismatchError, read_sidecar
+from ckptd.replication.bulk_send import BulkSender, SendJob
+from ckptd.replication.commands import CancelPush, Push, PushDone, Sent
+from ckptd.replication.sealing import raw_key
+from ckptd.replication.streams import FileSource, PoolItems
+from ckptd.replication.transport import PeerTransport, Sender, send_quietly
+from ckptd.replication.wire import PartGet, PartRefused
 from ckptd.storage.local_store import LocalStore, LocalStoreError
 
 log = logging.getLogger(__name__)
@@ -37,153 +41,123 @@ class Outgoing:
     Parameters
     ----------
     transport : PeerTransport
-        Links and senders.
+        Control links, peer keys and bulk addresses.
     store : LocalStore
         Where served parts come from.
     pool : mmap.mmap
         The staging pool, mapped read-only (pushes read from it).
+    sender : BulkSender
+        The bulk connections.
     emit : callable
         Hands a :class:`PushDone` to the serve loop.
     """
 
     def __init__(self, transport: PeerTransport, store: LocalStore, pool: mmap.mmap,
-                 emit: Callable[[object], None]) -> None:
+                 sender: BulkSender, emit: Callable[[object], None]) -> None:
         self.transport = transport
         self.store = store
         self.pool = pool
+        self.sender = sender
         self.emit = emit
-        self.streams: dict[int, OutStream] = {}
+        self._pushes: dict[int, tuple] = {}   # xfer -> (request id, holder, bytes)
+        self._serving: dict[int, str] = {}    # xfer -> path of the copy served
         #: Peer message type -> handler ``(body, frames, send, from_router, peer)``.
-        self.handlers = {PartGet: self._on_get, PartAck: self._on_ack, PartDone: self._on_done}
+        self.handlers = {PartGet: self._on_get}
 
     # ------------------------------------------------------------ pushes
     def push(self, command: Push) -> None:
         """Start streaming a staged part to each of its holders."""
         part = command.part
-        for address, key in command.holders:
-            link = self.transport.link(address, key)
+        for address, key, bulk in command.holders:
             source = PoolItems(self.pool, command.items)
             xfer = secrets.randbits(62)
-            stream = OutStream(
-                xfer=xfer, kind="push", peer=address, send=self.transport.link_sender(address),
-                on_finish=self._push_finished(command.request_id, address, source.size),
-                stats=link.stats, owner=part.owner, iteration=part.iteration, source=source,
-                begin=PartBegin(xfer, source.size, part.session, part.owner, part.iteration),
-                request_id=command.request_id)
-            self.streams[xfer] = stream
+            job = SendJob(xfer, "push", address, source,
+                          {"session": part.session, "owner": part.owner,
+                           "iteration": part.iteration},
+                          self.transport.stats_of(address), request_id=command.request_id,
+                          owner=part.owner, iteration=part.iteration)
+            self._pushes[xfer] = (command.request_id, address, source.size)
+            self.transport.link(address, key)  # heartbeats tell whether it is alive
             log.info("request %d (rank %d) replicating %d bytes of iteration %d to %s",
                      command.request_id, part.owner, source.size, part.iteration, address)
-            self._pump(stream)
-
-    def _push_finished(self, request_id: int, holder: str, size: int) -> Callable:
-        def finished(ok: bool, error: str | None) -> None:
-            self.emit(PushDone(request_id=request_id, holder=holder, error=error, ok=ok,
-                               nbytes=size if ok else 0))
-        return finished
+            self.sender.send(bulk, raw_key(key), address, job)
 
     def cancel(self, command: CancelPush) -> None:
-        """Stop the pushes of an aborted save."""
-        for stream in [s for s in self.streams.values()
-                       if s.kind == "push" and s.request_id == command.request_id]:
-            send_quietly(stream.send, PartEnd(stream.xfer, abort=True,
-                                              error="the save was aborted"))
-            self._end(stream, False, "the save was aborted")
+        """Stop the pushes of an aborted save (each still reports its outcome)."""
+        self.sender.cancel(lambda job: job.kind == "push" and job.request_id == command.request_id,
+                           "the save was aborted")
+
+    def on_sent(self, event: Sent) -> None:
+        """A push or a served copy ended."""
+        push = self._pushes.pop(event.xfer, None)
+        if push is not None:
+            request_id, holder, size = push
+            if event.ok:
+                log.info("request %d replica durable on %s", request_id, holder)
+            self.emit(PushDone(request_id=request_id, holder=holder, error=event.error,
+                               ok=event.ok, nbytes=size if event.ok else 0))
+        path = self._serving.pop(event.xfer, None)
+        if path is not None and event.corrupted:
+            self.store.note_verified(path, ok=False)
 
     # ------------------------------------------------------------ serving a fetch
     def _on_get(self, body: PartGet, frames, send: Sender, from_router: bool, peer: str) -> None:
-        if not from_router:
+        if not from_router or body.xfer in self._serving:
+            return  # a repeated request for a stream under way
+        key, bulk = self.transport.known.get(body.requester), self.transport.bulk.get(body.requester)
+        if key is None or bulk is None:
+            self._refuse(send, body, f"{self.transport.address} does not know {body.requester!r} "
+                                     "(not in the trainers' table of this session)")
             return
         path = None
         try:
-            session = self.store.session(body.session)
-            path = session.part_path(body.iteration, body.owner)
-            checksum = verify_file(path)  # a corrupted replica is never sent
+            path = self.store.session(body.session).part_path(body.iteration, body.owner)
+            if self.store.cached_verification(path) is False:
+                raise ChecksumMismatchError(f"{path} is corrupted (it failed its checksum)")
+            recorded = read_sidecar(path)
             source = FileSource(path)
         except FileNotFoundError:
-            send_quietly(send, PartEnd(body.xfer, abort=True, error=(
-                f"{self.transport.address} holds no part of rank {body.owner} for "
-                f"iteration {body.iteration}")))
+            self._refuse(send, body, f"{self.transport.address} holds no part of rank "
+                                     f"{body.owner} for iteration {body.iteration}")
             return
         except (LocalStoreError, ChecksumMismatchError, OSError) as exc:
-            if isinstance(exc, ChecksumMismatchError):
-                self.store.note_verified(path, ok=False)
-            log.warning("refused to serve a part to %s: %s", peer, exc)
-            send_quietly(send, PartEnd(body.xfer, abort=True,
-                                       error=f"{self.transport.address}: {exc}"))
+            self._refuse(send, body, f"{self.transport.address}: {exc}")
             return
-        stream = OutStream(xfer=body.xfer, kind="serve", peer=peer, send=send,
-                           on_finish=lambda ok, error: None, owner=body.owner,
-                           iteration=body.iteration, source=source,
-                           begin=PartBegin(body.xfer, source.size, crc=checksum.value))
-        self.streams[body.xfer] = stream
-        log.info("serving %s (%d bytes) to %s", path, source.size, peer)
-        self._pump(stream)
+        job = SendJob(body.xfer, "serve", body.requester, source,
+                      {"session": body.session, "owner": body.owner,
+                       "iteration": body.iteration, "crc": recorded.value},
+                      self.transport.stats_of(body.requester), expected_crc=recorded.value,
+                      owner=body.owner, iteration=body.iteration)
+        self._serving[body.xfer] = path
+        log.info("serving %s (%d bytes) to %s", path, source.size, body.requester)
+        self.sender.send(bulk, raw_key(key), body.requester, job)
 
-    # ------------------------------------------------------------ receiver's answers
-    def _on_ack(self, body: PartAck, frames, send, from_router, peer) -> None:
-        stream = self.streams.get(body.xfer)
-        if stream is not None:
-            stream.acknowledged(body.received)
-            self._pump(stream)
+    def _refuse(self, send: Sender, body: PartGet, error: str) -> None:
+        log.warning("refused to serve rank %d's part of iteration %d to %s: %s", body.owner,
+                    body.iteration, body.requester, error)
+        send_quietly(send, PartRefused(body.xfer, error))
 
-    def _on_done(self, body: PartDone, frames, send, from_router, peer) -> None:
-        stream = self.streams.get(body.xfer)
-        if stream is not None:
-            ok = body.ok and stream.end_sent
-            self._end(stream, ok, None if ok else body.error or "refused")
-
-    # ------------------------------------------------------------ mechanics
-    def _pump(self, stream: OutStream) -> None:
-        if stream.xfer not in self.streams:
-            return
-        try:
-            stream.pump()
-        except PeerGone as exc:
-            self._end(stream, False, f"{stream.peer} went away: {exc}")
-
-    def _end(self, stream: OutStream, ok: bool, error: str | None) -> None:
-        if self.streams.pop(stream.xfer, None) is None:
-            return
-        stream.source.close()
-        if stream.stats is not None:
-            stream.stats.stream_ended(ok, error)
-        if stream.kind == "push":
-            if ok:
-                log.info("request %d (rank %d) replica durable on %s", stream.request_id,
-                         stream.owner, stream.peer)
-            else:
-                log.warning("request %d (rank %d) replication to %s failed: %s",
-                            stream.request_id, stream.owner, stream.peer, error)
-        stream.on_finish(ok, error)
-
+    # ------------------------------------------------------------ timers, status
     def tick(self, now: float) -> None:
-        """Fail streams without progress; resend what would have blocked."""
-        timeout = knobs.PEER_TIMEOUT.get()
-        for stream in list(self.streams.values()):
-            if now - stream.last_progress <= timeout:
-                self._pump(stream)
-                continue
-            self._end(stream, False, f"{stream.peer} made no progress for {timeout:.0f}s "
-                                     "(peer down or stuck)")
-            link = self.transport.links.get(stream.peer)
-            if link is not None and stream.kind == "push":
-                self.transport.redial(link)
+        """Fail streams without progress."""
+        self.sender.expire(now, knobs.PEER_TIMEOUT.get())
 
     def close(self, reason: str) -> None:
-        """End every stream (the daemon is stopping)."""
-        for stream in list(self.streams.values()):
-            self._end(stream, False, reason)
+        """End every stream and close the bulk connections (the daemon is stopping)."""
+        self.sender.cancel(lambda job: True, reason)
+        self.sender.close()
 
     def lag_by_peer(self, now: float) -> dict[str, float]:
         """Age of the oldest push still streaming to each peer."""
         lag: dict[str, float] = {}
-        for stream in self.streams.values():
-            if stream.kind == "push":
-                lag[stream.peer] = max(lag.get(stream.peer, 0.0), now - stream.started)
+        for _, job in self.sender.jobs():
+            if job.kind == "push":
+                lag[job.peer] = max(lag.get(job.peer, 0.0), now - job.started)
         return lag
 
     def describe(self) -> list[dict]:
         """Streams in flight, for the status document."""
-        return [{"direction": "out", "kind": s.kind, "peer": s.peer, "request_id": s.request_id,
-                 "owner": s.owner, "iteration": s.iteration, "size": s.size,
-                 "bytes_done": max(s.acked, 0)} for s in self.streams.values()]
+        return [{"direction": "out", "kind": job.kind, "peer": job.peer,
+                 "request_id": job.request_id, "owner": job.owner, "iteration": job.iteration,
+                 "size": job.size, "bytes_done": job.acked_bytes}
+                for _, job in self.sender.jobs()]

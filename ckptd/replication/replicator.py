@@ -1,10 +1,13 @@
 """The replicator thread: a daemon's peer side, off the serve loop.
 
-Owns the thread and its loop: it polls the peer sockets (:mod:`.transport`) and its
-command mailbox, dispatches commands (:mod:`.commands`) and peer messages (:mod:`.wire`)
-through one handler table each, keeps each peer's heartbeat (:mod:`.health`), runs the
-streams' timers (:mod:`.outgoing`, :mod:`.incoming`), and republishes a status snapshot the serve loop
-reads. Network waits and replica fsyncs therefore never stall the serve loop.
+Owns the thread and its loop: it polls the peer control sockets (:mod:`.transport`), its
+command mailbox and the bulk threads' mailbox, dispatches commands and bulk outcomes
+(:mod:`.commands`) and peer messages (:mod:`.wire`) through one handler table each, keeps
+each peer's heartbeat (:mod:`.health`), runs the streams' timers (:mod:`.outgoing`,
+:mod:`.incoming`), and republishes a status snapshot the serve loop reads. It also owns
+the bulk path's pieces: the listener (:mod:`.bulk_receive`) and the sending lanes
+(:mod:`.bulk_send`), whose threads move part bytes. Network waits and replica fsyncs
+therefore never stall the serve loop, and heartbeats never wait behind part bytes.
 
 Pattern: a thread with a typed mailbox in (commands) and one out (events), both
 :class:`ckptd.mailbox.Mailbox`; the serve loop polls ``events.doorbell``.
@@ -23,15 +26,31 @@ import zmq
 
 from ckptd import knobs, protocol
 from ckptd.mailbox import Mailbox
-from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, Push, SetPeers,
-                                        StopReplicator)
+from ckptd.replication.bulk_receive import BulkListener, Targets
+from ckptd.replication.bulk_send import BulkSender
+from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, Push, Received, Sent,
+                                        SetPeers, StopReplicator)
 from ckptd.replication.incoming import Incoming
 from ckptd.replication.outgoing import Outgoing
-from ckptd.replication.transport import PeerTransport, Sender, send_quietly
+from ckptd.replication.sealing import PROTECTIONS
+from ckptd.replication.transport import PeerTransport, Sender, bind_host, send_quietly
 from ckptd.replication.wire import PEER_MESSAGES, PeerPing, PeerPong
 from ckptd.storage.local_store import LocalStore
 
 log = logging.getLogger(__name__)
+
+
+class _SharedMailbox(Mailbox):
+    """A mailbox every bulk connection thread may post to (one lock around the doorbell)."""
+
+    def __init__(self, context: zmq.Context, name: str) -> None:
+        super().__init__(context, name)
+        self._post_lock = threading.Lock()
+
+    def post(self, item: object) -> None:
+        """Queue ``item`` and wake the replicator (any thread)."""
+        with self._post_lock:
+            super().post(item)
 
 
 class Replicator:
@@ -45,11 +64,17 @@ class Replicator:
         Where replicas and fetched parts are written, and served from.
     pool_path, pool_size
         The staging pool pushes read from (mapped read-only here).
+    advertise : str, optional
+        ``--peer-advertise``: the host other nodes reach this daemon at.
+    protection : str, optional
+        ``--peer-encryption``: how bulk bytes are protected (:data:`PROTECTIONS`).
 
     Attributes
     ----------
     address : str
-        The address peers dial.
+        The control address peers dial.
+    bulk_address : str
+        ``host:port`` of the bulk listener (same host as :attr:`address`).
     public_key : str
         This daemon's CURVE public key (z85), handed to peers through the trainers.
     events : Mailbox
@@ -59,23 +84,37 @@ class Replicator:
         Peers and streams as of the last tick (read by the serve loop for status).
     """
 
-    def __init__(self, listen: str, store: LocalStore, pool_path: str, pool_size: int) -> None:
-        self.transport = PeerTransport(listen)
+    def __init__(self, listen: str, store: LocalStore, pool_path: str, pool_size: int,
+                 advertise: str | None = None, protection: str | None = None) -> None:
+        self.protection = protection or knobs.PEER_ENCRYPTION.get()
+        if self.protection not in PROTECTIONS:
+            raise ValueError(f"unknown peer encryption {self.protection!r}; choose one of "
+                             f"{', '.join(PROTECTIONS)}")
+        self.transport = PeerTransport(listen, advertise)
         self.address = self.transport.address
         self.public_key = self.transport.public_key
         self._commands = Mailbox(self.transport.context, "replicator-commands")
         self.events = Mailbox(self.transport.context, "replicator-events")
+        self._bulk_events = _SharedMailbox(self.transport.context, "replicator-bulk")
         fd = os.open(pool_path, os.O_RDONLY)
         try:
             self._pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        self.outgoing = Outgoing(self.transport, store, self._pool, self.events.post)
-        self.incoming = Incoming(self.transport, store, self.events.post)
+        identity = (self.transport.raw_secret, self.transport.raw_public, self.protection)
+        self.targets = Targets(store, self._bulk_events.post, self._peer_of_key)
+        self.listener = BulkListener(bind_host(listen), identity, self.transport.allowed_raw,
+                                     self.targets)
+        self.bulk_address = f"{self.transport.host}:{self.listener.port}"
+        sender = BulkSender(identity, self._bulk_events.post)
+        self.outgoing = Outgoing(self.transport, store, self._pool, sender, self.events.post)
+        self.incoming = Incoming(self.transport, self.targets, self.events.post,
+                                 self.listener.activity)
         self._command_handlers: dict[type, Callable] = {
             SetPeers: self._set_peers, ConnectPeers: self._connect_peers,
             Push: self.outgoing.push, CancelPush: self.outgoing.cancel,
             Fetch: self.incoming.fetch, StopReplicator: self._stop_requested,
+            Sent: self.outgoing.on_sent, Received: self.incoming.on_received,
         }
         self._peer_handlers: dict[type, Callable] = {
             **self.outgoing.handlers, **self.incoming.handlers,
@@ -89,9 +128,16 @@ class Replicator:
 
     # ------------------------------------------------------------ serve-loop side
     def start(self) -> None:
-        """Start the replicator thread."""
+        """Start the replicator thread and the bulk listener."""
+        self.listener.start()
         self._thread.start()
-        log.info("peer socket on %s (CURVE, key %s)", self.address, self.public_key)
+        log.info("peer socket on %s (CURVE, key %s); bulk listener on %s (%s)", self.address,
+                 self.public_key, self.bulk_address, self.protection)
+
+    def _peer_of_key(self, raw: bytes) -> tuple:
+        """(control address, PeerStats) of the peer with this raw key (bulk threads ask)."""
+        address = self.transport.address_of_key(raw)
+        return address, self.transport.stats_of(address)
 
     def command(self, command: object) -> None:
         """Hand a command to the replicator thread (serve loop only)."""
@@ -108,7 +154,8 @@ class Replicator:
         self.close()
 
     def close(self) -> None:
-        """Release sockets, the authenticator and the pool mapping."""
+        """Release sockets, the authenticator, the bulk listener and the pool mapping."""
+        self.listener.close()
         self.transport.close()
         try:
             self._pool.close()
@@ -119,6 +166,7 @@ class Replicator:
     def _run(self) -> None:
         self._poller.register(self.transport.router, zmq.POLLIN)
         self._poller.register(self._commands.doorbell, zmq.POLLIN)
+        self._poller.register(self._bulk_events.doorbell, zmq.POLLIN)
         next_tick = time.monotonic()
         try:
             while not self._stopping:
@@ -148,8 +196,9 @@ class Replicator:
         self._polled_links = current
 
     def _serve_socket(self, sock: zmq.Socket) -> None:
-        if sock is self._commands.doorbell:
-            self._commands.drain(lambda command: self._command_handlers[type(command)](command))
+        if sock in (self._commands.doorbell, self._bulk_events.doorbell):
+            mailbox = self._commands if sock is self._commands.doorbell else self._bulk_events
+            mailbox.drain(lambda command: self._command_handlers[type(command)](command))
             return
         frames = sock.recv_multipart(copy=False)
         if sock is self.transport.router:
@@ -186,8 +235,8 @@ class Replicator:
         # this table: dialing a peer that does not know our key yet would be refused. A
         # peer that came back with a new key is redialed then too.
         self.transport.allow(command.allowed_keys)
-        for address, key in command.peers:
-            self.transport.learn(address, key)
+        for address, key, *bulk in command.peers:
+            self.transport.learn(address, key, bulk[0] if bulk else None)
 
     def _connect_peers(self, command: ConnectPeers) -> None:
         for address, key in list(self.transport.known.items()):

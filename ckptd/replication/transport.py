@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import logging
 import socket as _socket
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from ckptd import knobs, protocol
-from ckptd.protocol import PART_FRAME_BYTES, Body
+from ckptd.protocol import Body
 from ckptd.replication.health import PeerHealth
 
 log = logging.getLogger(__name__)
 
 #: ZAP domain of the peer socket (the authenticator answers only for it).
 ZAP_DOMAIN = "ckptd-peers"
-#: Largest peer message: one part frame plus its header.
-MAX_PEER_MESSAGE = PART_FRAME_BYTES + (1 << 20)
+#: Largest peer control message (part bytes travel on the bulk path, never here).
+MAX_PEER_MESSAGE = 1 << 20
 
 #: ``send(body, frames=()) -> bool``: False when it would block.
 Sender = Callable[..., bool]
@@ -66,31 +68,98 @@ class _AllowedKeys:
         return allowed
 
 
-def advertised_address(endpoint: str) -> str:
-    """The address peers should dial for a bound ``tcp://host:port`` endpoint."""
+_WILDCARDS = ("0.0.0.0", "*", "[::]", "::", "")
+_SIOCGIFFLAGS, _SIOCGIFADDR = 0x8913, 0x8915
+_IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
+
+
+def interface_addresses() -> list[tuple[str, str]]:
+    """``(interface, IPv4 address)`` of every interface that is up and not loopback, in
+    the kernel's interface order."""
+    import fcntl
+    import struct
+
+    found = []
+    with _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM) as probe:
+        for _, name in _socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack_from("H", fcntl.ioctl(probe, _SIOCGIFFLAGS, request), 16)[0]
+                if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
+                    continue
+                address = fcntl.ioctl(probe, _SIOCGIFADDR, request)[20:24]
+            except OSError:  # no IPv4 address on it
+                continue
+            found.append((name, _socket.inet_ntoa(address)))
+    return found
+
+
+def advertised_address(endpoint: str, advertise: str | None = None) -> str:
+    """The address peers should dial for a bound ``tcp://host:port`` endpoint.
+
+    Parameters
+    ----------
+    endpoint : str
+        What the socket is bound to (port resolved).
+    advertise : str, optional
+        ``--peer-advertise``: a host (or ``tcp://host[:port]``) other nodes reach this
+        daemon at. Without it, a wildcard bind advertises the first interface address that
+        is up and not loopback: the host name may resolve to 127.0.0.1, which other nodes
+        cannot reach.
+    """
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if host in ("0.0.0.0", "*", "[::]", "::"):
-        host = _socket.gethostbyname(_socket.gethostname())
+    if advertise:
+        given = advertise.removeprefix("tcp://")
+        if given.count(":") == 1:
+            given, port = given.split(":")
+        return f"tcp://{given}:{port}"
+    if host in _WILDCARDS:
+        candidates = interface_addresses()
+        if not candidates:
+            log.warning("--peer-listen %s: this host has no interface address but loopback; "
+                        "advertising 127.0.0.1, which only daemons on this host can reach "
+                        "(use --peer-advertise)", endpoint)
+            return f"tcp://127.0.0.1:{port}"
+        host = candidates[0][1]
+        if len(candidates) > 1:
+            log.info("--peer-listen %s: advertising %s (interface %s) of %s; choose another "
+                     "with --peer-advertise", endpoint, host, candidates[0][0],
+                     ", ".join(f"{a} ({n})" for n, a in candidates))
     return f"tcp://{host}:{port}"
+
+
+def bind_host(listen: str) -> str:
+    """The host part of ``tcp://host:port`` as a socket binds it (``""``: every interface)."""
+    host = listen.removeprefix("tcp://").rpartition(":")[0]
+    return "" if host in _WILDCARDS else host.strip("[]")
 
 
 @dataclass
 class PeerStats:
-    """What this daemon exchanged with one peer; survives redials of its link."""
+    """What this daemon exchanged with one peer; survives redials of its link. Updated
+    by the bulk connection threads, hence the lock."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     streams_ok: int = 0
     streams_failed: int = 0
     last_error: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, sent: int = 0, received: int = 0) -> None:
+        """Count bytes moved to or from this peer."""
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
 
     def stream_ended(self, ok: bool, error: str | None) -> None:
         """Count a finished stream with this peer."""
-        if ok:
-            self.streams_ok += 1
-        else:
-            self.streams_failed += 1
-            self.last_error = error
+        with self._lock:
+            if ok:
+                self.streams_ok += 1
+            else:
+                self.streams_failed += 1
+                self.last_error = error
 
 
 @dataclass
@@ -123,6 +192,8 @@ class PeerTransport:
     ----------
     listen : str
         ``tcp://host:port`` to bind the peer ROUTER on.
+    advertise : str, optional
+        ``--peer-advertise``: the host (or ``tcp://host[:port]``) other nodes dial.
 
     Attributes
     ----------
@@ -130,16 +201,19 @@ class PeerTransport:
         The address peers dial (the bound endpoint, port resolved).
     public_key : str
         This daemon's CURVE public key (z85), handed to peers through the trainers.
+    raw_public, raw_secret : bytes
+        The same key pair as raw X25519 keys (the bulk path's key agreement).
     router : zmq.Socket
         The listening socket (poll it for messages from peers that dialed us).
     """
 
-    def __init__(self, listen: str) -> None:
+    def __init__(self, listen: str, advertise: str | None = None) -> None:
         if not listen.startswith("tcp://"):
             raise ValueError(f"--peer-listen {listen!r} must be a tcp://host:port address")
         self.context = zmq.Context(io_threads=knobs.PEER_IO_THREADS.get())
         self._public, self._secret = zmq.curve_keypair()
         self.public_key = self._public.decode()
+        self.raw_public, self.raw_secret = z85.decode(self._public), z85.decode(self._secret)
         self._allowed = _AllowedKeys()
         self.auth = ThreadAuthenticator(self.context, log=logging.getLogger(f"{__name__}.zap"))
         self.auth.start()
@@ -158,20 +232,38 @@ class PeerTransport:
             self.close()
             raise OSError(f"cannot listen for peer daemons on {listen}: {exc}; pick a free "
                           "address for --peer-listen") from None
-        self.address = advertised_address(self.router.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self.address = advertised_address(self.router.getsockopt(zmq.LAST_ENDPOINT).decode(),
+                                          advertise)
         self.links: dict[str, PeerLink] = {}
         self.known: dict[str, bytes] = {}  # peer address -> public key, from the trainers
+        self.bulk: dict[str, str] = {}     # peer address -> its bulk address (host:port)
         self._stats: dict[str, PeerStats] = {}
+
+    @property
+    def host(self) -> str:
+        """The host part of the advertised address (the bulk address uses it too)."""
+        return self.address.removeprefix("tcp://").rpartition(":")[0]
 
     # ------------------------------------------------------------ keys
     def allow(self, keys) -> None:
         """Admit exactly these public keys (z85 strings) on the listening socket."""
         self._allowed.keys = frozenset(k.encode() if isinstance(k, str) else k for k in keys)
 
-    def learn(self, address: str, key: str) -> None:
+    def allowed_raw(self, raw_key: bytes) -> bool:
+        """Whether a raw public key is one the trainers named (the bulk listener asks)."""
+        return z85.encode(raw_key) in self._allowed.keys
+
+    def address_of_key(self, raw_key: bytes) -> str:
+        """The control address of the peer with this raw public key (or the key itself)."""
+        key = z85.encode(raw_key)
+        return next((a for a, k in list(self.known.items()) if k == key), key.decode())
+
+    def learn(self, address: str, key: str, bulk: str | None = None) -> None:
         """Remember a peer's key; a link to it with another key (it restarted) is dropped."""
         if address == self.address:
             return
+        if bulk:
+            self.bulk[address] = bulk
         self.known[address] = key.encode()
         link = self.links.get(address)
         if link is not None and link.key != key.encode():

@@ -11,5 +11,8 @@
 - ``lifecycle``  the only writer of a request's phase, and the extent lease whose named
                  holds decide when staged bytes may be reused;
 - ``saves``      the save messages and the work each lifecycle step needs;
-- ``local``      the local-checkpoint messages and the replication step of a save.
+- ``local``      the local-checkpoint messages and the replication step of a save;
+- ``resident``   the memory tier: finished local parts kept in the staging pool;
+- ``redundancy`` where the durable copies of this node's latest local parts are;
+- ``local_status`` the status document's local-checkpoint and replication sections.
 """

@@ -35,6 +35,8 @@ class DaemonConfig:
     writers: int = field(default_factory=knobs.WRITERS.get)
     local_dir: str | None = None
     peer_listen: str | None = None
+    peer_advertise: str | None = None    # host other nodes dial (default: interface address)
+    peer_encryption: str = field(default_factory=knobs.PEER_ENCRYPTION.get)
     log_level: str = "INFO"
     exit_when_idle: float | None = None
     drain_timeout: float = field(default_factory=knobs.DRAIN_TIMEOUT.get)

@@ -165,6 +165,7 @@ class Daemon:
             log.info("stop requested: draining %d in-flight request(s), at most %.0fs",
                      len(self.table.in_flight()), self.config.drain_timeout)
             self.stopping_since = time.monotonic()
+            self.local.release_resident()  # parts kept in memory must not hold the drain up
 
     def serve_forever(self) -> None:
         """Run until stopped by SIGTERM/SIGINT or the idle timeout."""
@@ -295,6 +296,5 @@ class Daemon:
                   "free_bytes": pool.free_bytes, "waiting_requests": pool.waiting,
                   "pinned": pool.registered_with_cuda},
             writers=self.writers.describe(),
-            peers=self.local.peers_status(), local_checkpoints=self.local.checkpoints_status(),
-            replication=self.local.replication_status(),
+            **self.local.status_sections(),
         )

@@ -4,9 +4,10 @@ Two owners, one per piece of state:
 
 - :class:`ExtentLease` owns a request's staging extent and the named *holds* on it:
   ``client-copy`` (the trainer copies in), ``device-copy`` (the CUDA stager copies in),
-  ``writers`` (writer jobs read it), ``replica:<address>`` (a push streams it). The
-  extent goes back to the pool exactly once, when the last hold drops, whatever order the
-  holders finish in, so staged bytes are never overwritten while someone reads them.
+  ``writers`` (writer jobs read it), ``replica:<address>`` (a push streams it),
+  ``resident`` (a finished local part kept in memory, see :mod:`ckptd.server.resident`).
+  The extent goes back to the pool exactly once, when the last hold drops, whatever order
+  the holders finish in, so staged bytes are never overwritten while someone reads them.
 - :class:`SaveLifecycle` owns ``request.phase``::
 
       waiting_for_pool -> staging -> writing -> [replicating] -> done
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 CLIENT_COPY = "client-copy"
 DEVICE_COPY = "device-copy"
 WRITERS = "writers"
+RESIDENT = "resident"
 
 
 def replica_hold(holder: str) -> str:
@@ -134,6 +136,12 @@ class SaveLifecycle:
         self.pool = pool
         self.table = table
         self.effects = effects
+        #: Optional hooks of the memory tier: ``on_done(request)`` runs when a save is done,
+        #: while its extent is still held (it may add a :data:`RESIDENT` hold);
+        #: ``reclaim(length) -> bool`` gives back one resident extent, if any, so that a
+        #: save that does not fit can have the space.
+        self.on_done: Callable[[SaveRequest], None] | None = None
+        self.reclaim: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ space
     def admit(self, request: SaveRequest, copiers: tuple[str, ...] = (CLIENT_COPY,)) -> bool:
@@ -157,6 +165,8 @@ class SaveLifecycle:
             If the request can never fit.
         """
         extent = self.pool.try_allocate(request.extent_length)
+        while extent is None and self.reclaim is not None and self.reclaim(request.extent_length):
+            extent = self.pool.try_allocate(request.extent_length)
         request.copiers = copiers
         self.table.add(request)
         if extent is not None:
@@ -236,10 +246,10 @@ class SaveLifecycle:
             else:
                 log.info("request %d (rank %d) replicated to %s", request.id, request.rank,
                          ", ".join(request.replicas.holders))
-        request.lease.drop(replica_hold(holder))
         if not request.finished and not request.replicas.sending \
                 and not request.lease.has(WRITERS):
             self._settle(request)
+        request.lease.drop(replica_hold(holder))  # after settling: a done save may stay resident
 
     def _writers_finished(self, request: SaveRequest) -> None:
         if request.finished:  # stopped while writing: only now is every file renamed
@@ -299,6 +309,8 @@ class SaveLifecycle:
         request.phase = phase
         request.finished_at = time.time()
         self.table.record_outcome(request)
+        if phase == Phase.DONE and self.on_done is not None:
+            self.on_done(request)
         call, request.pending_reply = request.pending_reply, None
         if call is not None and phase != Phase.DONE:
             call.fail(ErrorCode.INTERNAL if phase == Phase.FAILED else ErrorCode.ABORTED,

@@ -11,10 +11,14 @@ Owns the daemon's half of ``ckpt_client.LocalCheckpointManager``:
   :func:`ckptd.protocol.holder_order`) while the writers write the local part; each
   push's outcome goes to the save lifecycle, which keeps the extent until the last one.
   A failed or timed-out peer makes the save *reduced redundancy*, never a hang.
-- ``LOCAL_INVENTORY`` (parts held, verified), ``LOCAL_FETCH`` (a missing or corrupted part
+- ``LOCAL_INVENTORY`` (parts held, verified, with the identity of each file as verified
+  and where a part resident in memory is), ``LOCAL_FETCH`` (a missing or corrupted part
   from the holders, in the order given, answered when the replicator reports; a corrupted
-  copy here is first set aside, never deleted) and ``LOCAL_COMMIT``
-  (all ranks agreed: mark committed, drop older iterations).
+  copy here is first set aside, never deleted) and ``LOCAL_COMMIT`` (all ranks agreed:
+  mark committed, drop older iterations, and older resident parts);
+- the end of a ``local`` save: its part is noted verified (its writer checksummed those
+  very bytes), kept in memory (:mod:`ckptd.server.resident`) and its copies recorded
+  (:mod:`ckptd.server.redundancy`).
 
 Files are ``ckptd.storage.local_store``'s business, the network ``ckptd.replication``'s.
 """
@@ -30,8 +34,11 @@ from ckptd.protocol import (Empty, ErrorCode, LocalCommit, LocalFetch, LocalInve
 from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDone, PartRef,
                                         Push, PushDone, SetPeers)
 from ckptd.replication.replicator import Replicator
+from ckptd.server import local_status
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
+from ckptd.server.redundancy import RedundancyLedger
 from ckptd.server.requests import ReplicaSet, SaveRequest, host_name
+from ckptd.server.resident import ResidentParts
 from ckptd.storage.durable import make_directories
 from ckptd.storage.local_store import LocalStore, LocalStoreError
 from ckptd.storage.local_store import LocalSession as StoredSession
@@ -40,16 +47,32 @@ from ckptd.storage.roots import AllowedRoots
 log = logging.getLogger(__name__)
 
 
+def network_identity() -> str:
+    """Which host and network namespace this process runs in (two daemons with the same
+    identity reach each other's loopback addresses; others cannot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            machine = f.read().strip()
+    except OSError:
+        machine = host_name()
+    try:
+        namespace = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        namespace = 0
+    return f"{machine}/netns:{namespace}"
+
+
 @dataclass
 class SessionPeers:
     """What the trainers told this daemon about one session's daemons and cliques."""
 
-    peers: list  # per rank: [address, public key] or None
+    peers: list  # per rank: [address, public key, bulk address] or None
     cliques: list = field(default_factory=list)
 
-    def key_of(self, address: str) -> str | None:
-        """The public key the trainers gave for the daemon at ``address``."""
-        return next((entry[1] for entry in self.peers if entry and entry[0] == address), None)
+    def holder(self, address: str) -> tuple | None:
+        """``(address, key, bulk address)`` of the daemon at ``address``, if in the table."""
+        return next((tuple(entry) for entry in self.peers if entry and entry[0] == address),
+                    None)
 
     def clique_of(self, rank: int) -> list:
         """The clique ``rank`` belongs to (``[rank]`` without replication)."""
@@ -74,6 +97,8 @@ class LocalService:
         self.store: LocalStore | None = None
         self.replicator: Replicator | None = None
         self.sessions: dict[str, SessionPeers] = {}
+        self.resident: ResidentParts | None = None
+        self.redundancy = RedundancyLedger()
         # answered on FetchDone: (call, request, where a corrupted copy was set aside)
         self._fetches: dict[int, tuple[Call, LocalFetch, str | None]] = {}
         self._next_fetch = 1
@@ -93,9 +118,13 @@ class LocalService:
         else:
             allowed = self.daemon.roots
         self.store = LocalStore(allowed, self.daemon.journal)
+        self.resident = ResidentParts(self.daemon.pool)
+        lifecycle = self.daemon.saves.lifecycle
+        lifecycle.on_done, lifecycle.reclaim = self._save_done, self.resident.reclaim
         if config.peer_listen:
             pool = self.daemon.pool
-            self.replicator = Replicator(config.peer_listen, self.store, pool.path, pool.size)
+            self.replicator = Replicator(config.peer_listen, self.store, pool.path, pool.size,
+                                         config.peer_advertise, config.peer_encryption)
             self.replicator.start()
 
     @property
@@ -113,6 +142,11 @@ class LocalService:
         elif isinstance(event, FetchDone):
             self._fetch_done(event)
 
+    def release_resident(self) -> None:
+        """Give every resident part's space back (the daemon is stopping)."""
+        if self.resident is not None:
+            self.resident.release_all()
+
     def stop(self) -> None:
         """Stop replicating (streams in flight are dropped; peers time them out)."""
         if self.replicator is not None:
@@ -127,11 +161,16 @@ class LocalService:
             raise RequestError(ErrorCode.NOT_CONFIGURED, str(exc)) from None
 
     def on_peer_info(self, call: Call, body: Empty) -> dict:
-        """This daemon's peer address and CURVE public key (``None`` without peers)."""
+        """This daemon's peer addresses, CURVE public key and bulk protection (``None``
+        without peers), and where it runs (host and network namespace: a loopback address
+        is reachable only from the same pair)."""
+        replicator = self.replicator
         return {"address": self.address,
-                "public_key": self.replicator.public_key if self.replicator else None,
+                "public_key": replicator.public_key if replicator else None,
+                "bulk_address": replicator.bulk_address if replicator else None,
+                "encryption": replicator.protection if replicator else None,
                 "local_dir": self.daemon.config.local_dir, "host": host_name(),
-                "pid": os.getpid()}
+                "network": network_identity(), "pid": os.getpid()}
 
     def on_local_session(self, call: Call, body: LocalSession) -> dict:
         """Register a session's root, its peer table and cliques."""
@@ -158,18 +197,26 @@ class LocalService:
         if self.replicator is not None:  # every daemon has the key table by now: dial peers
             self.replicator.command(ConnectPeers())
         parts = self.store.inventory(session, verify=True)
+        for part in parts:
+            part["identity"] = self.store.verified_identity(part["path"])
+            part["resident"] = self.resident.lookup(session.session_id, part["owner"],
+                                                    part["iteration"])
         return {"address": self.address, "host": host_name(),
                 "parts": [{k: p[k] for k in ("iteration", "owner", "size", "verified", "committed",
-                                             "path")} for p in parts]}
+                                             "path", "identity", "resident")} for p in parts]}
 
-    def on_local_commit(self, call: Call, body: LocalCommit) -> dict:
-        """Every rank's save of an iteration is durable: mark it, drop older iterations."""
+    def on_local_commit(self, call: Call, body: LocalCommit):
+        """Every rank's save of an iteration is durable: mark it, answer, then drop older
+        iterations (the trainer's finalize does not wait for files to be unlinked)."""
         rank = self.daemon.ranks.of(call.identity)
         session = self._session(body.session)
-        removed = self.store.commit(session, body.iteration)
+        older = self.store.commit(session, body.iteration, remove_older=False)
+        self.resident.committed(session.session_id, body.iteration)
         log.info("rank %d committed iteration %d of session %r", rank.rank, body.iteration,
                  session.session_id)
-        return {"removed": removed}
+        call.reply({"removed": older})
+        self.store.remove_iterations(session, older)
+        return DEFERRED
 
     def on_local_fetch(self, call: Call, body: LocalFetch):
         """Fetch a part this node lacks from the holders, in the order the client gave."""
@@ -183,8 +230,7 @@ class LocalService:
         path = session.part_path(body.iteration, body.owner)
         moved_aside = self.store.set_aside_if_corrupt(path)
         peers = self.sessions.get(session.session_id) or SessionPeers([])
-        keyed = [(address, peers.key_of(address)) for address in body.holders
-                 if peers.key_of(address)]
+        keyed = [peers.holder(address) for address in body.holders if peers.holder(address)]
         fetch_id, self._next_fetch = self._next_fetch, self._next_fetch + 1
         self._fetches[fetch_id] = (call, body, moved_aside)
         log.info("rank %d: fetching rank %d's part of iteration %d from %s", rank.rank,
@@ -202,7 +248,8 @@ class LocalService:
             log.info("got rank %d's part of iteration %d from %s", body.owner, body.iteration,
                      event.holder)
             call.reply({"path": event.path, "holder": event.holder, "tried": event.tried,
-                        "moved_aside": moved_aside})
+                        "moved_aside": moved_aside,
+                        "identity": self.store.verified_identity(event.path)})
             return
         tried = "; ".join(f"{t['holder']}: {t['error']}" for t in event.tried) or "none"
         message = (f"rank {body.owner}'s part of iteration {body.iteration} (session "
@@ -240,7 +287,7 @@ class LocalService:
         if request.format != SaveFormat.LOCAL:
             return []
         holders, wanted = self.holders_for(request.session, request.rank)
-        request.replicas = ReplicaSet.sending_to(wanted, [address for address, _ in holders])
+        request.replicas = ReplicaSet.sending_to(wanted, [holder[0] for holder in holders])
         if wanted and len(holders) < wanted:
             log.warning("request %d (rank %d): only %d of %d clique mates live on other nodes; "
                         "choose replication_jump = ranks per node", request.id, request.rank,
@@ -251,7 +298,16 @@ class LocalService:
                 request.id, PartRef(request.session, request.rank, request.iteration), holders,
                 [(base + offset, buffer[2])
                  for offset, buffer in zip(request.offsets, request.buffers)]))
-        return [address for address, _ in holders]
+        return [holder[0] for holder in holders]
+
+    def _save_done(self, request: SaveRequest) -> None:
+        """A save is done (its extent still held): a local part is verified, kept in memory
+        while space allows, and its copies recorded."""
+        if request.format != SaveFormat.LOCAL:
+            return
+        self.store.note_verified(request.path)  # its writer checksummed these very bytes
+        self.resident.keep(request)
+        self.redundancy.record(request, self.address)
 
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop a save's pushes (they answer with failed outcomes)."""
@@ -259,28 +315,6 @@ class LocalService:
             self.replicator.command(CancelPush(request.id))
 
     # ------------------------------------------------------------------ status
-    def peers_status(self) -> list:
-        """Peer daemons and their health, for the status document."""
-        return list(self.replicator.snapshot["peers"]) if self.replicator is not None else []
-
-    def checkpoints_status(self) -> list:
-        """Local checkpoint parts held here (own and replicas), for the status document."""
-        if self.store is None:
-            return []
-        held = []
-        for session in self.store.sessions():
-            peers = self.sessions.get(session.session_id)
-            for part in self.store.inventory(session, verify=False):
-                entry = peers.entry_of(part["owner"]) if peers else None
-                kind = "unknown" if not entry else "own" if entry[0] == self.address else "replica"
-                if self.address is None:
-                    kind = "own"
-                held.append({**part, "kind": kind})
-        return held
-
-    def replication_status(self) -> dict:
-        """This daemon's peer address, key and the part streams in flight."""
-        if self.replicator is None:
-            return {"address": None, "public_key": None, "streams": []}
-        return {"address": self.address, "public_key": self.replicator.public_key,
-                "streams": list(self.replicator.snapshot["streams"])}
+    def status_sections(self) -> dict:
+        """The status document's local-checkpoint sections (:mod:`.local_status`)."""
+        return local_status.sections(self)

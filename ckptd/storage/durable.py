@@ -262,7 +262,8 @@ class DurableFile:
         """The temporary's full path (for messages)."""
         return os.path.join(self.directory, self.tmp_name)
 
-    def commit(self, fsync: bool = True, sync_directory: bool = True) -> Checksum:
+    def commit(self, fsync: bool = True, sync_directory: bool = True,
+               checksum: Checksum | None = None) -> Checksum:
         """fsync, record the checksum, rename into place, fsync the directory.
 
         Parameters
@@ -273,6 +274,9 @@ class DurableFile:
         sync_directory : bool
             fsync the directory after the rename (False when the caller renames more
             files into it and syncs once, as a checksum record before its file).
+        checksum : Checksum, optional
+            The checksum to record, when the bytes did not pass through :attr:`stream`
+            (written at offsets with :meth:`write_at` and checksummed piece by piece).
 
         Returns
         -------
@@ -282,7 +286,7 @@ class DurableFile:
         try:
             if fsync:
                 os.fsync(self._raw.fileno())
-            checksum = self.stream.result()
+            checksum = checksum or self.stream.result()
             if self.with_checksum:  # beside the file, through the same directory descriptor
                 with DurableFile(sidecar_path(self.path), checksum=False,
                                  dir_fd=self._dir_fd) as record:
@@ -297,6 +301,17 @@ class DurableFile:
             raise
         self._finish()
         return checksum
+
+    def write_at(self, offset: int, data) -> None:
+        """Write all of ``data`` at ``offset`` (pieces arriving out of order; thread-safe,
+        not checksummed here: pass the checksum to :meth:`commit`)."""
+        view = memoryview(data).cast("B")
+        fd = self._raw.fileno()
+        while view.nbytes:
+            written = os.pwrite(fd, view, offset)
+            if not written:
+                raise OSError(errno_mod.EIO, "pwrite returned no progress", self.tmp_path)
+            view, offset = view[written:], offset + written
 
     def discard(self) -> None:
         """Remove the temporary (a write that failed or was abandoned)."""

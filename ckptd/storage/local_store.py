@@ -34,9 +34,11 @@ import re
 import shutil
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 
-from ckptd.checksum import CORRUPT_MARKER, Checksum, ChecksumMismatchError, sidecar_path, verify_file
+from ckptd.checksum import (CORRUPT_MARKER, Checksum, ChecksumMismatchError, combine_pieces,
+                            sidecar_path, verify_file)
 from ckptd.protocol import check_session_id
 from ckptd.storage.durable import (DurableFile, fsync_directory, make_directories,
                                    remove_written, write_small_file)
@@ -172,15 +174,22 @@ class LocalStore:
         """Whether every rank agreed this iteration's save succeeded (marker present)."""
         return os.path.exists(os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER))
 
-    def verify(self, path: str, use_cache: bool = True) -> bool:
-        """Whether ``path`` matches its checksum record (cached per size/mtime/inode)."""
+    def _identity_and_cache(self, path: str) -> tuple[tuple | None, tuple | None]:
+        """The file's current ``(size, mtime_ns, inode)`` (None if absent) and its cached
+        verification entry."""
         try:
             info = os.stat(path)
         except FileNotFoundError:
-            return False
-        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+            return None, None
         with self._lock:
             cached = self._verified.get(path)
+        return (info.st_size, info.st_mtime_ns, info.st_ino), cached
+
+    def verify(self, path: str, use_cache: bool = True) -> bool:
+        """Whether ``path`` matches its checksum record (cached per size/mtime/inode)."""
+        key, cached = self._identity_and_cache(path)
+        if key is None:
+            return False
         if use_cache and cached is not None and cached[:3] == key:
             return cached[3]
         try:
@@ -194,25 +203,23 @@ class LocalStore:
         return ok
 
     def note_verified(self, path: str, ok: bool = True) -> None:
-        """Record a verification done elsewhere (a part just written, or served)."""
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:
-            return
-        with self._lock:
-            self._verified[path] = (info.st_size, info.st_mtime_ns, info.st_ino, ok)
+        """Record a verification done elsewhere (a part just written, received, or served)."""
+        key, _ = self._identity_and_cache(path)
+        if key is not None:
+            with self._lock:
+                self._verified[path] = (*key, ok)
 
     def cached_verification(self, path: str) -> bool | None:
         """The last verification result of ``path`` if still current, else ``None``."""
-        try:
-            info = os.stat(path)
-        except FileNotFoundError:
-            return None
-        with self._lock:
-            cached = self._verified.get(path)
-        if cached is None or cached[:3] != (info.st_size, info.st_mtime_ns, info.st_ino):
-            return None
-        return cached[3]
+        key, cached = self._identity_and_cache(path)
+        return cached[3] if key is not None and cached is not None and cached[:3] == key else None
+
+    def verified_identity(self, path: str) -> list | None:
+        """``[size, mtime_ns, inode]`` of ``path`` as it was verified intact (still
+        current), else ``None``: a reader whose open file has this identity reads the
+        very bytes that were verified."""
+        key, cached = self._identity_and_cache(path)
+        return list(key) if key is not None and cached == (*key, True) else None
 
     def inventory(self, session: LocalSession, verify: bool = True) -> list[dict]:
         """Every clean part held for ``session``: iteration, owner, size, verified, committed.
@@ -241,27 +248,37 @@ class LocalStore:
             remove_written(marker)
             fsync_directory(session.iteration_dir(iteration))
 
-    def commit(self, session: LocalSession, iteration: int) -> list[int]:
+    def commit(self, session: LocalSession, iteration: int, remove_older: bool = True) -> list[int]:
         """Mark ``iteration`` committed here, then remove every older iteration.
 
         Called after all ranks agreed that their saves of ``iteration`` are durable, so
         the older checkpoints are no longer the newest complete one anywhere.
 
+        Parameters
+        ----------
+        remove_older : bool
+            False: only mark it; the caller removes the older ones later
+            (:meth:`remove_iterations`), e.g. after answering the trainer.
+
         Returns
         -------
         list of int
-            The iterations removed.
+            The older iterations (removed, or to remove).
         """
         marker = os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER)
         write_small_file(marker, f"{iteration}\n".encode(), checksum=True)
-        removed = [old for old in self.iterations(session) if old < iteration]
-        for old in removed:
+        older = [old for old in self.iterations(session) if old < iteration]
+        if remove_older:
+            self.remove_iterations(session, older)
+        return older
+
+    def remove_iterations(self, session: LocalSession, iterations: list[int]) -> None:
+        """Remove whole iterations of ``session`` (older than a committed one)."""
+        for old in iterations:
             shutil.rmtree(session.iteration_dir(old), ignore_errors=True)
-        if removed:
+        if iterations:
             fsync_directory(session.directory)
-            log.info("session %r: iteration %d committed; removed iterations %s",
-                     session.session_id, iteration, removed)
-        return removed
+            log.info("session %r: removed iterations %s", session.session_id, iterations)
 
     def set_aside_if_corrupt(self, path: str) -> str | None:
         """Move a part that fails its checksum out of the way (kept, never loaded).
@@ -292,44 +309,106 @@ class LocalStore:
             self._verified.pop(path, None)
 
 
-class PartWriter:
-    """Writes one part that arrives in pieces: dirty name, fsync, checksum, clean name.
+class PartReceiver:
+    """Receives one part in pieces that may arrive out of order (several connections).
+
+    Each piece is written at its offset under the part's dirty name and checksummed as
+    it arrives (by the thread that received it); once every byte is there,
+    :meth:`finish` folds the pieces' crc32 into the part's, checks it, and makes the
+    part durable under its clean name (fsync, checksum record, rename). The bytes are
+    written once and never read back.
 
     Parameters
     ----------
     path : str
         The clean name the part gets when :meth:`finish` succeeds.
+    size : int
+        Bytes the part has.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, size: int) -> None:
         self.path = path
+        self.size = size
         self._file = DurableFile(path)
+        self._pieces: dict[int, tuple[int, int]] = {}  # offset -> (length, crc32)
+        self._lock = threading.Condition()
+        self._writing = 0     # pieces being written now (the file stays open meanwhile)
+        self._closed = False
+        self.received = 0
 
     @property
-    def size(self) -> int:
-        """Bytes received so far."""
-        return self._file.stream.size
+    def complete(self) -> bool:
+        """Whether every byte arrived."""
+        return self.received >= self.size
 
-    def write(self, data) -> None:
-        """Append ``data`` (folded into the running crc32 as it is written)."""
-        self._file.stream.write(data)
+    def write(self, offset: int, data) -> bool:
+        """Write and checksum one piece (thread-safe); ``False`` for a piece that arrived
+        before (sent again after a reconnection: same bytes, not counted twice).
+
+        Raises
+        ------
+        ValueError
+            If the piece lies outside the part.
+        OSError
+            If writing fails (e.g. ENOSPC).
+        """
+        length = len(data)
+        if offset < 0 or offset + length > self.size:
+            raise ValueError(f"a piece at bytes {offset}..{offset + length} lies outside "
+                             f"the {self.size}-byte part {self.path}")
+        with self._lock:
+            if self._closed:
+                raise OSError(f"{self.path}: the transfer was abandoned")
+            if offset in self._pieces:
+                return False
+            self._writing += 1
+        try:
+            crc = zlib.crc32(data)
+            self._file.write_at(offset, data)
+        finally:
+            with self._lock:
+                self._writing -= 1
+                self._lock.notify_all()
+        with self._lock:
+            if offset in self._pieces:
+                return False
+            self._pieces[offset] = (length, crc)
+            self.received += length
+        return True
 
     def finish(self, expected_crc: int | None = None) -> Checksum:
-        """Make the part durable under its clean name.
+        """Make the complete part durable under its clean name.
 
         Raises
         ------
         ChecksumMismatchError
-            If the bytes received do not have ``expected_crc``; the dirty file is removed.
+            If the pieces do not form the part, or their crc32 is not ``expected_crc``
+            (a holder's copy that differs from what it recorded); the dirty file is
+            removed.
         """
-        received = self._file.stream.crc
-        if expected_crc is not None and expected_crc != received:
+        with self._lock:
+            self._closed = True
+            self._lock.wait_for(lambda: self._writing == 0)
+            pieces = [(offset, length, crc) for offset, (length, crc) in self._pieces.items()]
+        try:
+            checksum = combine_pieces(pieces)
+        except ValueError as exc:
+            self.discard()
+            raise ChecksumMismatchError(f"{self.path}: the pieces received do not form the "
+                                        f"part ({exc}); the copy is discarded") from None
+        if checksum.size != self.size or (expected_crc is not None
+                                          and checksum.value != expected_crc):
             self.discard()
             raise ChecksumMismatchError(
-                f"{self.path}: received bytes have crc32 {received:08x}, the sender "
-                f"declared {expected_crc:08x}; the copy is discarded")
-        return self._file.commit()
+                f"{self.path}: received {checksum.size} bytes with crc32 {checksum.value:08x}, "
+                f"the holder recorded {self.size} bytes with crc32 "
+                f"{(expected_crc or 0):08x}; the copy is corrupted and discarded")
+        return self._file.commit(checksum=checksum)
 
     def discard(self) -> None:
-        """Drop the dirty file (a stream that failed or was cancelled)."""
+        """Drop the dirty file (a transfer that failed or was cancelled); waits for pieces
+        being written by other threads, so their descriptor is never reused under them."""
+        with self._lock:
+            self._closed = True
+            self._lock.wait_for(lambda: self._writing == 0)
         self._file.discard()

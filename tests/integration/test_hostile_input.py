@@ -21,7 +21,10 @@ from test_local_checkpoints import SESSION, make_nodes  # noqa: F401 (fixture)
 
 from ckpt_client import AsyncCallsQueue, async_torch_save
 from ckptd import protocol
-from ckptd.replication.wire import PartAck, PartBegin
+from ckptd.replication.channel import ChannelError, Kind
+from ckptd.replication.wire import PeerPing, PeerPong
+
+import peerclient
 
 DEPTHS = (1, 16, 33, 100, 1000, 100_000)
 
@@ -105,16 +108,42 @@ def test_hostile_peer_messages_are_dropped_and_the_daemon_lives(make_nodes, tmp_
         peer.connect(info["address"])
         for name, frames in hostile_messages():
             peer.send_multipart(frames)
-        # The peer is still served: a well-formed part stream start is acknowledged.
-        begin = PartBegin(xfer=3, size=4, session=SESSION, owner=1, iteration=2)
-        peer.send_multipart(protocol.encode(begin.message_type, 0, begin.to_wire()))
+        # The peer is still served: a heartbeat is answered.
+        peer.send_multipart(protocol.encode(PeerPing.message_type, 0, PeerPing(1.0).to_wire()))
         assert peer.poll(30_000), "the daemon stopped answering its peer"
         reply = protocol.decode(peer.recv_multipart())
-        assert reply.type == PartAck.message_type and daemon.process.poll() is None
+        assert reply.type == PeerPong.message_type and daemon.process.poll() is None
         assert "handling a message failed" in daemon.log()
     finally:
         channel.close()
         context.destroy(linger=0)
+    saves_still_work(daemon.socket, daemon.roots[0], monkeypatch)
+
+
+def test_hostile_bulk_frames_are_refused_and_the_daemon_lives(make_nodes, monkeypatch):
+    nodes = make_nodes(1)
+    daemon = nodes.daemons[0]
+    public, secret = peerclient.keypair()  # a daemon the trainers named: it may connect
+    info = peerclient.register_session(daemon.socket, SESSION, nodes.roots(1)[0],
+                                       [["tcp://127.0.0.254:1", public, "127.0.0.254:1"]])
+    for name, frames in hostile_messages()[::3]:
+        channel = peerclient.dial_bulk(info, public, secret)
+        try:  # sealed properly, but the BEGIN's payload is the hostile bytes, not a map
+            channel.send(Kind.BEGIN, 1, extra=4, payload=frames[0])
+            answer = channel.receive()
+            # refused: a map that names no part
+            assert answer.kind == Kind.READY and answer.body()["ok"] is False, name
+        except ChannelError:
+            pass  # hung up on: anything else (too large, not a map)
+        finally:
+            channel.close()
+        assert daemon.process.poll() is None, f"{name} killed the daemon"
+    # a well-formed stream on a new connection is still served
+    channel = peerclient.dial_bulk(info, public, secret)
+    try:
+        assert peerclient.push_begin(channel, 2, SESSION, 1, 2, 4) == {"ok": True}
+    finally:
+        channel.close()
     saves_still_work(daemon.socket, daemon.roots[0], monkeypatch)
 
 

@@ -209,11 +209,14 @@ def test_save_find_load_two_nodes(make_nodes, tmp_path, is_async):
                          args=(nodes.roots(2), 2, 2, [1, 2], is_async, BIG))
     for rank, (latest, part_id, reports, load_report) in enumerate(values(outcomes)):
         assert latest == 2 and part_id == (2, rank, SESSION)
-        assert load_report["source"] == "local_disk" and load_report["holder"] is None
+        # the daemon still keeps the latest committed part in its memory
+        assert load_report["source"] == "daemon_memory" and load_report["holder"] is None
         assert load_report["bytes"] > 0 and load_report["seconds"] > 0
         for report in reports:
             assert not report["reduced_redundancy"], report
             assert report["replicated_to"] == [nodes.addresses[1 - rank // 2]]
+            assert report["copies"] == [nodes.addresses[rank // 2], nodes.addresses[1 - rank // 2]]
+            assert report["wanted_copies"] == 2
     for node in range(2):
         for owner in range(4):  # own parts and the clique mates' replicas on both nodes
             assert os.path.exists(nodes.part(node, 2, owner))
@@ -240,8 +243,8 @@ def test_lost_node_is_restored_from_peers(make_nodes, tmp_path):
         assert latest == 5 and part_id == (5, rank, SESSION)
         if rank in (2, 3):
             assert (load_report["source"], load_report["holder"]) == ("peer", nodes.addresses[0])
-        else:
-            assert (load_report["source"], load_report["holder"]) == ("local_disk", None)
+        else:  # their daemons lived on, keeping the part in memory
+            assert (load_report["source"], load_report["holder"]) == ("daemon_memory", None)
     # the restored parts are on node 1 again, verified
     for owner in (2, 3):
         assert os.path.exists(nodes.part(1, 5, owner))

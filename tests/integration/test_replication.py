@@ -16,12 +16,15 @@ import zmq
 
 from conftest import wait_for
 from multirank import collect, run_ranks, start_ranks, values
-from test_local_checkpoints import (BIG, SESSION, find_and_load,  # noqa: F401 (fixture)
+from test_local_checkpoints import (BIG, PEER_ENV, SESSION, find_and_load,  # noqa: F401
                                     make_nodes, same, state_of)
 
+import peerclient
+from peerclient import register_session
+
 from ckptd import protocol
-from ckptd.protocol import MessageType
-from ckptd.replication.wire import PartAck, PartBegin, PartEnd, PartGet
+from ckptd.replication.channel import Kind
+from ckptd.replication.wire import PartGet, PeerPing, PeerPong
 
 
 def flip_byte(path: str) -> None:
@@ -126,7 +129,9 @@ def test_peer_killed_during_replication(make_nodes, tmp_path):
     assert reports[0]["reduced_redundancy"] and reports[0]["replicated_to"] == []
     assert "no progress" in reports[0]["failed"][nodes.addresses[1]]
     assert reports[1] == {"iteration": 3, "replicated_to": [nodes.addresses[0]], "failed": {},
-                          "reduced_redundancy": False}
+                          "reduced_redundancy": False, "wanted_copies": 2,
+                          "copies": [nodes.addresses[1], nodes.addresses[0]]}
+    assert reports[0]["copies"] == [nodes.addresses[0]] and reports[0]["wanted_copies"] == 2
     doc = nodes.daemons[0].status()
     mine = [r for r in doc["requests"] if r["rank"] == 0 and r["format"] == "local"]
     assert mine and mine[-1]["phase"] == "done"
@@ -136,10 +141,12 @@ def test_peer_killed_during_replication(make_nodes, tmp_path):
     # load still works from what exists: node 1 comes back with its disk
     peer.process.wait()
     nodes.restart(1)
-    for rank, (latest, part_id, report) in enumerate(
-            values(run_ranks(find_and_load, 2, nodes.sockets(1), tmp_path,
-                             args=(nodes.roots(1), 1, 2, BIG), name="load"))):
-        assert latest == 3 and report["source"] == "local_disk"
+    sources = [report["source"] for latest, part_id, report in
+               values(run_ranks(find_and_load, 2, nodes.sockets(1), tmp_path,
+                                args=(nodes.roots(1), 1, 2, BIG), name="load"))
+               if latest == 3]
+    # node 0's daemon still holds rank 0's part in memory; node 1's restarted: its disk
+    assert sources == ["daemon_memory", "local_disk"]
 
 
 def test_corrupted_replica_is_skipped_for_the_next_holder(make_nodes, tmp_path):
@@ -204,42 +211,47 @@ def _handshake_event(monitor) -> int:
 
 def test_unknown_key_cannot_push_or_fetch(make_nodes, tmp_path, zmq_context):
     nodes = make_nodes(1)
-    channel = protocol.Channel(protocol.endpoint_for(nodes.daemons[0].socket))
-    try:
-        channel.call(MessageType.HELLO, {"rank": 0, "pid": os.getpid(), "world_size": 1})
-        info = channel.call(MessageType.PEER_INFO).body
-        session = {"session": SESSION, "root": nodes.roots(1)[0], "world_size": 1,
-                   "peers": [[info["address"], info["public_key"]]], "cliques": []}
-        channel.call(MessageType.LOCAL_SESSION, session)
-        stranger = zmq.curve_keypair()
-        sock, monitor = _client(zmq_context, info["address"], info["public_key"], stranger)
-        push = PartBegin(xfer=1, size=4, session=SESSION, owner=5, iteration=9)
-        sock.send_multipart(protocol.encode(PartBegin.message_type, 0, push.to_wire()))
-        get = PartGet(xfer=2, session=SESSION, owner=5, iteration=9)
-        sock.send_multipart(protocol.encode(PartGet.message_type, 0, get.to_wire()))
-        assert _handshake_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        assert not sock.poll(500), "an unknown key got an answer"
-        assert not os.path.exists(os.path.join(nodes.roots(1)[0], SESSION, "iter_0000009"))
-        assert "unknown CURVE key" in nodes.daemons[0].log()
+    root = nodes.roots(1)[0]
+    info = register_session(nodes.daemons[0].socket, SESSION, root)
+    stranger = peerclient.keypair()
+    # the control socket: the CURVE handshake fails, a fetch request gets no answer
+    sock, monitor = _client(zmq_context, info["address"], info["public_key"],
+                            tuple(k.encode() for k in stranger))
+    get = PartGet(xfer=2, session=SESSION, owner=5, iteration=9, requester="tcp://127.0.0.254:1")
+    sock.send_multipart(protocol.encode(PartGet.message_type, 0, get.to_wire()))
+    assert _handshake_event(monitor) == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    assert not sock.poll(500), "an unknown key got an answer"
+    assert "unknown CURVE key" in nodes.daemons[0].log()
+    # the bulk path: refused before a byte of answer; nothing is written
+    assert "closed after 0" in peerclient.bulk_refused(info, *stranger)
+    # ... also when it claims the daemon's own (public) key without holding its secret
+    assert peerclient.bulk_refused(info, info["public_key"], stranger[1]) is not None
+    assert not os.path.exists(os.path.join(root, SESSION, "iter_0000009"))
+    wait_for(lambda: nodes.daemons[0].log().count("refused a bulk connection") >= 2, 30,
+             "the daemon to log both refused bulk connections")
 
-        # the same client is served once the trainers' table names its key
-        session["peers"].append(["tcp://127.0.0.254:1", stranger[0].decode()])
-        channel.call(MessageType.LOCAL_SESSION, session)
-        sock2, monitor2 = _client(zmq_context, info["address"], info["public_key"], stranger)
-        sock2.send_multipart(protocol.encode(PartBegin.message_type, 0, push.to_wire()))
-        assert _handshake_event(monitor2) == zmq.EVENT_HANDSHAKE_SUCCEEDED
-        assert sock2.poll(30_000), "a known key got no answer"
-        reply = protocol.decode(sock2.recv_multipart())
-        assert reply.type == PartAck.message_type and reply.body["received"] == 0
-        end = PartEnd(xfer=1, abort=True, error="test")
-        sock2.send_multipart(protocol.encode(PartEnd.message_type, 0, end.to_wire()))
+    # the same key is served on both paths once the trainers' table names it
+    register_session(nodes.daemons[0].socket, SESSION, root,
+                     [["tcp://127.0.0.254:1", stranger[0], "127.0.0.254:1"]])
+    sock2, monitor2 = _client(zmq_context, info["address"], info["public_key"],
+                              tuple(k.encode() for k in stranger))
+    sock2.send_multipart(protocol.encode(PeerPing.message_type, 0, PeerPing(1.0).to_wire()))
+    assert _handshake_event(monitor2) == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    assert sock2.poll(30_000), "a known key got no answer"
+    assert protocol.decode(sock2.recv_multipart()).type == PeerPong.message_type
+    channel = peerclient.dial_bulk(info, *stranger)
+    try:
+        assert peerclient.push_begin(channel, 1, SESSION, 5, 9, 4) == {"ok": True}
+        channel.send(Kind.ABORT, 1, payload={"error": "test"})
     finally:
         channel.close()
 
 
 def test_a_corrupted_own_part_is_set_aside_and_healed_from_a_verified_replica(make_nodes,
                                                                               tmp_path):
-    nodes = make_nodes(2)  # 2 nodes x 1 rank, one clique (0, 1): each holds the other's part
+    # 2 nodes x 1 rank, one clique (0, 1): each holds the other's part; without the memory
+    # tier, so that the loads read the disk
+    nodes = make_nodes(2, env={**PEER_ENV, "CKPTD_MEMORY_TIER": "0"})
     values(run_ranks(save_once, 2, nodes.sockets(1), tmp_path,
                      args=(nodes.roots(1), 1, 2, 6), name="save"))
     own = nodes.part(0, 6, 0)  # rank 0's own part on its own node; node 1 holds a replica

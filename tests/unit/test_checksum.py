@@ -42,3 +42,19 @@ def test_a_missing_or_broken_record_is_an_error(tmp_path):
     (tmp_path / "part.ckptd-sum").write_text("{not json")
     with pytest.raises(ChecksumMismatchError, match="unreadable"):
         read_sidecar(str(path))
+
+
+def test_a_file_checksummed_in_pieces_out_of_order_has_the_whole_files_crc():
+    import os
+    import zlib
+
+    from ckptd.checksum import combine_pieces, crc32_combine
+
+    data = os.urandom(3 * 4096 + 17)
+    cuts = [0, 100, 4096, 9000, len(data)]
+    pieces = [(a, b - a, zlib.crc32(data[a:b])) for a, b in zip(cuts, cuts[1:])]
+    assert combine_pieces(reversed(pieces)) == checksum_bytes(data)
+    assert crc32_combine(zlib.crc32(data[:5]), zlib.crc32(data[5:]), len(data) - 5) == \
+        zlib.crc32(data)
+    with pytest.raises(ValueError, match="gap"):
+        combine_pieces(pieces[:1] + pieces[2:])

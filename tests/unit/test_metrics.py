@@ -108,6 +108,8 @@ def test_every_documented_family_is_rendered_and_parses(busy_ledger):
         "ckptd_staging_pool_waiting_requests": "gauge", "ckptd_ranks_registered": "gauge",
         "ckptd_writers": "gauge", "ckptd_replication_lag_seconds": "gauge", "ckptd_peers": "gauge",
         "ckptd_local_checkpoint_parts": "gauge", "ckptd_local_checkpoint_bytes": "gauge",
+        "ckptd_local_part_copies": "gauge", "ckptd_local_parts_reduced_redundancy": "gauge",
+        "ckptd_memory_tier_bytes": "gauge",
     }
     # prometheus_client strips the _total suffix from counter family names.
     assert {name: fam.type for name, fam in fams.items()} == expected
@@ -317,3 +319,18 @@ def test_exporter_refuses_a_port_in_use():
         exporter = MetricsExporter(listen=taken.getsockname())
         with pytest.raises(OSError, match="choose another --metrics-listen port"):
             exporter.start()
+
+
+def test_redundancy_and_the_memory_tier_follow_the_status_document(busy_ledger):
+    redundancy = [{"session": "job", "owner": 0, "iteration": 5, "wanted": 2,
+                   "copies": ["tcp://a:1", "tcp://b:1"], "reachable": 2, "reduced": False,
+                   "failed": {}},
+                  {"session": "job", "owner": 1, "iteration": 5, "wanted": 2,
+                   "copies": ["tcp://a:1"], "reachable": 1, "reduced": True,
+                   "failed": {"tcp://b:1": "no progress"}}]
+    fams = families(render(snapshot(busy_ledger, redundancy=redundancy,
+                                    memory_tier={"parts": 2, "bytes": 8192})))
+    assert value(fams, "ckptd_local_part_copies", session="job", owner="0") == 2
+    assert value(fams, "ckptd_local_part_copies", session="job", owner="1") == 1
+    assert value(fams, "ckptd_local_parts_reduced_redundancy") == 1
+    assert value(fams, "ckptd_memory_tier_bytes") == 8192

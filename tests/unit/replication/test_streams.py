@@ -1,14 +1,11 @@
-"""Part streams: frames out of the pool, the flow-control window, in-order receipt."""
+"""Where part streams read from: the staging pool's items back to back, or a part file."""
 
 import mmap
-import zlib
 
 import pytest
 
-from ckptd import knobs
 from ckptd.protocol import PART_FRAME_BYTES
-from ckptd.replication.streams import InStream, OutStream, PoolItems
-from ckptd.replication.wire import PartBegin, PartChunk, PartEnd
+from ckptd.replication.streams import FileSource, PoolItems
 
 
 @pytest.fixture
@@ -30,49 +27,21 @@ def test_pool_items_stream_back_to_back_without_the_padding(pool):
                                                          128 + PART_FRAME_BYTES + 5]
 
 
-class Wire:
-    """Collects what a stream sends; `blocked` makes sends report 'would block'."""
-
-    def __init__(self) -> None:
-        self.sent, self.blocked = [], False
-
-    def __call__(self, body, frames=()):
-        if self.blocked:
-            return False
-        self.sent.append((body, [bytes(f) for f in frames]))
-        return True
+def test_a_large_buffer_is_streamed_without_a_copy(pool):
+    items = PoolItems(pool, [(4096, 2 * PART_FRAME_BYTES)])
+    frame = items.frame(PART_FRAME_BYTES)
+    assert isinstance(frame, memoryview), "a slice of one buffer is a view of the pool"
+    assert bytes(frame) == pool[4096 + PART_FRAME_BYTES:4096 + 2 * PART_FRAME_BYTES]
 
 
-def test_a_sender_keeps_at_most_the_window_unacknowledged(pool):
-    wire = Wire()
-    source = PoolItems(pool, [(0, 3 * PART_FRAME_BYTES)])
-    stream = OutStream(xfer=7, kind="push", peer="tcp://n1:1", send=wire, source=source,
-                       begin=PartBegin(7, source.size), on_finish=lambda ok, error: None)
-    with knobs.override(REPLICATION_WINDOW=2):
-        stream.pump()
-        assert [type(b) for b, _ in wire.sent] == [PartBegin]
-        stream.pump()
-        assert wire.sent[1:] == [], "nothing before the receiver acknowledged the begin"
-        stream.acknowledged(0)
-        stream.pump()
-        assert [b.offset for b, _ in wire.sent[1:]] == [0, PART_FRAME_BYTES]
-        wire.blocked = True
-        stream.acknowledged(PART_FRAME_BYTES)
-        stream.pump()
-        assert stream.sent == 2 * PART_FRAME_BYTES, "a blocked send is retried later"
-        wire.blocked = False
-        stream.pump()
-    end = wire.sent[-1][0]
-    assert isinstance(end, PartEnd) and end.size == source.size
-    data = b"".join(f[0] for b, f in wire.sent if isinstance(b, PartChunk))
-    assert end.crc == zlib.crc32(data) and data == pool[:3 * PART_FRAME_BYTES]
-
-
-def test_a_receiver_refuses_a_chunk_out_of_order(tmp_path):
-    stream = InStream(xfer=9, kind="replica", peer="peer", send=Wire(),
-                      path=str(tmp_path / "rank_0.part"), on_finish=lambda ok, error: None)
-    stream.begin(8, None)
-    assert stream.chunk(0, b"abcd") is None and stream.received == 4
-    assert "expected 4" in stream.chunk(2, b"cdef")
-    stream.discard()
-    assert list(tmp_path.iterdir()) == []
+def test_a_file_source_reads_frames_at_any_position(tmp_path):
+    path = tmp_path / "part"
+    data = bytes(range(256)) * (PART_FRAME_BYTES // 256 + 3)
+    path.write_bytes(data)
+    source = FileSource(str(path))
+    try:
+        assert source.size == len(data)
+        assert source.frame(PART_FRAME_BYTES) == data[PART_FRAME_BYTES:]
+        assert source.frame(0) == data[:PART_FRAME_BYTES]
+    finally:
+        source.close()

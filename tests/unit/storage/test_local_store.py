@@ -5,7 +5,7 @@ import os
 import pytest
 
 from ckptd.checksum import ChecksumMismatchError, verify_tree
-from ckptd.storage.local_store import LocalStore, LocalStoreError, PartWriter
+from ckptd.storage.local_store import LocalStore, LocalStoreError, PartReceiver
 from ckptd.storage.roots import AllowedRoots
 
 
@@ -15,9 +15,9 @@ def store(tmp_path):
 
 
 def write_part(path: str, data: bytes) -> None:
-    writer = PartWriter(path)
-    writer.write(data)
-    writer.finish()
+    receiver = PartReceiver(path, len(data))
+    receiver.write(0, data)
+    receiver.finish()
 
 
 def test_sessions_must_be_plain_names_inside_the_local_dir(store, tmp_path):
@@ -55,8 +55,34 @@ def test_inventory_verifies_parts_and_reports_corruption(store, tmp_path):
 
 def test_a_part_received_with_the_wrong_crc_is_discarded(store, tmp_path):
     session = store.register("s", str(tmp_path / "local"))
-    writer = PartWriter(session.part_path(1, 0))
-    writer.write(b"bytes that arrived")
+    receiver = PartReceiver(session.part_path(1, 0), 18)
+    receiver.write(0, b"bytes that arrived")
     with pytest.raises(ChecksumMismatchError, match="discarded"):
-        writer.finish(expected_crc=1234)
+        receiver.finish(expected_crc=1234)
     assert os.listdir(session.iteration_dir(1)) == []
+
+
+def test_pieces_arriving_out_of_order_and_twice_make_one_verified_part(store, tmp_path):
+    import zlib
+
+    session = store.register("s", str(tmp_path / "local"))
+    data = os.urandom(10_000)
+    path = session.part_path(2, 0)
+    receiver = PartReceiver(path, len(data))
+    for offset in (8192, 0, 4096, 0):
+        receiver.write(offset, data[offset:offset + 4096])
+    assert receiver.received == len(data) and receiver.complete
+    assert receiver.finish(zlib.crc32(data)).value == zlib.crc32(data)
+    assert open(path, "rb").read() == data and verify_tree(path) == [path]
+    with pytest.raises(ValueError, match="outside"):
+        PartReceiver(session.part_path(3, 0), 10).write(8, b"abc")
+
+
+def test_a_part_with_a_missing_piece_is_never_made_durable(store, tmp_path):
+    session = store.register("s", str(tmp_path / "local"))
+    receiver = PartReceiver(session.part_path(4, 0), 8)
+    receiver.write(0, b"abc")
+    receiver.write(2, b"cdefgh")  # overlaps: the count says complete, the pieces do not
+    with pytest.raises(ChecksumMismatchError, match="do not form the part"):
+        receiver.finish()
+    assert os.listdir(session.iteration_dir(4)) == []

@@ -1,0 +1,169 @@
+"""The read side of local checkpoints: which iteration is complete, and where this rank's
+part comes from.
+
+- :func:`choose_latest` turns every node's inventory (all-gathered by ``find_latest``)
+  into a :class:`Latest`: the newest committed iteration whose every part is held,
+  verified, on some node; who holds each part (in the fetch order); this node's own
+  entries (their file identity as the daemon verified it, and where the daemon still
+  keeps them in memory); and, when a newer committed iteration lost some parts on every
+  node, which ones (a clear error instead of a silent fallback).
+- :class:`PartLoader` gets this rank's part, in order of cost: from the daemon's staging
+  pool (the memory tier), from this node's disk (read once; not checksummed again when
+  the daemon just verified that very file), or fetched by the daemon from a holder (a
+  corrupted copy here is set aside first). It fills the load report SPEC §3 names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ckptd import knobs
+from ckptd.checksum import ChecksumMismatchError
+from ckptd.protocol import MessageType
+from ckpt_client.errors import DaemonUnavailableError
+from ckpt_client.parts import read_part, read_resident
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Latest:
+    """What ``find_latest`` found (see :func:`choose_latest`)."""
+
+    iteration: int = -1
+    holders: dict = field(default_factory=dict)    # owner -> holder addresses, fetch order
+    own_parts: dict = field(default_factory=dict)  # owner -> this node's inventory entry
+    incomplete: tuple | None = None                # (newer iteration, owners held nowhere)
+
+    def missing_text(self) -> str:
+        """Why a newer committed iteration is not loadable ('' when none is)."""
+        if self.incomplete is None or self.incomplete[0] <= self.iteration:
+            return ""
+        iteration, lost = self.incomplete
+        return (f"iteration {iteration} was committed, but no node holds the parts of ranks "
+                f"{lost} any more (all the nodes of their clique lost them)")
+
+
+def choose_latest(gathered: list, own_inventory: dict, world_size: int,
+                  order_holders: Callable[[int, list], list]) -> Latest:
+    """The newest committed iteration every part of which some node holds, verified.
+
+    Parameters
+    ----------
+    gathered : list
+        ``(rank, inventory, error)`` of every rank (inventories of one node repeat).
+    own_inventory : dict
+        This rank's daemon's inventory.
+    order_holders : callable
+        ``order_holders(owner, nodes)``: the holders of a part in fetch order.
+    """
+    holders: dict[tuple, list] = {}
+    committed: set = set()
+    seen: set = set()
+    for other, inventory, _ in gathered:
+        node = inventory["address"] or f"node of rank {other}"  # no peer socket: no sharing
+        if node in seen:
+            continue  # several ranks share a daemon
+        seen.add(node)
+        for part in inventory["parts"]:
+            if part["committed"]:
+                committed.add(part["iteration"])
+            if part["verified"]:
+                holders.setdefault((part["iteration"], part["owner"]), []).append(node)
+    latest = Latest()
+    for iteration in sorted(committed, reverse=True):
+        lost = [owner for owner in range(world_size) if (iteration, owner) not in holders]
+        if not lost:
+            latest.iteration = iteration
+            break
+        latest.incomplete = latest.incomplete or (iteration, lost)
+    if latest.iteration >= 0:
+        latest.holders = {owner: order_holders(owner, holders[(latest.iteration, owner)])
+                          for owner in range(world_size)}
+        latest.own_parts = {p["owner"]: p for p in own_inventory["parts"]
+                            if p["iteration"] == latest.iteration and p["verified"]}
+    return latest
+
+
+class PartLoader:
+    """Loads this rank's part of a :class:`Latest` (see the module docstring).
+
+    Parameters
+    ----------
+    session_id : str
+        The local-checkpoint session.
+    connect : callable
+        Returns the connection to this node's daemon.
+    own_address : str or None
+        This node's daemon's peer address (never fetched from).
+    """
+
+    def __init__(self, session_id: str, connect: Callable, own_address: str | None) -> None:
+        self.session_id = session_id
+        self._connect = connect
+        self._own_address = own_address
+
+    def load(self, rank: int, latest: Latest, report: dict) -> tuple[dict, dict, str | None]:
+        """``(state_dict, header, path)``; ``report`` gets ``source``, ``holder``, ``bytes``
+        and the fetch's ``tried`` and ``moved_aside`` (``path`` is None from memory)."""
+        part = latest.own_parts.get(rank)
+        loaded = self._from_memory(rank, part)
+        if loaded is not None:
+            report.update(source="daemon_memory", bytes=int(part["resident"]["size"]))
+            return (*loaded, None)
+        path, damage = (part or {}).get("path"), None
+        if path is not None:
+            try:
+                loaded = read_part(path, part.get("identity"))
+            except ChecksumMismatchError as exc:  # corrupted since find_latest: heal it
+                damage = exc
+                log.warning("rank %d: own part of iteration %d is corrupted (%s); fetching a "
+                            "verified copy from a peer", rank, latest.iteration, exc)
+        if loaded is None:
+            path, identity = self._fetch(rank, latest, report, damage)
+            try:
+                loaded = read_part(path, identity)
+            except ChecksumMismatchError as exc:
+                raise ChecksumMismatchError(f"rank {rank}, iteration {latest.iteration}: "
+                                            f"{exc}") from None
+        report["bytes"] = os.path.getsize(path)
+        return (*loaded, path)
+
+    def _from_memory(self, rank: int, part: dict | None) -> tuple | None:
+        """This rank's part copied out of the daemon's staging pool, or None (not there, or
+        the memory changed since: the copy failed its checksum)."""
+        if not part or not part.get("resident"):
+            return None
+        try:
+            return read_resident(self._connect().pool, part["resident"],
+                                 f"rank {rank}'s part in the daemon's memory")
+        except (ChecksumMismatchError, ValueError, DaemonUnavailableError, OSError) as exc:
+            log.warning("rank %d: loading from the daemon's memory failed (%s); reading the "
+                        "part from disk", rank, exc)
+            return None
+
+    def _fetch(self, rank: int, latest: Latest, report: dict,
+               damage: ChecksumMismatchError | None) -> tuple[str, list | None]:
+        """Have the daemon fetch this rank's part from a holder (a corrupted copy here is
+        set aside first); returns where it now is, and its identity as the daemon verified
+        it on arrival."""
+        iteration = latest.iteration
+        holders = [h for h in latest.holders.get(rank, []) if h != self._own_address]
+        if damage is not None and not holders:
+            raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {damage} (and no "
+                                        "other node holds a replica)")
+        log.info("rank %d: part of iteration %d %s here; fetching from %s", rank, iteration,
+                 "corrupted" if damage else "missing", holders)
+        reply = self._connect().call(
+            MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
+                                      "owner": rank, "holders": holders},
+            timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
+        if reply.get("moved_aside"):
+            log.warning("rank %d: the corrupted part was moved aside to %s (kept for "
+                        "inspection, never loaded)", rank, reply["moved_aside"])
+        report.update(source="peer", holder=reply.get("holder"), tried=reply.get("tried", []),
+                      moved_aside=reply.get("moved_aside"))
+        return reply["path"], reply.get("identity")

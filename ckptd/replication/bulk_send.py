@@ -1,0 +1,419 @@
+"""Sending parts on the bulk path: several authenticated tcp connections per peer.
+
+Owns the sending side of every part stream (a push to a holder, or a holder's copy
+served to a fetcher), as :class:`SendJob` s on a :class:`Lane` per peer:
+
+- a job is ``BEGIN`` (answered ``READY``), its chunks (each answered ``ACK`` once the
+  receiver wrote it), then ``END`` once every chunk is acknowledged (answered ``DONE`` once
+  the part is durable there). Chunks of one job spread over the lane's connections
+  (:data:`ckptd.knobs.PEER_STREAMS`), read straight out of the staging pool (or the part
+  file), never copied before sealing;
+- each connection has a writing thread (takes work, seals, sends; at most
+  :data:`ckptd.knobs.REPLICATION_WINDOW` unacknowledged chunks) and a reading thread
+  (answers). A connection that breaks puts what it had in flight back at the head of the
+  queue and is dialed again: an interrupted transfer resumes where it was, on the
+  connections that work, instead of being dropped;
+- serving a fetch checksums the bytes it reads and sends ``ABORT`` instead of ``END`` when
+  this daemon's copy no longer matches its record: a corrupted copy is never completed;
+- every outcome is posted as a :class:`~ckptd.replication.commands.Sent`; a job without
+  progress for :data:`ckptd.knobs.PEER_TIMEOUT` is failed by :meth:`BulkSender.expire`
+  (called on the replicator's tick): a slow link is not a dead one, a cut one is reported.
+
+Liveness is not judged here: heartbeats travel on the ZeroMQ control link, never behind
+part bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ckptd import knobs
+from ckptd.checksum import combine_pieces
+from ckptd.protocol import PART_FRAME_BYTES
+from ckptd.replication.channel import Channel, ChannelError, Frame, Kind
+from ckptd.replication.commands import Sent
+
+log = logging.getLogger(__name__)
+
+BEGIN, END, ABORT = "begin", "end", "abort"
+
+
+def io_timeout() -> float:
+    """Seconds a bulk connection's peer may leave bytes unacknowledged (or keepalive
+    probes unanswered) before the kernel drops the connection."""
+    return max(knobs.PEER_TIMEOUT.get(), 1.0)
+
+
+@dataclass(eq=False)
+class SendJob:
+    """One part streamed to one peer.
+
+    ``begin`` is the ``BEGIN`` payload (which part, and the recorded crc32 when serving);
+    ``expected_crc`` makes the job check the bytes it reads against that record.
+    """
+
+    xfer: int
+    kind: str                     # "push" or "serve"
+    peer: str                     # the receiver's control address (status, logs)
+    source: object                # PoolItems or FileSource: .size, .frame(position), .close()
+    begin: dict
+    stats: object                 # the peer's PeerStats
+    expected_crc: int | None = None
+    request_id: int | None = None
+    owner: int | None = None
+    iteration: int | None = None
+    started: float = field(default_factory=time.monotonic)
+    last_progress: float = field(default_factory=time.monotonic)
+    acked: set = field(default_factory=set)          # chunk offsets the receiver wrote
+    acked_bytes: int = 0
+    crcs: dict = field(default_factory=dict)         # offset -> (length, crc32), serving
+    end_queued: bool = False
+    finished: bool = False
+    abort_reason: str | None = None
+    sending: int = 0                                 # chunks being read/sent right now
+
+    @property
+    def size(self) -> int:
+        """Bytes of the part."""
+        return self.source.size
+
+    def offsets(self) -> list[int]:
+        """Chunk offsets not acknowledged yet."""
+        return [o for o in range(0, self.size, PART_FRAME_BYTES) if o not in self.acked]
+
+    def chunk_length(self, offset: int) -> int:
+        """Bytes of the chunk at ``offset``."""
+        return min(PART_FRAME_BYTES, self.size - offset)
+
+
+class _Connection:
+    """One connection of a lane and what it has in flight (guarded by the lane's lock)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.channel: Channel | None = None
+        self.inflight: dict = {}   # (xfer, item) -> job
+        self.broken: str | None = None
+
+    def chunks_in_flight(self) -> int:
+        return sum(1 for (_, item) in self.inflight if isinstance(item, int))
+
+
+class Lane:
+    """The connections to one peer's bulk listener and the work queued for them.
+
+    Parameters
+    ----------
+    address : tuple
+        ``(host, port)`` of the peer's bulk listener.
+    peer_key : bytes
+        The peer's raw public key (its daemon must hold the secret).
+    peer : str
+        The peer's control address, for logs and status.
+    identity : tuple
+        ``(own secret, own public key, protection)``.
+    post : callable
+        Hands a :class:`Sent` to the replicator.
+    """
+
+    def __init__(self, address: tuple, peer_key: bytes, peer: str, identity: tuple,
+                 post: Callable[[object], None]) -> None:
+        self.address, self.peer_key, self.peer = address, peer_key, peer
+        self._identity = identity
+        self._post = post
+        self.lock = threading.Condition()
+        self.queue: deque = deque()      # (job, item): item is BEGIN, END, ABORT or an offset
+        self.jobs: dict[int, SendJob] = {}
+        self.connections: list[_Connection] = []
+        self.last_error: str | None = None
+        self.stopped = False
+
+    # ------------------------------------------------------------ work (any thread)
+    def add(self, job: SendJob) -> None:
+        """Start streaming ``job``."""
+        with self.lock:
+            self.jobs[job.xfer] = job
+            self.queue.append((job, BEGIN))
+            self._grow()
+            self.lock.notify_all()
+
+    def end_job(self, job: SendJob, ok: bool, error: str | None, notify_peer: bool = False,
+                corrupted: bool = False) -> None:
+        """Finish ``job`` once (lock held by the caller); post its outcome."""
+        if job.finished:
+            return
+        job.finished = True
+        self.jobs.pop(job.xfer, None)
+        if notify_peer:
+            self.queue.appendleft((job, ABORT))
+            job.abort_reason = error
+        if job.sending == 0:
+            job.source.close()
+        job.stats.stream_ended(ok, error)
+        self.lock.notify_all()
+        self._post(Sent(job.xfer, ok, error, corrupted))
+
+    def _grow(self) -> None:
+        wanted = max(1, knobs.PEER_STREAMS.get())
+        while len(self.connections) < wanted:
+            connection = _Connection(len(self.connections))
+            self.connections.append(connection)
+            threading.Thread(target=self._run, args=(connection,), daemon=True,
+                             name=f"ckptd-bulk-out-{self.address[0]}-{connection.index}").start()
+
+    def last_activity(self) -> float:
+        """When bytes last moved on any of this lane's connections (0: never)."""
+        with self.lock:
+            return max((c.channel.last_activity for c in self.connections
+                        if c.channel is not None), default=0.0)
+
+    def stop(self) -> None:
+        """Close every connection; threads end."""
+        with self.lock:
+            self.stopped = True
+            channels = [c.channel for c in self.connections if c.channel is not None]
+            self.lock.notify_all()
+        for channel in channels:
+            channel.close()
+
+    # ------------------------------------------------------------ writing thread
+    def _run(self, connection: _Connection) -> None:
+        backoff = 0.1
+        while True:
+            with self.lock:
+                self.lock.wait_for(lambda: self.stopped or self.queue, timeout=1.0)
+                if self.stopped:
+                    return
+                if not self.queue:
+                    continue
+            own_secret, own_public, protection = self._identity
+            try:
+                channel = Channel.dial(self.address, own_secret, own_public, self.peer_key,
+                                       protection, knobs.PEER_HANDSHAKE_TIMEOUT.get(),
+                                       io_timeout())
+            except ChannelError as exc:
+                with self.lock:
+                    self.last_error = str(exc)
+                    # telling an unreachable peer that a transfer ended is best effort
+                    self.queue = deque(w for w in self.queue if w[1] != ABORT)
+                    self.lock.wait_for(lambda: self.stopped, timeout=backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.1
+            with self.lock:
+                connection.channel, connection.broken = channel, None
+            reader = threading.Thread(target=self._read, args=(connection, channel), daemon=True,
+                                      name=f"ckptd-bulk-ack-{self.address[0]}-{connection.index}")
+            reader.start()
+            try:
+                self._write(connection, channel)
+            except ChannelError as exc:
+                with self.lock:
+                    connection.broken = connection.broken or str(exc)
+            finally:
+                channel.close()
+                reader.join()
+                self._requeue(connection)
+
+    def _next_item(self, connection: _Connection):
+        """The next work for this connection (lock held); None when it should close."""
+        window = max(1, knobs.REPLICATION_WINDOW.get())
+        while True:
+            if self.stopped or connection.broken:
+                return None
+            for index, (job, item) in enumerate(self.queue):
+                if job.finished and item != ABORT:
+                    continue
+                if isinstance(item, int) and connection.chunks_in_flight() >= window:
+                    continue
+                del self.queue[index]
+                return job, item
+            # drop work of finished jobs so the queue does not grow
+            self.queue = deque(w for w in self.queue if not w[0].finished or w[1] == ABORT)
+            self.lock.wait(timeout=1.0)
+
+    def _write(self, connection: _Connection, channel: Channel) -> None:
+        while True:
+            with self.lock:
+                work = self._next_item(connection)
+                if work is None:
+                    return
+                job, item = work
+                if item != ABORT:
+                    connection.inflight[(job.xfer, item)] = job
+                job.sending += 1
+            try:
+                self._send(channel, job, item)
+            finally:
+                with self.lock:
+                    job.sending -= 1
+                    if job.finished and job.sending == 0:
+                        job.source.close()
+
+    def _send(self, channel: Channel, job: SendJob, item) -> None:
+        if item == BEGIN:
+            channel.send(Kind.BEGIN, job.xfer, extra=job.size, payload=job.begin)
+        elif item == ABORT:
+            channel.send(Kind.ABORT, job.xfer, payload={"error": getattr(job, "abort_reason",
+                                                                          None)})
+        elif item == END:
+            channel.send(Kind.END, job.xfer, extra=job.size, payload={"size": job.size})
+        else:
+            frame = job.source.frame(item)
+            if job.expected_crc is not None:  # recorded before its ACK can arrive
+                crc = zlib.crc32(frame)
+                with self.lock:
+                    job.crcs[item] = (len(frame), crc)
+            channel.send(Kind.CHUNK, job.xfer, offset=item, payload=frame)
+
+    def _requeue(self, connection: _Connection) -> None:
+        """What a broken connection had in flight goes back to the head of the queue."""
+        with self.lock:
+            busy = bool(connection.inflight)
+            for (_, item), job in connection.inflight.items():
+                if not job.finished:
+                    self.queue.appendleft((job, item))
+            connection.inflight.clear()
+            connection.channel = None
+            if connection.broken and busy and not self.stopped:
+                self.last_error = connection.broken
+                log.info("bulk connection %d to %s broke (%s); resuming on the others",
+                         connection.index, self.peer, connection.broken)
+            self.lock.notify_all()
+
+    # ------------------------------------------------------------ reading thread
+    def _read(self, connection: _Connection, channel: Channel) -> None:
+        try:
+            while True:
+                frame = channel.receive()
+                with self.lock:
+                    self._answer(connection, frame)
+        except ChannelError as exc:
+            with self.lock:
+                connection.broken = connection.broken or str(exc)
+                self.lock.notify_all()
+
+    def _answer(self, connection: _Connection, frame: Frame) -> None:
+        """A receiver's answer (lock held)."""
+        job = self.jobs.get(frame.xfer)
+        if frame.kind == Kind.ACK:
+            connection.inflight.pop((frame.xfer, frame.offset), None)
+            if job is not None and frame.offset not in job.acked:
+                self._acknowledged(job, frame.offset)
+        elif frame.kind == Kind.READY:
+            connection.inflight.pop((frame.xfer, BEGIN), None)
+            body = frame.body()
+            if job is None:
+                return
+            if not body.get("ok"):
+                self.end_job(job, False, f"{self.peer} refused: {body.get('error')}")
+                return
+            job.last_progress = time.monotonic()
+            self.queue.extend((job, offset) for offset in job.offsets())
+            self._maybe_end(job)
+        elif frame.kind in (Kind.DONE, Kind.ABORT):
+            connection.inflight.pop((frame.xfer, END), None)
+            body = frame.body()
+            if job is not None:
+                ok = frame.kind == Kind.DONE and bool(body.get("ok"))
+                self.end_job(job, ok, None if ok else f"{self.peer}: {body.get('error')}")
+        else:
+            raise ChannelError(f"a receiver sent a frame of kind {frame.kind}")
+        self.lock.notify_all()
+
+    def _acknowledged(self, job: SendJob, offset: int) -> None:
+        length = job.chunk_length(offset)
+        job.acked.add(offset)
+        job.acked_bytes += length
+        job.last_progress = time.monotonic()
+        job.stats.add(sent=length)
+        self._maybe_end(job)
+
+    def _maybe_end(self, job: SendJob) -> None:
+        if job.end_queued or job.acked_bytes < job.size:
+            return
+        if job.expected_crc is not None:
+            checksum = combine_pieces((o, n, c) for o, (n, c) in job.crcs.items())
+            if checksum.value != job.expected_crc:
+                self.end_job(job, False, f"this daemon's copy is corrupted: crc32 "
+                             f"{checksum.value:08x} read, {job.expected_crc:08x} recorded; "
+                             "not sent", notify_peer=True, corrupted=True)
+                return
+        job.end_queued = True
+        self.queue.append((job, END))
+
+
+class BulkSender:
+    """Every lane of this daemon (one per peer and key), and the jobs on them.
+
+    Parameters
+    ----------
+    identity : tuple
+        ``(own secret, own public key, protection)`` (raw keys).
+    post : callable
+        Hands a :class:`Sent` to the replicator (from any thread).
+    """
+
+    def __init__(self, identity: tuple, post: Callable[[object], None]) -> None:
+        self._identity = identity
+        self._post = post
+        self._lanes: dict[tuple, Lane] = {}
+
+    def send(self, bulk_address: str, peer_key: bytes, peer: str, job: SendJob) -> None:
+        """Start streaming ``job`` to the daemon at ``bulk_address`` (``host:port``)."""
+        host, _, port = bulk_address.rpartition(":")
+        address = (host, int(port))
+        lane = self._lanes.get((address, peer_key))
+        if lane is None:
+            for (other, key), old in list(self._lanes.items()):
+                if other == address and key != peer_key:  # the peer restarted: new key
+                    old.stop()
+                    del self._lanes[(other, key)]
+            lane = self._lanes[(address, peer_key)] = Lane(address, peer_key, peer,
+                                                           self._identity, self._post)
+        lane.add(job)
+
+    def jobs(self) -> list[tuple["Lane", SendJob]]:
+        """Every unfinished job with its lane."""
+        found = []
+        for lane in self._lanes.values():
+            with lane.lock:
+                found += [(lane, job) for job in lane.jobs.values()]
+        return found
+
+    def cancel(self, predicate: Callable[[SendJob], bool], reason: str) -> None:
+        """End the jobs ``predicate`` selects (their receivers are told)."""
+        for lane, job in self.jobs():
+            if predicate(job):
+                with lane.lock:
+                    self.log_end(job, reason)
+                    lane.end_job(job, False, reason, notify_peer=True)
+
+    def expire(self, now: float, timeout: float) -> None:
+        """Fail jobs that made no progress for ``timeout`` seconds: no chunk acknowledged
+        and no byte moving on their lane's connections (a chunk crossing a slow link is
+        progress; a cut link is not)."""
+        for lane, job in self.jobs():
+            if now - max(job.last_progress, lane.last_activity()) > timeout:
+                reason = (f"{job.peer} made no progress for {timeout:.0f}s (link down or peer "
+                          f"stuck; last connection error: {lane.last_error or 'none'})")
+                with lane.lock:
+                    self.log_end(job, reason)
+                    lane.end_job(job, False, reason, notify_peer=True)
+
+    @staticmethod
+    def log_end(job: SendJob, reason: str) -> None:
+        log.warning("%s of rank %s's part (iteration %s) to %s ended: %s", job.kind, job.owner,
+                    job.iteration, job.peer, reason)
+
+    def close(self) -> None:
+        """Stop every lane (the daemon is stopping)."""
+        for lane in self._lanes.values():
+            lane.stop()
+        self._lanes.clear()
