@@ -206,16 +206,16 @@ class LocalService:
                                              "path", "identity", "resident")} for p in parts]}
 
     def on_local_commit(self, call: Call, body: LocalCommit):
-        """Every rank's save of an iteration is durable: mark it, answer, then drop older
-        iterations (the trainer's finalize does not wait for files to be unlinked)."""
+        """Every rank's save of an iteration is durable: mark it and drop older iterations
+        before answering, so that when the trainer's save returns the older files are gone
+        (what users of the reference API check)."""
         rank = self.daemon.ranks.of(call.identity)
         session = self._session(body.session)
-        older = self.store.commit(session, body.iteration, remove_older=False)
+        older = self.store.commit(session, body.iteration)
         self.resident.committed(session.session_id, body.iteration)
         log.info("rank %d committed iteration %d of session %r", rank.rank, body.iteration,
                  session.session_id)
         call.reply({"removed": older})
-        self.store.remove_iterations(session, older)
         return DEFERRED
 
     def on_local_fetch(self, call: Call, body: LocalFetch):

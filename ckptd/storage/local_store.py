@@ -248,28 +248,21 @@ class LocalStore:
             remove_written(marker)
             fsync_directory(session.iteration_dir(iteration))
 
-    def commit(self, session: LocalSession, iteration: int, remove_older: bool = True) -> list[int]:
+    def commit(self, session: LocalSession, iteration: int) -> list[int]:
         """Mark ``iteration`` committed here, then remove every older iteration.
 
         Called after all ranks agreed that their saves of ``iteration`` are durable, so
         the older checkpoints are no longer the newest complete one anywhere.
 
-        Parameters
-        ----------
-        remove_older : bool
-            False: only mark it; the caller removes the older ones later
-            (:meth:`remove_iterations`), e.g. after answering the trainer.
-
         Returns
         -------
         list of int
-            The older iterations (removed, or to remove).
+            The older iterations, removed.
         """
         marker = os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER)
         write_small_file(marker, f"{iteration}\n".encode(), checksum=True)
         older = [old for old in self.iterations(session) if old < iteration]
-        if remove_older:
-            self.remove_iterations(session, older)
+        self.remove_iterations(session, older)
         return older
 
     def remove_iterations(self, session: LocalSession, iterations: list[int]) -> None:
