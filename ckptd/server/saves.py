@@ -96,7 +96,9 @@ class SaveService:
             self.lifecycle.admit(request, copiers)
         except PoolTooSmallError as exc:
             raise RequestError(ErrorCode.POOL_TOO_SMALL, f"rank {rank.rank}: {exc}",
-                               "or save fewer bytes per rank at once") from None
+                               "Otherwise save fewer bytes per rank at once: a DCP save larger "
+                               "than the pool streams through it in chunks, but one torch.save "
+                               "file or local part must fit whole") from None
         self.daemon.note_busy()
         return request
 
