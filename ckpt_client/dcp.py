@@ -42,6 +42,7 @@ from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.async_queue import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.collectives import Group
 from ckpt_client.connection import DaemonConnection, connect
+from ckpt_client.dcp_reuse import ReusablePlan, planner_allows_reuse, structure_of
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.gcpause import collector_paused
 from ckpt_client.staging import DaemonSave, RefusedSave, stage
@@ -50,21 +51,22 @@ METADATA_NAME = ".metadata"
 DCP_SUFFIX = ".distcp"
 
 
-def _item_nbytes(source) -> int:
+def item_nbytes(source) -> int:
+    """Bytes of one resolved DCP item (a tensor or an ``io.BytesIO``)."""
     if isinstance(source, torch.Tensor):
         return source.numel() * source.element_size()
     return source.getbuffer().nbytes
 
 
-def split_into_files(sources: list, count: int) -> list[list[int]]:
-    """Indices of ``sources`` grouped into ``count`` files of balanced size."""
-    count = max(1, min(count, len(sources)))
+def split_into_files(sizes: list[int], count: int) -> list[list[int]]:
+    """Indices of items of ``sizes`` bytes grouped into ``count`` files of balanced size."""
+    count = max(1, min(count, len(sizes)))
     groups: list[list[int]] = [[] for _ in range(count)]
-    sizes = [0] * count
-    for index in sorted(range(len(sources)), key=lambda i: -_item_nbytes(sources[i])):
-        target = sizes.index(min(sizes))
+    totals = [0] * count
+    for index in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+        target = totals.index(min(totals))
         groups[target].append(index)
-        sizes[target] += _item_nbytes(sources[index])
+        totals[target] += sizes[index]
     return [sorted(g) for g in groups if g]
 
 
@@ -77,13 +79,13 @@ def chunk_files(sources: list, count: int, pool_size: int) -> list[list[list[int
         Each chunk is a list of files (lists of source indices) whose staged layout is at
         most ``pool_size`` bytes; one chunk when everything fits at once.
     """
-    sizes = [_item_nbytes(s) for s in sources]
+    sizes = [item_nbytes(s) for s in sources]
     total = protocol.layout_extent(sizes)[1]
     if total > pool_size:  # more, smaller files, so that chunks can be packed
         count = max(count, -(-total // max(pool_size // 2, 1)))
     chunks: list[list[list[int]]] = []
     used = 0
-    for group in split_into_files(sources, count):
+    for group in split_into_files(sizes, count):
         need = protocol.layout_extent([sizes[i] for i in group])[1]
         if chunks and used + need <= pool_size:
             chunks[-1].append(group)
@@ -165,8 +167,8 @@ class DaemonStorageWriter(_StorageWriterBase):
                 for i, p in enumerate(plans)]
 
     # ------------------------------------------------------------------ writing
-    def stage(self, plan: SavePlan, planner: SavePlanner,
-              zero_stall: bool = False) -> tuple[DaemonSave, ...]:
+    def stage(self, plan: SavePlan, planner: SavePlanner, zero_stall: bool = False,
+              sources: list | None = None) -> tuple[DaemonSave, ...]:
         """Hand this rank's items to the daemon; returns once they are staged (or queued,
         with ``zero_stall``).
 
@@ -174,9 +176,10 @@ class DaemonStorageWriter(_StorageWriterBase):
         do not fit the daemon's staging pool at once is streamed: its files go in several
         requests, each at most the pool's size, each staged when the previous ones have
         made room (back-pressure). Only a single item larger than the whole pool is
-        refused.
+        refused. ``sources``: the items' data when the caller resolved them already.
         """
-        sources = resolve_items(plan, planner)
+        if sources is None:
+            sources = resolve_items(plan, planner)
         connection = self.connection
         token = secrets.token_hex(4)
         chunks = chunk_files(sources, self.files_per_rank or connection.writers,
@@ -311,6 +314,8 @@ class _CachedPlan:
 
 
 _plan_cache: dict = {}
+#: Per cache key, the last local plan and how to resolve its items without planning.
+_reusable_plans: dict = {}
 #: Cache keys whose last global plan took items away from a rank (replicated tensors
 #: deduplicated): staging before the global plan would copy bytes nobody writes.
 _plans_that_moved_items: set = set()
@@ -326,6 +331,26 @@ def _local_plan(state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
                            is_coordinator=group.is_coordinator)
     writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
     return writer.prepare_local_plan(planner.create_local_plan())
+
+
+def _plan_or_reuse(state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
+                   group: Group, enable_cache: bool) -> tuple[SavePlan, ReusablePlan | None]:
+    """The local plan; with the :class:`ReusablePlan` that resolves its items when the
+    previous save's plan was reused (the planner was then not set up), else ``None``."""
+    if not (enable_cache and planner_allows_reuse(planner)):
+        return _local_plan(state_dict, writer, planner, group), None
+    key = _cache_key(group, planner)
+    signature = structure_of(state_dict)
+    known = _reusable_plans.get(key)
+    if signature is not None and known is not None and known.signature == signature:
+        writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
+        return known.local_plan, known
+    local_plan = _local_plan(state_dict, writer, planner, group)
+    if signature is None:
+        _reusable_plans.pop(key, None)
+    else:
+        _reusable_plans[key] = ReusablePlan(signature, local_plan, state_dict, planner.mappings)
+    return local_plan, None
 
 
 def _global_plan(local_plan: SavePlan, writer: DaemonStorageWriter, planner: SavePlanner,
@@ -445,9 +470,9 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     planner = planner or DefaultSavePlanner()
     writer = DaemonStorageWriter(checkpoint_id)
     group = Group(process_group)
-    local_plan = _local_plan(state_dict, writer, planner, group)
+    local_plan, reuse = _plan_or_reuse(state_dict, writer, planner, group, enable_cache)
     early = None
-    if _EarlyStaging.worthwhile(planner, group):
+    if reuse is None and _EarlyStaging.worthwhile(planner, group):
         try:
             early = _EarlyStaging(local_plan, writer, planner, group)
         except (DaemonRequestError, DaemonUnavailableError):
@@ -456,7 +481,9 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     final_plan = planner.finish_plan(central_plan)
     try:
         saves = early.adopt(final_plan, zero_stall) if early is not None else None
-        saves = saves or writer.stage(final_plan, planner, zero_stall=zero_stall)
+        sources = reuse.sources(final_plan, state_dict, planner) if reuse is not None else None
+        saves = saves or writer.stage(final_plan, planner, zero_stall=zero_stall,
+                                      sources=sources)
     except (DaemonRequestError, DaemonUnavailableError) as exc:
         if not group.distributed:
             raise

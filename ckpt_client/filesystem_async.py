@@ -51,7 +51,7 @@ from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.async_queue import AsyncRequest, HelperOptions, _NoopRunner, _ProcessRunner
 from ckpt_client.collectives import rank_and_world
 from ckpt_client.connection import connect
-from ckpt_client.dcp import DaemonStorageWriter, resolve_items, split_into_files
+from ckpt_client.dcp import DaemonStorageWriter, item_nbytes, resolve_items, split_into_files
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 from ckpt_client.staging import RefusedSave, stage
 
@@ -381,7 +381,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         if not sources:
             return []
         count = self.thread_count // 2 if self.separation_hint else self.thread_count
-        groups = split_into_files(sources, count)
+        groups = split_into_files([item_nbytes(s) for s in sources], count)
         by_prefix = {"": groups}
         if self.separation_hint:
             hinted = lambda i: plan.items[i].index.fqn.startswith(self.separation_hint)

@@ -222,3 +222,99 @@ def test_one_tensor_larger_than_the_pool_is_refused_with_the_fix(start_daemon, m
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     with pytest.raises(DaemonRequestError, match="--pool-size"):
         dcp.async_save({"huge": torch.ones(2 << 20)}, os.path.join(daemon.roots[0], "x"))
+
+
+def training_like_state(rank: int, step: int, rows: int = 8) -> dict:
+    """A nested model + optimizer state: int keys, a Parameter, bf16, changing scalars.
+    Replicated like data parallelism (DCP writes each shared key once) but for one key."""
+    g = torch.Generator().manual_seed(step)
+    weight = torch.nn.Parameter(torch.randn(rows, 4, generator=g))
+    return {"model": {"weight": weight, "norm": torch.randn(4, generator=g).to(torch.bfloat16),
+                      f"only_rank{rank}": torch.full((3,), float(rank + step))},
+            "optim": {"state": {0: {"exp_avg": torch.randn(rows, 4, generator=g),
+                                    "step": torch.tensor(float(step))}},
+                      "param_groups": [{"lr": 0.1 * step, "params": [0], "name": f"g{step}"}]},
+            "step": step, "shape": (rows, 4)}
+
+
+def assert_same(loaded, expected) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert loaded.dtype == expected.dtype and torch.equal(loaded, expected)
+    elif isinstance(expected, dict):
+        assert set(loaded) == set(expected)
+        for key in expected:
+            assert_same(loaded[key], expected[key])
+    else:
+        assert loaded == expected
+
+
+def reused_plan_saves(rank, world_size, root, zero_stall):
+    from ckpt_client import dcp as client_dcp
+
+    planned = []
+    plan_locally = client_dcp._local_plan
+
+    def counting(*args, **kwargs):
+        planned.append(1)
+        return plan_locally(*args, **kwargs)
+
+    client_dcp._local_plan = counting
+    queue = AsyncCallsQueue()
+    steps = {1: 8, 2: 8, 3: 8, 4: 12}  # step 4 changes a shape: planned again
+    for step, rows in steps.items():
+        state = training_like_state(rank, step, rows)
+        request = dcp.async_save(state, os.path.join(root, f"p{step}"), enable_cache=True,
+                                 zero_stall=zero_stall)
+        queue.schedule_async_request(request)
+        queue.wait_for_staging()
+        queue.maybe_finalize_async_calls(blocking=True)
+    for step, rows in steps.items():
+        expected = training_like_state(rank, step, rows)
+        loaded = training_like_state(rank, 99, rows)
+        DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, f"p{step}")))
+        assert_same(loaded, expected)
+    return len(planned)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("zero_stall", [False, True], ids=["default", "zero-stall"])
+def test_enable_cache_reuses_the_local_plan_and_saves_the_current_values(daemon, tmp_path,
+                                                                         world_size, zero_stall):
+    # Same structure for steps 1-3: planned once, every value (tensors, int-keyed optimizer
+    # state, changing scalars and strings, rank-only and deduplicated items) from its step.
+    plans = values(run_ranks(reused_plan_saves, world_size, daemon.socket, tmp_path,
+                             args=(daemon.roots[0], zero_stall)))
+    assert plans == [2] * world_size, "one local plan for steps 1-3, one after the shape changed"
+
+
+def test_the_plan_signature_sees_every_change_that_changes_the_plan():
+    from ckpt_client.dcp_reuse import planner_allows_reuse, structure_of
+
+    base = training_like_state(0, 1)
+    assert structure_of(base) == structure_of(training_like_state(0, 2)), "values only"
+    changed = [training_like_state(0, 1, rows=9), training_like_state(1, 1)]
+    retyped = training_like_state(0, 1)
+    retyped["model"]["norm"] = retyped["model"]["norm"].float()
+    frozen = training_like_state(0, 1)
+    frozen["model"]["weight"].requires_grad_(False)
+    listed = training_like_state(0, 1)
+    listed["shape"] = [8, 4]
+    for other in changed + [retyped, frozen, listed]:
+        assert structure_of(other) != structure_of(base)
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert structure_of({"x": torch.ones(2).as_subclass(Subclass)}) is None
+
+    class CustomResolve(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            return super().transform_object(write_item, object)
+
+    class CountingGlobal(DefaultSavePlanner):
+        def create_global_plan(self, all_plans):
+            return super().create_global_plan(all_plans)
+
+    assert planner_allows_reuse(DefaultSavePlanner()) and planner_allows_reuse(CountingGlobal())
+    assert not planner_allows_reuse(CustomResolve())
+    assert not planner_allows_reuse(DefaultSavePlanner(flatten_state_dict=False))
