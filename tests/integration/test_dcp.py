@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from ckpt_client import AsyncCallsQueue, dcp
 from ckptd.checksum import verify_file
+from states import assert_same
 from multirank import run_ranks, values
 
 ROWS, COLS = 64, 48
@@ -235,17 +236,6 @@ def training_like_state(rank: int, step: int, rows: int = 8) -> dict:
                                     "step": torch.tensor(float(step))}},
                       "param_groups": [{"lr": 0.1 * step, "params": [0], "name": f"g{step}"}]},
             "step": step, "shape": (rows, 4)}
-
-
-def assert_same(loaded, expected) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert loaded.dtype == expected.dtype and torch.equal(loaded, expected)
-    elif isinstance(expected, dict):
-        assert set(loaded) == set(expected)
-        for key in expected:
-            assert_same(loaded[key], expected[key])
-    else:
-        assert loaded == expected
 
 
 def reused_plan_saves(rank, world_size, root, zero_stall):

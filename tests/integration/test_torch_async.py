@@ -8,6 +8,7 @@ import torch
 from ckpt_client import AsyncCallsQueue, TorchAsyncCheckpoint, async_torch_save, connect
 from ckpt_client.errors import DaemonRequestError
 from ckptd.checksum import verify_file
+from states import assert_same
 from multirank import run_ranks, values
 
 
@@ -20,18 +21,6 @@ def make_state(seed: int) -> dict:
         "step": seed, "ids": torch.arange(10), "strided": torch.randn(8, 8, generator=g).t(),
         "empty": torch.empty(0, 3), "meta": {"name": "run", "betas": (0.9, 0.95)},
     }
-
-
-def assert_same(loaded, expected):
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(loaded, torch.Tensor) and loaded.dtype == expected.dtype
-        assert torch.equal(loaded, expected)
-    elif isinstance(expected, dict):
-        assert set(loaded) == set(expected)
-        for key in expected:
-            assert_same(loaded[key], expected[key])
-    else:
-        assert loaded == expected
 
 
 def test_saved_file_loads_with_weights_only_and_carries_a_checksum(daemon, monkeypatch):

@@ -14,7 +14,7 @@ def curve_pair():
 
 
 def test_two_daemons_derive_the_same_secret_from_their_curve_keys_and_nobody_else_does():
-    (pa, sa), (pb, sb), (pc, sc) = curve_pair(), curve_pair(), curve_pair()
+    (pa, sa), (pb, sb), (_, sc) = curve_pair(), curve_pair(), curve_pair()
     assert shared_secret(sa, pb) == shared_secret(sb, pa)
     assert shared_secret(sc, pb) != shared_secret(sa, pb)  # a stranger claiming nothing
     assert raw_key(z85.encode(pa)) == pa and len(pa) == 32

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from ckptd import knobs
 from ckptd.protocol import Phase
 from ckptd.server.lifecycle import CLIENT_COPY, RESIDENT, WRITERS, SaveLifecycle
