@@ -243,9 +243,13 @@ def _start_local_daemon(socket_path: str) -> None:
             command += ["--root", root]
         log_path = os.path.join(runtime_dir, "ckptd.log")
         log.info("no ckptd daemon on %s; starting one (log: %s)", socket_path, log_path)
+        # The daemon serves every rank of the node: it must see all of the node's GPUs,
+        # not the one a launcher gave the rank that happened to start it.
+        environment = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
         with open(log_path, "ab") as log_file:
             process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
-                                       stderr=log_file, start_new_session=True)
+                                       stderr=log_file, start_new_session=True,
+                                       env=environment)
         _wait_until_ready(socket_path, process, log_path)
 
 

@@ -315,11 +315,16 @@ def test_auto_start_starts_exactly_one_daemon_for_the_node(tmp_path, monkeypatch
     monkeypatch.setenv("CKPTD_AUTO_START", "1")
     monkeypatch.setenv("CKPTD_ROOTS", str(tmp_path))
     monkeypatch.setenv("CKPTD_POOL_SIZE", "64M")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # as a launcher sets it per rank
     pids = values(run_ranks(connect_and_report, 2, socket_path, tmp_path))
     try:
         assert pids[0] == pids[1]
         code, doc, _ = __import__("ckptd.status", fromlist=["x"]).query_status(socket_path)
         assert code == 0 and doc["pid"] == pids[0] and doc["roots"] == [str(tmp_path)]
+        with open(f"/proc/{pids[0]}/environ", "rb") as environ:
+            names = [entry.split(b"=", 1)[0] for entry in environ.read().split(b"\0")]
+        assert b"CKPTD_ROOTS" in names and b"CUDA_VISIBLE_DEVICES" not in names, (
+            "the node's daemon must see every GPU, not the starting rank's")
     finally:
         os.kill(pids[0], signal.SIGTERM)
         wait_for(lambda: not os.path.exists(socket_path), 60, "the auto-started daemon to stop")
