@@ -335,11 +335,11 @@ class AsyncCallsQueue:
         Helper processes are daemonic (they cannot start child processes, so
         ``FileSystemWriterAsync(is_multiproc_io=True)`` is refused, as in the reference).
     cpu_priority : int
-        Nice value (0-19) helper processes raise themselves to. ckptd's writers run at
-        nice 10 regardless.
+        Nice value (0-19) helper processes raise themselves to. ckptd's writers keep
+        their own CPU policy (``CKPTD_WRITER_NICE``, ``CKPTD_WRITER_SCHED``).
     io_priority : int, optional
         Ignored (logged once when set): the daemon's writers do the I/O, at the I/O class
-        ckptd was started with (e.g. ``ionice -c3 ckptd serve``).
+        ckptd is configured with (``CKPTD_WRITER_IO_CLASS``, default ``best-effort:7``).
     sigterm_timeout : float
         ``close(abort=True)``: seconds a helper process gets after SIGTERM before SIGKILL.
     cpu_shm_mode : bool
@@ -357,8 +357,8 @@ class AsyncCallsQueue:
         self.helper_options = HelperOptions(is_daemon, cpu_priority, sigterm_timeout)
         if io_priority is not None:
             _log_once("io_priority", "AsyncCallsQueue(io_priority=%r) has no effect: ckptd's "
-                      "writers do the I/O at the I/O class the daemon was started with (e.g. "
-                      "`ionice -c3 ckptd serve`)", io_priority)
+                      "writers do the I/O at the daemon's I/O class (CKPTD_WRITER_IO_CLASS, "
+                      "default best-effort:7)", io_priority)
         if cpu_shm_mode:
             _log_once("cpu_shm_mode", "AsyncCallsQueue(cpu_shm_mode=True) has no effect: choose "
                       "the staging transport per save, e.g. "

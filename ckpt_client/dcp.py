@@ -456,8 +456,10 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     planner : SavePlanner, optional
         Default: ``DefaultSavePlanner()``.
     enable_cache : bool
-        Reuse the plan and global metadata of the previous save with the same structure,
-        skipping the plan gather/scatter (one small all-reduce confirms every rank hit).
+        Reuse the plan and global metadata of the previous save with the same structure:
+        with the default planner the local plan is not made again (each item is fetched
+        by the path recorded when it was planned), and the plan gather/scatter is
+        skipped (one small all-reduce confirms every rank hit).
     zero_stall : bool
         Return once the save is planned and queued; the bytes are staged in the
         background, and the state must not change until ``wait_staged`` /
