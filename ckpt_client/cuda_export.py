@@ -31,13 +31,21 @@ _warned: set[str] = set()
 IPC, SHM = "ipc", "shm"
 
 
-def ipc_blocked_reason() -> str | None:
+def ipc_blocked_reason(daemon_pid: int | None = None) -> str | None:
     """Why CUDA IPC to the daemon cannot work in this process, or ``None``.
 
     Expandable segments share memory through ``pidfd_getfd``, which Yama ptrace scope
-    >= 1 denies to a process that is not our descendant (the daemon). The allocator's
+    >= 1 denies to a process that is not our descendant (the daemon). Under scope 1 this
+    process names the daemon as its ptracer (``prctl(PR_SET_PTRACER, daemon_pid)``), which
+    lets it in; scopes 2 and 3 allow only administrators or nobody. The allocator's
     setting may come from the environment or be changed at run time.
     """
+    if not _expandable_segments():
+        return None
+    return _yama_verdict(_yama_scope(), daemon_pid, allow_ptracer)
+
+
+def _expandable_segments() -> bool:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
     try:
@@ -45,17 +53,51 @@ def ipc_blocked_reason() -> str | None:
                                         and _runtime_expandable())
     except Exception:  # an older torch or no CUDA: the environment is all we know
         pass
-    if not expandable:
-        return None
+    return expandable
+
+
+def _yama_scope() -> int:
     try:
         with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            scope = int(f.read().strip() or 0)
+            return int(f.read().strip() or 0)
     except (OSError, ValueError):
-        return None
+        return 0  # no Yama: ptrace rules alone, which let a same-user daemon in
+
+
+def _yama_verdict(scope: int, daemon_pid: int | None, allow) -> str | None:
+    """The blocking reason for expandable segments under Yama ``scope`` (see
+    :func:`ipc_blocked_reason`); ``allow(pid)`` names the daemon as our ptracer."""
     if scope == 0:
         return None
+    if scope == 1 and daemon_pid:
+        error = allow(daemon_pid)
+        if error is None:
+            return None
+        return (f"expandable segments are on, Yama ptrace_scope=1 denies pidfd_getfd to the "
+                f"daemon, and naming it our ptracer failed ({error})")
     return (f"expandable segments are on and Yama ptrace_scope={scope} denies pidfd_getfd "
-            "to the daemon, which is not our parent")
+            "to the daemon, which is not our parent; run the daemon as our parent, lower "
+            "the scope to 1, or turn expandable segments off")
+
+
+_PR_SET_PTRACER = 0x59616D61
+_ptracer_allowed: set[int] = set()
+
+
+def allow_ptracer(pid: int) -> str | None:
+    """Let process ``pid`` attach to this one under Yama scope 1 (``PR_SET_PTRACER``);
+    returns ``None`` on success, else the error. Done once per daemon pid."""
+    if pid in _ptracer_allowed:
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0) != 0:
+        return os.strerror(ctypes.get_errno())
+    _ptracer_allowed.add(pid)
+    log.info("named ckptd (pid %d) our ptracer so that it can open expandable segments "
+             "(Yama ptrace_scope=1)", pid)
+    return None
 
 
 def _runtime_expandable() -> bool:
@@ -162,7 +204,7 @@ def plan_ipc(connection, sources: list) -> tuple[list | None, list]:
                                           for s in sources):
         return None, []
     routes, notes = route([_facts(s) for s in sources], set(connection.cuda_devices),
-                          ipc_blocked_reason())
+                          ipc_blocked_reason(connection.daemon_pid))
     for note in notes:
         if note not in _warned:
             _warned.add(note)
