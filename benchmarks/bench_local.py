@@ -54,11 +54,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
+from procmem import machine_cpu, process_cpu  # noqa: E402
 from report import write_report  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ================================================================ rank functions
@@ -382,28 +382,11 @@ def wait_until_quiet(max_wait: float) -> list[str]:
 
 def cpu_snapshot() -> dict:
     """Machine CPU seconds in processes / interrupts / steal, this process tree's, per pid."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]] + [0] * 8
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    per_pid = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        rest = stat.rsplit(")", 1)[1].split()
-        per_pid[int(entry)] = (cmd[:90] or stat[stat.index("(") + 1:stat.rindex(")")],
-                               (int(rest[11]) + int(rest[12])) / CLK_TCK, int(rest[1]))
-    return {"t": time.monotonic(), "processes": (fields[0] + fields[1] + fields[2]) / CLK_TCK,
-            "interrupts": (fields[5] + fields[6]) / CLK_TCK, "steal": fields[7] / CLK_TCK,
+    return {"t": time.monotonic(), **machine_cpu(),
             "mine": own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime,
-            "pids": per_pid}
+            "pids": process_cpu()}
 
 
 def other_cpu(before: dict, after: dict) -> dict:

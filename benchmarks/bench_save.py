@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import methods as m  # noqa: E402
+from ckptd.protocol import wait_until_ready  # noqa: E402
 from report import stop_daemon, write_report  # noqa: E402
 import procmem  # noqa: E402
 import workload  # noqa: E402
@@ -145,23 +146,11 @@ class Daemon:
             [sys.executable, "-m", "ckptd", "serve", "--socket", self.socket, "--root", root,
              "--pool-size", str(pool_size), "--writers", str(writers)],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
-        self.pid = self._wait_ready(os.path.join(self.rundir, "ckptd.ready"))
+        problem = wait_until_ready(self.socket, self.proc, 120.0)
+        if problem:
+            raise RuntimeError(f"ckptd {problem}; see {self.log_path}")
+        self.pid = self.proc.pid
         os.environ["CKPTD_SOCKET"] = self.socket
-
-    def _wait_ready(self, ready_file: str, timeout: float = 120.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ckptd exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                with open(ready_file) as f:
-                    pid = json.load(f).get("pid")
-                if pid == self.proc.pid:
-                    return pid
-            except (FileNotFoundError, ValueError):
-                pass
-            time.sleep(0.05)  # polling the ready file the daemon writes atomically
-        raise RuntimeError(f"ckptd not ready within {timeout:.0f}s; see {self.log_path}")
 
     def log_offset(self) -> int:
         return os.path.getsize(self.log_path)

@@ -58,6 +58,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import transports  # noqa: E402
+from procmem import machine_cpu, process_cpu  # noqa: E402
 from report import write_report  # noqa: E402
 
 MiB = 1 << 20
@@ -67,7 +68,6 @@ SEED = 12
 CHECK_BYTES = 4096
 #: Seconds a worker may take to start, bind or connect.
 SETUP_TIMEOUT = 60.0
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 ALL_CONFIGS = [(1, "threads"), (2, "threads"), (4, "threads"), (2, "processes"),
                (4, "processes")]
 
@@ -316,16 +316,6 @@ class Path:
         return Worker(popen, log_path)
 
 
-def cpu_times() -> dict[str, float]:
-    """Machine-wide CPU seconds so far (``/proc/stat``, all cores): time in processes
-    (user + nice + system), in interrupts (irq + softirq: where the kernel's network stack
-    runs, for this transfer's packets too) and stolen by the hypervisor."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]] + [0] * 8
-    return {"processes": (fields[0] + fields[1] + fields[2]) / CLK_TCK,
-            "interrupts": (fields[5] + fields[6]) / CLK_TCK, "steal": fields[7] / CLK_TCK}
-
-
 def measure(path: Path, method: str, streams: int, mode: str, size: int, chunk: int,
             secrets: dict, timeout: float) -> dict:
     """One transfer of ``size`` bytes; returns seconds, GB/s and CPU, or an error."""
@@ -353,12 +343,12 @@ def measure(path: Path, method: str, streams: int, mode: str, size: int, chunk: 
             senders.append(w)
         for w in senders:
             w.read(SETUP_TIMEOUT)
-        times0 = cpu_times()
+        times0 = machine_cpu()
         for w in senders:
             w.send("go")
         got = [w.read(timeout) for w in receivers]
         sent = [w.read(timeout) for w in senders]
-        times1 = cpu_times()
+        times1 = machine_cpu()
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -493,33 +483,14 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def process_cpu() -> dict[int, tuple[str, float]]:
-    """pid -> (command, CPU seconds so far) for every process."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        name = cmd or stat[stat.index("(") + 1:stat.rindex(")")]
-        out[int(entry)] = (name[:100], (int(fields[11]) + int(fields[12])) / CLK_TCK)
-    return out
-
-
 def other_cpu_users(before: dict, after: dict, limit: int = 6) -> list[tuple[str, float]]:
     """The processes (not this benchmark's) that used the most CPU between two snapshots."""
     mine = {os.getpid()}
     used = []
-    for pid, (cmd, cpu) in after.items():
+    for pid, (cmd, cpu, _) in after.items():
         if pid in mine or "bench_transport" in cmd:
             continue
-        delta = cpu - before.get(pid, (cmd, 0.0))[1]
+        delta = cpu - before.get(pid, (cmd, 0.0, 0))[1]
         if delta >= 0.5:
             used.append((cmd, round(delta, 1)))
     return sorted(used, key=lambda x: -x[1])[:limit]

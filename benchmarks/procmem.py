@@ -33,6 +33,7 @@ import sys
 import time
 
 FIELDS = ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def read_status(pid: int) -> dict[str, int]:
@@ -72,6 +73,36 @@ def parent_map() -> dict[int, int]:
         except (OSError, IndexError, ValueError):
             continue
     return parents
+
+
+def machine_cpu() -> dict[str, float]:
+    """Machine-wide CPU seconds so far (``/proc/stat``, all cores): in processes (user +
+    nice + system), in interrupts (irq + softirq: where the kernel's network stack runs)
+    and stolen by the hypervisor."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]] + [0] * 8
+    return {"processes": (fields[0] + fields[1] + fields[2]) / CLK_TCK,
+            "interrupts": (fields[5] + fields[6]) / CLK_TCK, "steal": fields[7] / CLK_TCK}
+
+
+def process_cpu() -> dict[int, tuple[str, float, int]]:
+    """pid -> (command line, CPU seconds so far, parent pid) for every process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        name = command or stat[stat.index("(") + 1:stat.rindex(")")]
+        out[int(entry)] = (name[:100], (int(fields[11]) + int(fields[12])) / CLK_TCK,
+                           int(fields[1]))
+    return out
 
 
 def descendants(root: int, parents: dict[int, int] | None = None) -> list[int]:

@@ -10,13 +10,11 @@ is still alive, so a dead daemon becomes an error within a bounded time, not a h
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import mmap
 import os
 import subprocess
 import sys
-import time
 
 import zmq
 
@@ -75,7 +73,7 @@ class DaemonConnection:
         """Raise :class:`DaemonUnavailableError` if the daemon process is gone."""
         if process_alive(self.daemon_pid):
             return
-        successor = _ready_pid(self.socket_path)
+        successor = protocol.ready_pid(self.socket_path)
         what = ("was restarted: a new daemon (pid {}) serves the socket now".format(successor)
                 if successor not in (None, self.daemon_pid) else "died")
         raise DaemonUnavailableError(
@@ -147,15 +145,6 @@ class DaemonConnection:
             except BufferError:
                 pass
         _connections.pop(self.socket_path, None)
-
-
-def _ready_pid(socket_path: str) -> int | None:
-    """The pid in the ready file of the daemon serving ``socket_path`` (None if none)."""
-    try:
-        with open(protocol.ready_file_for(socket_path)) as f:
-            return json.load(f).get("pid")
-    except (OSError, ValueError):
-        return None
 
 
 _connections: dict[str, DaemonConnection] = {}
@@ -254,15 +243,7 @@ def _start_local_daemon(socket_path: str) -> None:
 
 
 def _wait_until_ready(socket_path: str, process: subprocess.Popen, log_path: str) -> None:
-    start_timeout = knobs.START_TIMEOUT.get()
-    deadline = time.monotonic() + start_timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise DaemonUnavailableError(
-                socket_path, f"the auto-started ckptd exited with status {process.returncode} "
-                             f"(see {log_path})")
-        if _ready_pid(socket_path) == process.pid:
-            return
-        time.sleep(0.05)  # polling the ready file; the daemon writes it atomically
-    raise DaemonUnavailableError(socket_path, f"the auto-started ckptd was not ready within "
-                                              f"{start_timeout:.0f}s (see {log_path})")
+    problem = protocol.wait_until_ready(socket_path, process, knobs.START_TIMEOUT.get())
+    if problem:
+        raise DaemonUnavailableError(socket_path,
+                                     f"the auto-started ckptd {problem} (see {log_path})")

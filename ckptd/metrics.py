@@ -30,20 +30,18 @@ from wsgiref.simple_server import make_server
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
-from prometheus_client.exposition import (CONTENT_TYPE_PLAIN_0_0_4, ThreadingWSGIServer,
-                                          _SilentHandler, make_wsgi_app)
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_wsgi_app
 
 from ckptd import knobs
+from ckptd.protocol import Phase
 from ckptd.storage.durable import write_small_file
 
 log = logging.getLogger(__name__)
 
 #: Upper bounds of the save-duration histogram buckets, in seconds.
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
-_FINISHED = ("done", "failed", "aborted")
 #: In-flight phases always exported (0 when empty), so alert expressions find the series.
-_IN_FLIGHT_PHASES = ("waiting_for_pool", "staging", "writing", "replicating")
+_IN_FLIGHT_PHASES = (Phase.WAITING_FOR_POOL, Phase.STAGING, Phase.WRITING, Phase.REPLICATING)
 #: Label names our own series use; a ``--metrics-label`` may not reuse them.
 RESERVED_LABELS = frozenset({"le", "quantile", "outcome", "state", "phase", "peer", "kind",
                              "version", "host", "socket", "session", "owner"})
@@ -134,7 +132,7 @@ class SaveStats:
         present = set()
         for request in requests:
             present.add(request["id"])
-            if request["phase"] not in _FINISHED or request["id"] in self._seen:
+            if request["phase"] not in Phase.FINISHED or request["id"] in self._seen:
                 continue
             self._seen.add(request["id"])
             if request["phase"] == "aborted":
@@ -221,7 +219,7 @@ def _saves(out: _Families, doc: dict, stats: SaveStats) -> None:
         out.family("ckptd_last_success_timestamp_seconds", "gauge",
                    "Unix time the last successful save became durable.")
         out.sample(float(stats.last_success))
-    in_flight = [r for r in doc["requests"] if r["phase"] not in _FINISHED]
+    in_flight = [r for r in doc["requests"] if r["phase"] not in Phase.FINISHED]
     out.family("ckptd_requests_in_flight", "gauge", "Save requests not finished, by phase.",
                ("phase",))
     phases = list(_IN_FLIGHT_PHASES) + sorted({r["phase"] for r in in_flight} - set(_IN_FLIGHT_PHASES))

@@ -21,11 +21,13 @@ is the contract ``ckpt_client`` may use.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket as _socket
 import stat
 import threading
+import time
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -48,7 +50,7 @@ __all__ = [
     # shared rules
     "check_session_id", "holder_order", "process_alive", "is_loopback_address",
     # endpoint discovery and the request channel
-    "SOCKET_ENV", "default_runtime_dir", "resolve_socket_path", "ready_file_for",
+    "SOCKET_ENV", "default_runtime_dir", "resolve_socket_path", "ready_file_for", "ready_pid", "wait_until_ready",
     "endpoint_for", "socket_is_live", "ensure_private_dir",
     "Channel", "ReplyTimeout", "ErrorReply",
 ]
@@ -763,6 +765,36 @@ def resolve_socket_path(socket: str | os.PathLike | None = None) -> str:
 def ready_file_for(socket_path: str) -> str:
     """Where the daemon serving ``socket_path`` writes its ready file."""
     return os.path.join(os.path.dirname(socket_path), READY_FILE_NAME)
+
+
+def ready_pid(socket_path: str) -> int | None:
+    """The pid in the ready file of the daemon serving ``socket_path`` (None if none)."""
+    try:
+        with open(ready_file_for(socket_path)) as f:
+            return json.load(f).get("pid")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def wait_until_ready(socket_path: str, process, timeout: float) -> str | None:
+    """Wait until ``process`` (a ``ckptd serve`` just started for ``socket_path``) has
+    written its ready file.
+
+    Returns
+    -------
+    str or None
+        ``None`` once it is ready; else why not (it exited, or the time ran out), for the
+        caller's own error.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            return f"exited with status {process.returncode} before it was ready"
+        if ready_pid(socket_path) == process.pid:
+            return None
+        if time.monotonic() > deadline:
+            return f"was not ready within {timeout:.0f}s"
+        time.sleep(0.05)  # the daemon writes the file atomically; nothing to be woken by
 
 
 def endpoint_for(socket_path: str) -> str:

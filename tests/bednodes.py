@@ -15,7 +15,6 @@ by ``tests/integration/test_local_netbed.py`` and ``benchmarks/bench_local.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -25,6 +24,8 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+
+from ckptd.protocol import wait_until_ready
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
@@ -100,20 +101,9 @@ class BedNodes:
                                   env={**self.env, "PYTHONPATH": ROOT})
         self.procs[i] = proc
         self.started.append(proc)
-        ready_file = os.path.join(self.run_dir(i), "ckptd.ready")
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"node {i}'s ckptd exited with {proc.returncode}:\n{self.log(i)}")
-            try:
-                with open(ready_file) as f:
-                    if json.load(f).get("pid") == proc.pid:
-                        return
-            except (FileNotFoundError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"node {i}'s ckptd not ready in {READY_TIMEOUT:.0f}s")
-            time.sleep(0.05)  # polling the ready file the daemon writes atomically
+        problem = wait_until_ready(self.socket(i), proc, READY_TIMEOUT)
+        if problem:
+            raise RuntimeError(f"node {i}'s ckptd {problem}:\n{self.log(i)}")
 
     def kill(self, i: int, wipe: bool = False) -> None:
         """SIGKILL node ``i``'s daemon (its writers die with it); ``wipe`` also empties its

@@ -6,7 +6,6 @@ its ready file with a timeout, failing fast (with its log) if the process exits 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -16,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+
+from ckptd import protocol
 
 # Spawned trainer processes import test helpers (multirank, the test modules) by name.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -103,18 +104,9 @@ def start_daemon_process(tmp_path, *, roots=None, pool_size="256M", writers=2,
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, env=full_env)
     daemon = DaemonProcess(socket_path, roots, process, log_path, full_env)
-    ready_file = os.path.join(run_dir, "ckptd.ready")
-
-    def ready():
-        if process.poll() is not None:
-            pytest.fail(f"ckptd exited with {process.returncode} before it was ready:\n{daemon.log()}")
-        try:
-            with open(ready_file) as f:
-                return json.load(f).get("pid") == process.pid
-        except (FileNotFoundError, ValueError):
-            return False
-
-    wait_for(ready, READY_TIMEOUT, "the daemon's ready file")
+    problem = protocol.wait_until_ready(socket_path, process, READY_TIMEOUT)
+    if problem:
+        pytest.fail(f"ckptd {problem}:\n{daemon.log()}")
     return daemon
 
 

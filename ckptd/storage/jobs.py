@@ -84,7 +84,6 @@ class WriteJob:
     on_done: object  # Callable[[WriteJob, WriteResult], None]
     frames: list = field(default_factory=list)
     id: int = 0
-    writer_pid: int | None = None
 
     @property
     def path(self) -> str:

@@ -295,12 +295,6 @@ class LocalStore:
                     path, aside)
         return aside
 
-    def remove_part(self, path: str) -> None:
-        """Remove a part, its checksum record and any dirty leftover."""
-        remove_written(path)
-        with self._lock:
-            self._verified.pop(path, None)
-
 
 class PartReceiver:
     """Receives one part in pieces that may arrive out of order (several connections).

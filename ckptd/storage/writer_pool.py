@@ -151,7 +151,6 @@ class WriterPool:
                 slot.ready = False
                 self._backlog.appendleft(job)
                 continue
-            job.writer_pid = slot.process.pid
             slot.jobs[job.id] = job
             busy.add(job.path)
         waiting.extend(self._backlog)

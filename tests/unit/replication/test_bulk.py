@@ -27,6 +27,7 @@ from ckptd.replication.sealing import raw_key
 from ckptd.replication.transport import PeerStats
 from ckptd.storage.local_store import LocalStore
 from ckptd.storage.roots import AllowedRoots
+from conftest import wait_for
 
 TIMEOUT = 60.0
 
@@ -113,10 +114,7 @@ def test_broken_connections_resume_the_transfer_instead_of_dropping_it(pair):
     source = BytesSource(data, gate_at=3 * PART_FRAME_BYTES)
     with knobs.override(PEER_STREAMS=2, REPLICATION_WINDOW=1):
         job = push(sender, listener, b, source)
-        deadline = time.monotonic() + TIMEOUT
-        while len(job.acked) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(job.acked) >= 2, "the first chunks should have been acknowledged"
+        wait_for(lambda: len(job.acked) >= 2, TIMEOUT, "the first chunks to be acknowledged")
         lane = next(iter(sender._lanes.values()))
         with lane.lock:
             channels = [c.channel for c in lane.connections if c.channel is not None]
