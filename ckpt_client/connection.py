@@ -49,6 +49,9 @@ class DaemonConnection:
         Whether the daemon can open CUDA IPC handles.
     cuda_devices : list of str
         UUIDs of the GPUs it can open them on.
+    ipc_denied : str or None
+        Why the kernel refused the daemon our CUDA memory, once it did: later saves of
+        this process stage their CUDA tensors through shared memory.
     """
 
     def __init__(self, socket_path: str, channel: protocol.Channel, hello: dict, rank: int) -> None:
@@ -63,6 +66,7 @@ class DaemonConnection:
         self.has_cuda = bool(hello.get("cuda"))
         #: UUIDs of the GPUs the daemon can open IPC handles on.
         self.cuda_devices = list(hello.get("cuda_devices") or [])
+        self.ipc_denied: str | None = None
         self.writers = int(hello.get("writers", 1))
         self.host = hello.get("host")
         self._pool_map: mmap.mmap | None = None

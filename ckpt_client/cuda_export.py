@@ -203,8 +203,8 @@ def plan_ipc(connection, sources: list) -> tuple[list | None, list]:
     if not connection.has_cuda or not any(isinstance(s, torch.Tensor) and s.is_cuda
                                           for s in sources):
         return None, []
-    routes, notes = route([_facts(s) for s in sources], set(connection.cuda_devices),
-                          ipc_blocked_reason(connection.daemon_pid))
+    blocked = connection.ipc_denied or ipc_blocked_reason(connection.daemon_pid)
+    routes, notes = route([_facts(s) for s in sources], set(connection.cuda_devices), blocked)
     for note in notes:
         if note not in _warned:
             _warned.add(note)

@@ -293,9 +293,30 @@ class _StagingJob:
         except BaseException:
             save.abort()
             raise
-        connection.call(MessageType.STAGED, {"request_id": save.request_id},
-                        timeout=knobs.STAGE_TIMEOUT.get())
+        try:
+            connection.call(MessageType.STAGED, {"request_id": save.request_id},
+                            timeout=knobs.STAGE_TIMEOUT.get())
+        except DaemonRequestError as exc:
+            if exc.code != ErrorCode.IPC_DENIED or self.specs is None:
+                raise
+            self._again_through_shm(exc)
+            return
         save.transport_bytes = _transport_bytes(buffers, self.specs)
+
+    def _again_through_shm(self, denial: DaemonRequestError) -> None:
+        """The kernel refused the daemon our CUDA memory: stage this save (and, through
+        the connection, every later one) by copying here into shared memory. The failed
+        request wrote nothing; it is forgotten before the new one is made."""
+        connection = self.save.connection
+        connection.ipc_denied = reason = denial.body.get("message") or str(denial)
+        log.warning("%s; staging CUDA tensors through shared memory from now on", reason)
+        warnings.warn(f"ckptd: {reason}; this save and later ones stage CUDA tensors "
+                      "through shared memory", RuntimeWarning, stacklevel=2)
+        self.save.forget(delete_files=True)
+        self.save.request_id = None
+        self.specs, self.events = None, []
+        self.body = {**self.body, "cuda": None}
+        self.run()
 
 
 def _transport_bytes(buffers: list, specs: list | None) -> dict:

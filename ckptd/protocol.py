@@ -165,6 +165,7 @@ class ErrorCode:
     PART_UNAVAILABLE = "part_unavailable"  # no holder had a verified copy of a part
     ABORTED = "aborted"                    # the save was aborted before it was staged
     DAEMON_RESTARTED = "daemon_restarted"  # the request names an earlier daemon incarnation
+    IPC_DENIED = "ipc_denied"              # the OS refused the daemon the trainer's CUDA memory
     INTERNAL = "internal"
 
 

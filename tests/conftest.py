@@ -86,8 +86,9 @@ class DaemonProcess:
 
 
 def start_daemon_process(tmp_path, *, roots=None, pool_size="256M", writers=2,
-                         extra_args=(), env=None, name="d") -> DaemonProcess:
-    """Start ``python -m ckptd serve`` and wait until its ready file names its pid."""
+                         extra_args=(), env=None, name="d", preexec_fn=None) -> DaemonProcess:
+    """Start ``python -m ckptd serve`` and wait until its ready file names its pid
+    (``preexec_fn`` runs in the child before it starts, e.g. a seccomp filter)."""
     run_dir = tmp_path / f"run-{name}"
     socket_path = str(run_dir / "ckptd.sock")
     roots = [str(r) for r in (roots or [tmp_path / "ckpt"])]
@@ -102,7 +103,8 @@ def start_daemon_process(tmp_path, *, roots=None, pool_size="256M", writers=2,
     full_env.pop("CKPTD_SOCKET", None)
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=full_env)
+                                   stdin=subprocess.DEVNULL, env=full_env,
+                                   preexec_fn=preexec_fn)
     daemon = DaemonProcess(socket_path, roots, process, log_path, full_env)
     problem = protocol.wait_until_ready(socket_path, process, READY_TIMEOUT)
     if problem:

@@ -194,15 +194,17 @@ class SaveLifecycle:
         self.effects.space_granted(request)
 
     # ------------------------------------------------------------------ progress
-    def copied(self, request: SaveRequest, copier: str, error: str | None = None) -> None:
-        """``copier`` finished filling the extent (or failed: ``error``).
+    def copied(self, request: SaveRequest, copier: str, error: str | None = None,
+               code: str | None = None) -> None:
+        """``copier`` finished filling the extent (or failed: ``error``, with the protocol
+        error ``code`` the trainer's STAGED gets, when it is a specific one).
 
         When the last copier is done, the request starts writing (and replicating).
         """
         lease = request.lease
         if request.finished or error is not None:
             if not request.finished:
-                self._stop(request, Phase.FAILED, error)
+                self._stop(request, Phase.FAILED, error, code)
             lease.drop(copier)  # only now may a stopped request's extent be reused
             return
         if any(lease.has(c) for c in request.copiers if c != copier):
@@ -284,11 +286,12 @@ class SaveLifecycle:
         log.info("request %d (rank %d) aborted: %s", request.id, request.rank, reason)
         self._stop(request, Phase.ABORTED, reason)
 
-    def _stop(self, request: SaveRequest, phase: str, reason: str) -> None:
+    def _stop(self, request: SaveRequest, phase: str, reason: str,
+              code: str | None = None) -> None:
         if request.finished:
             return
         previous = request.phase
-        request.add_error(reason)
+        request.add_error(reason, code=code)
         self._finish(request, phase)
         if previous == Phase.WAITING_FOR_POOL:
             for waiter, granted in self.pool.cancel_wait(request):
@@ -313,6 +316,7 @@ class SaveLifecycle:
             self.on_done(request)
         call, request.pending_reply = request.pending_reply, None
         if call is not None and phase != Phase.DONE:
-            call.fail(ErrorCode.INTERNAL if phase == Phase.FAILED else ErrorCode.ABORTED,
+            call.fail(request.error_code or (ErrorCode.INTERNAL if phase == Phase.FAILED
+                                             else ErrorCode.ABORTED),
                       request.error or f"request {request.id} was {phase}",
                       "the save did not happen; save again")

@@ -123,6 +123,11 @@ class SaveRequest:
         return self.errors[0]["message"] if self.errors else None
 
     @property
+    def error_code(self) -> str | None:
+        """The protocol error code of the first failure, when it has a specific one."""
+        return self.errors[0].get("code") if self.errors else None
+
+    @property
     def extent(self):
         """The staging extent while the request holds one, else ``None``."""
         return self.lease.extent if self.lease is not None and not self.lease.released else None
@@ -132,10 +137,15 @@ class SaveRequest:
         """Whether the outcome is decided (it may still hold staging space)."""
         return self.phase in Phase.FINISHED
 
-    def add_error(self, message: str, path: str | None = None, errno: int | None = None) -> None:
-        """Record a failure (prefixed with the rank, as every rank will read it)."""
-        self.errors.append({"rank": self.rank, "path": path or self.path, "errno": errno,
-                            "message": f"rank {self.rank}: {message}"})
+    def add_error(self, message: str, path: str | None = None, errno: int | None = None,
+                  code: str | None = None) -> None:
+        """Record a failure (prefixed with the rank, as every rank will read it); ``code``
+        is a :class:`ckptd.protocol.ErrorCode` the trainer acts on (e.g. a retry)."""
+        entry = {"rank": self.rank, "path": path or self.path, "errno": errno,
+                 "message": f"rank {self.rank}: {message}"}
+        if code is not None:
+            entry["code"] = code
+        self.errors.append(entry)
 
     def describe(self) -> dict:
         """This request's status entry."""

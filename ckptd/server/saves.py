@@ -352,4 +352,4 @@ class DeviceCopies:
         """A :class:`ckptd.staging.cuda.CudaStaged` arrived from the stager."""
         request = self.table.find(result.request_id)
         if request is not None:
-            self.lifecycle.copied(request, DEVICE_COPY, result.error)
+            self.lifecycle.copied(request, DEVICE_COPY, result.error, result.code)

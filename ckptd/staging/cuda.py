@@ -18,7 +18,11 @@ Owns the daemon's CUDA side:
   freed blocks do not stay in torch's sent-data limbo; events the daemon opened are
   destroyed with the save;
 - safety: every copy is synchronized (also when one fails) before the extent's hold is
-  dropped, so a reused extent is never still being written by the GPU.
+  dropped, so a reused extent is never still being written by the GPU;
+- denial: when the kernel refuses us the trainer's memory (expandable segments share it
+  through ``pidfd_getfd``, which Yama or a seccomp policy may deny), the result carries
+  :attr:`ckptd.protocol.ErrorCode.IPC_DENIED`, so the trainer retries through shared
+  memory instead of failing the save.
 
 Jobs and results are typed (:class:`CudaJob`, :class:`CudaStaged`); results cross to the
 serve loop through a :class:`ckptd.mailbox.Mailbox`. The stager never sees a request
@@ -37,6 +41,7 @@ import zmq
 
 from ckptd import protocol
 from ckptd.mailbox import Mailbox
+from ckptd.protocol import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,29 @@ class CudaStaged:
 
     request_id: int
     error: str | None
+    code: str | None = None  # an ErrorCode the trainer acts on (IPC_DENIED: retry via shm)
+
+
+#: What torch's allocator says when the kernel refuses to share an expandable segment.
+_DENIAL_MARKERS = ("pidfd_getfd", "pidfd_open")
+
+
+def denied_by_the_kernel(exc: BaseException) -> bool:
+    """Whether opening a handle failed because the OS denied us the trainer's memory
+    (not because the handle or the device is bad)."""
+    return any(marker in str(exc) for marker in _DENIAL_MARKERS)
+
+
+def staging_failure(exc: BaseException, pid: int) -> tuple[str, str | None]:
+    """The message and error code a failed device copy reports to the trainer."""
+    if denied_by_the_kernel(exc):
+        return (f"the kernel denied ckptd (pid {os.getpid()}) the CUDA memory of trainer "
+                f"pid {pid} ({str(exc).strip().splitlines()[0]}): expandable segments are "
+                "shared through pidfd_getfd, which Yama ptrace_scope >= 2, a seccomp policy "
+                "or a kernel older than 5.6 forbids; the trainer stages through shared "
+                "memory instead. For CUDA IPC, lower kernel.yama.ptrace_scope to 1 or turn "
+                "expandable segments off", ErrorCode.IPC_DENIED)
+    return f"CUDA staging failed on the daemon: {type(exc).__name__}: {exc}", None
 
 
 @dataclass(frozen=True)
@@ -108,20 +136,22 @@ class _DeviceWorker:
                 self._last_used.pop(item.pid, None)
                 continue
             opened: set = set()
-            error = None
+            error = code = None
             try:
                 if self.stager.is_cancelled(item.job.request_id):
                     raise InterruptedError("the save was aborted before its copy started")
                 self._copy(item, opened)
             except Exception as exc:  # reported to the trainer, never kills the thread
-                if not isinstance(exc, InterruptedError):
+                error, code = staging_failure(exc, item.job.pid)
+                if code is not None:
+                    log.warning("request %d: %s", item.job.request_id, error)
+                elif not isinstance(exc, InterruptedError):
                     log.exception("CUDA staging of request %d on device %d failed",
                                   item.job.request_id, self.device)
-                error = f"CUDA staging failed on the daemon: {type(exc).__name__}: {exc}"
             finally:
                 self.stream.synchronize()  # nothing may still write the extent
                 self._release_counters(never_opened(item.job.specs, item.indices, opened))
-            self.stager.part_done(item.job, error)
+            self.stager.part_done(item.job, error, code)
 
     def _copy(self, part: _Part, opened: set) -> None:
         torch, job = self.torch, part.job
@@ -223,7 +253,7 @@ class CudaStager:
                     "visible to the daemon; give ckptd the same devices (CUDA_VISIBLE_DEVICES)")))
             return
         with self._lock:
-            self._pending[job.request_id] = [len(parts), None]
+            self._pending[job.request_id] = [len(parts), None, None]  # left, error, code
         for device, indices in parts.items():
             self.workers[device].jobs.put(_Part(job, indices))
 
@@ -238,19 +268,21 @@ class CudaStager:
         with self._lock:
             return request_id in self._cancelled
 
-    def part_done(self, job: CudaJob, error: str | None) -> None:
-        """A worker finished its part; the last one reports the job."""
+    def part_done(self, job: CudaJob, error: str | None, code: str | None = None) -> None:
+        """A worker finished its part; the last one reports the job (with the first
+        failure of its parts)."""
         with self._lock:
             state = self._pending.get(job.request_id)
             if state is None:
                 return
             state[0] -= 1
-            state[1] = state[1] or error
+            if state[1] is None and error is not None:
+                state[1:] = [error, code]
             if state[0]:
                 return
             del self._pending[job.request_id]
             self._cancelled.discard(job.request_id)
-            self.results.post(CudaStaged(job.request_id, state[1]))
+            self.results.post(CudaStaged(job.request_id, state[1], state[2]))
 
     def release(self, specs: list) -> None:
         """Release the counters of descriptions the daemon will never open (a refused save)."""

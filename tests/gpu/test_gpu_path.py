@@ -176,6 +176,37 @@ def test_expandable_segments_switched_on_at_run_time(daemon, monkeypatch):
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
 
 
+def test_a_daemon_the_kernel_denies_our_memory_gets_it_through_shm(start_daemon, monkeypatch):
+    import warnings
+
+    import seccomp
+    from ckpt_client.cuda_export import ipc_blocked_reason
+
+    daemon = start_daemon(preexec_fn=seccomp.deny(seccomp.PIDFD_GETFD))
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        if ipc_blocked_reason(daemon.process.pid) is not None:
+            pytest.skip("this machine's Yama scope routes expandable segments through shm "
+                        "before any handle is sent")
+        x = torch.full((1 << 20,), 6.0, device="cuda")  # in an expandable segment
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded, request = save_and_load({"x": x}, os.path.join(daemon.roots[0], "den.pt"))
+        assert torch.all(loaded["x"] == 6.0)
+        moved = request.daemon_saves[0].transport_bytes
+        assert moved["cuda"] == 0 and moved["shm"] >= x.nbytes, moved
+        said = [str(w.message) for w in caught if "pidfd_getfd" in str(w.message)]
+        assert said and "shared memory" in said[0], [str(w.message) for w in caught]
+        assert connect().ipc_denied, "later saves must not try IPC again"
+        x.fill_(8.0)
+        loaded, request = save_and_load({"x": x}, os.path.join(daemon.roots[0], "den2.pt"))
+        assert torch.all(loaded["x"] == 8.0) and request.daemon_saves[0].transport_bytes["cuda"] == 0
+        assert "denied ckptd" in daemon.log()
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+
+
 def test_a_daemon_that_sees_other_gpus_gets_tensors_through_shm(start_daemon, monkeypatch):
     daemon = start_daemon(env={"CUDA_VISIBLE_DEVICES": ""})  # the daemon sees no GPU at all
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)

@@ -229,6 +229,13 @@ def test_a_failed_device_copy_fails_the_save_and_answers_the_trainer(pool):
     assert "illegal memory access" in request.error and pool.free_bytes == pool.size
 
 
+def test_a_device_copy_the_kernel_denied_answers_with_its_own_code(pool):
+    life, request, call = device_save(pool)
+    life.copied(request, DEVICE_COPY, "the kernel denied ckptd ...", "ipc_denied")
+    assert request.phase == Phase.FAILED and call.answers == [("error", "ipc_denied")]
+    assert request.error_code == "ipc_denied" and pool.free_bytes == pool.size
+
+
 def test_a_save_filled_by_two_copiers_writes_only_when_both_are_done(pool):
     table, fx, life = setup(pool)
     request = make(table)
