@@ -23,7 +23,7 @@ __all__ = [
     "POOL_SIZE", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES",
-    "CUDA_REGISTER_CHUNK_BYTES",
+    "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
     "PEER_IO_THREADS", "REPLICATOR_TICK", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
@@ -193,6 +193,9 @@ WRITEBACK_EVERY_BYTES = _knob(
     "WRITEBACK_EVERY_BYTES", 64 << 20, int, "Start writeback (sync_file_range) every so many")
 CUDA_REGISTER_CHUNK_BYTES = _knob(
     "CUDA_REGISTER_CHUNK_BYTES", 64 << 30, int, "Bytes page-locked per cudaHostRegister call")
+NUMA_PLACEMENT = _knob(
+    "NUMA_PLACEMENT", True, parse_bool,
+    "Cut the staging pool into one region per NUMA node; stage near each GPU or rank")
 METRICS_INTERVAL = _knob(
     "METRICS_INTERVAL", 2.0, float, "Seconds between two renders of the Prometheus metrics")
 

@@ -126,6 +126,10 @@ def bytes_replicated_so_far(doc: dict) -> int:
     return sum(int(p.get("bytes_sent", 0)) for p in doc.get("peers", []))
 
 
+def _numa(nodes: list | None) -> str:
+    return f"  (NUMA nodes {','.join(map(str, nodes))})" if nodes else ""
+
+
 def render(doc: dict) -> str:
     """The human-readable status table."""
     pool = doc["pool"]
@@ -135,7 +139,8 @@ def render(doc: dict) -> str:
         f"socket  {doc['socket']}",
         f"roots   {', '.join(doc['roots'])}",
         f"pool    {_size(pool['used_bytes'])} used of {_size(pool['size_bytes'])}"
-        f"{'  (pinned)' if pool['pinned'] else ''}  {pool['waiting_requests']} waiting",
+        f"{'  (pinned)' if pool['pinned'] else ''}"
+        f"{_numa(pool.get('numa_nodes'))}  {pool['waiting_requests']} waiting",
         f"writers {sum(w['alive'] for w in doc['writers'])}/{len(doc['writers'])} alive, "
         f"{sum(w['jobs'] for w in doc['writers'])} job(s) in flight",
         f"totals  {doc['totals']['saves_done']} saves done, {doc['totals']['saves_failed']} failed, "

@@ -33,6 +33,7 @@ from ckptd.server.loop import EventLoop
 from ckptd.server.ranks import RankRegistry
 from ckptd.server.requests import RequestTable, host_name
 from ckptd.server.saves import SaveService
+from ckptd.staging import numa
 from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
 from ckptd.storage.leftovers import WrittenDirectories
 from ckptd.storage.roots import AllowedRoots
@@ -76,6 +77,7 @@ class Daemon:
         self.writers: WriterPool | None = None
         self.journal: WrittenDirectories | None = None
         self.cuda = None
+        self.placement = numa.Placement([0])  # one node until start() reads the machine
         self.metrics: MetricsExporter | None = None
 
     @property
@@ -103,13 +105,17 @@ class Daemon:
         remove_stale_pools()
         WrittenDirectories.sweep_predecessors(self.runtime_dir)
         self.journal = WrittenDirectories(self.runtime_dir)
-        self.pool = StagingPool(pool_path_for_this_daemon(), self.config.pool_size)
+        nodes = numa.online_nodes() if knobs.NUMA_PLACEMENT.get() else [0]
+        self.pool = StagingPool(pool_path_for_this_daemon(), self.config.pool_size,
+                                nodes=nodes if len(nodes) > 1 else None)
         self.context = zmq.Context()
         self.writers = WriterPool(self.config.writers, self.context, self.runtime_dir,
                                   self.pool.path, self.pool.size, self.config.log_level,
                                   self.journal)
         self.writers.wait_ready(self.config.writer_start_timeout)
         self.cuda = self._start_cuda_stager()
+        self.placement = numa.Placement([r.node for r in self.pool.regions] or [0],
+                                        self.cuda.device_nodes if self.cuda else {})
         self.saves.start()
         self.local.start()  # node-local store; peer socket and replicator with --peer-listen
         self._wire_endpoint()
@@ -294,7 +300,8 @@ class Daemon:
             roots=list(self.roots.roots),
             pool={"path": pool.path, "size_bytes": pool.size, "used_bytes": pool.used_bytes,
                   "free_bytes": pool.free_bytes, "waiting_requests": pool.waiting,
-                  "pinned": pool.registered_with_cuda},
+                  "pinned": pool.registered_with_cuda,
+                  "numa_nodes": [r.node for r in pool.regions]},
             writers=self.writers.describe(),
             **self.local.status_sections(),
         )

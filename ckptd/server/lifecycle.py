@@ -164,16 +164,16 @@ class SaveLifecycle:
         ckptd.staging.pool.PoolTooSmallError
             If the request can never fit.
         """
-        extent = self.pool.try_allocate(request.extent_length)
+        extent = self.pool.try_allocate(request.extent_length, request.near)
         while extent is None and self.reclaim is not None and self.reclaim(request.extent_length):
-            extent = self.pool.try_allocate(request.extent_length)
+            extent = self.pool.try_allocate(request.extent_length, request.near)
         request.copiers = copiers
         self.table.add(request)
         if extent is not None:
             self._lease(request, extent)
             return True
         request.phase = Phase.WAITING_FOR_POOL
-        self.pool.wait_for(request.extent_length, request)
+        self.pool.wait_for(request.extent_length, request, request.near)
         log.info("request %d (rank %d) waits for %d bytes of staging space", request.id,
                  request.rank, request.extent_length)
         return False

@@ -89,6 +89,7 @@ class SaveRequest:
     session: str | None = None     # local parts: the session and iteration
     iteration: int | None = None
     phase: str = Phase.STAGING
+    near: int | None = None        # the NUMA node its bytes come from (None: anywhere)
     lease: object | None = None    # ExtentLease while the request holds staging space
     pending_reply: object | None = None  # a Call still owed an answer (deferred STAGE)
     jobs_pending: int = 0

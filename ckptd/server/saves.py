@@ -125,7 +125,8 @@ class SaveService:
             path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
             skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
             cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
-            stock_files=body.format == SaveFormat.DCP and body.stock_files)
+            stock_files=body.format == SaveFormat.DCP and body.stock_files,
+            near=self.daemon.placement.near(body.cuda, rank.pid))
 
     @staticmethod
     def _extent_reply(request: SaveRequest) -> dict:

@@ -204,6 +204,16 @@ class _DeviceWorker:
                 log.debug("could not release an IPC counter: %s", exc)
 
 
+def _pci_node(properties) -> int | None:
+    from ckptd.staging.numa import pci_node
+
+    try:
+        return pci_node(properties.pci_domain_id, properties.pci_bus_id,
+                        properties.pci_device_id)
+    except AttributeError:  # a torch without PCI properties
+        return None
+
+
 class CudaStager:
     """Copies trainers' CUDA tensors into the staging pool, one worker per device.
 
@@ -230,6 +240,10 @@ class CudaStager:
         self.pool_tensor = torch.frombuffer(pool._map, dtype=torch.uint8)
         self.devices = {str(torch.cuda.get_device_properties(i).uuid): i
                         for i in range(torch.cuda.device_count())}
+        #: GPU UUID -> the NUMA node it is attached to (where sysfs says).
+        self.device_nodes = {uuid: node for uuid, node in
+                             ((u, _pci_node(torch.cuda.get_device_properties(i)))
+                              for u, i in self.devices.items()) if node is not None}
         self.workers = {index: _DeviceWorker(self, index) for index in self.devices.values()}
         self.results = Mailbox(zmq.Context.instance(), "cuda-staged")
         self._lock = threading.Lock()  # workers finish parts concurrently

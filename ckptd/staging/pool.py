@@ -7,8 +7,11 @@ once. An extent is released only through its lease (``ckptd.server.lifecycle``) 
 reader (device copy, writers, replicas) dropped its hold, so staged bytes are never
 overwritten.
 
-Pattern: first-fit free list over one ``mmap``; clients map the same file by path.
-It must not know about requests, files or sockets.
+Pattern: first-fit free list over one ``mmap``; clients map the same file by path. On a
+machine with several NUMA nodes the segment is cut into one region per node, each bound to
+its node before its pages exist (:mod:`ckptd.staging.numa`); an allocation names the node
+it is ``near`` and gets an extent in that region when one fits, else anywhere (a remote
+node is slower, waiting is worse). It must not know about requests, files or sockets.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ckptd import knobs
 from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive
+from ckptd.staging import numa
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +76,20 @@ class Extent:
     length: int
 
 
+@dataclass(frozen=True)
+class Region:
+    """The part ``[start, end)`` of the pool whose pages are bound to NUMA ``node``."""
+
+    start: int
+    end: int
+    node: int
+
+
 @dataclass
 class _Waiter:
     length: int
     token: object
+    near: int | None = None
 
 
 @dataclass
@@ -88,10 +102,14 @@ class StagingPool:
         File to create under ``/dev/shm`` (must not exist).
     size : int
         Bytes to reserve; rounded up to :data:`EXTENT_ALIGNMENT`.
+    nodes : list of int, optional
+        NUMA nodes to give a region each (two or more); ``None``: one unbound region.
     """
 
     path: str
     size: int
+    nodes: list | None = None
+    regions: list = field(default_factory=list)
     _free: list = field(default_factory=list)
     _waiters: deque = field(default_factory=deque)
     _map: mmap.mmap | None = None
@@ -102,6 +120,8 @@ class StagingPool:
         self.size = align_up(self.size, EXTENT_ALIGNMENT)
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if self.nodes and len(self.nodes) > 1:
+                self._bind_regions(fd)
             try:
                 # Reserve every page now: a full /dev/shm fails here with a clear error
                 # instead of a SIGBUS in the middle of a save.
@@ -114,6 +134,29 @@ class StagingPool:
         finally:
             os.close(fd)
         self._free = [Extent(0, self.size)]
+
+    def _bind_regions(self, fd: int) -> None:
+        """Cut the segment into one region per node and bind each before its pages are
+        allocated (the binding is the file's, so the final mapping and the writers' and
+        trainers' mappings share it)."""
+        share = align_up(-(-self.size // len(self.nodes)), EXTENT_ALIGNMENT)
+        bounds = [min(i * share, self.size) for i in range(len(self.nodes) + 1)]
+        bounds[-1] = self.size
+        regions = [Region(a, b, n) for a, b, n in zip(bounds, bounds[1:], self.nodes) if b > a]
+        os.ftruncate(fd, self.size)
+        staging = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        try:
+            base = _address(staging)
+            for region in regions:
+                numa.bind_preferred(base + region.start, region.end - region.start, region.node)
+        except OSError as exc:
+            log.warning("staging pool left unbound to NUMA nodes: %s", exc)
+            return
+        finally:
+            staging.close()
+        self.regions = regions
+        log.info("staging pool split over NUMA nodes %s (%d MiB each)",
+                 ",".join(str(r.node) for r in regions), share >> 20)
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -131,8 +174,9 @@ class StagingPool:
         """Requests queued for space."""
         return len(self._waiters)
 
-    def try_allocate(self, length: int) -> Extent | None:
-        """Carve an extent of ``length`` bytes, or ``None`` if it must wait.
+    def try_allocate(self, length: int, near: int | None = None) -> Extent | None:
+        """Carve an extent of ``length`` bytes (in node ``near``'s region when one fits
+        there), or ``None`` if it must wait.
 
         Raises
         ------
@@ -146,19 +190,33 @@ class StagingPool:
                 f"{self.size}; start ckptd with a larger --pool-size")
         if self._waiters:  # FIFO: nobody overtakes a request already waiting
             return None
-        return self._carve(length)
+        return self._carve(length, near)
 
-    def _carve(self, length: int) -> Extent | None:
+    def _carve(self, length: int, near: int | None = None) -> Extent | None:
+        for region in (r for r in self.regions if r.node == near):
+            for i, hole in enumerate(self._free):
+                start = max(hole.offset, region.start)
+                if start + length <= min(hole.offset + hole.length, region.end):
+                    return self._take(i, start, length)
         for i, hole in enumerate(self._free):
             if hole.length >= length:
-                rest = Extent(hole.offset + length, hole.length - length)
-                self._free[i:i + 1] = [rest] if rest.length else []
-                return Extent(hole.offset, length)
+                return self._take(i, hole.offset, length)
         return None
 
-    def wait_for(self, length: int, token: object) -> None:
+    def _take(self, index: int, start: int, length: int) -> Extent:
+        hole = self._free[index]
+        before = Extent(hole.offset, start - hole.offset)
+        after = Extent(start + length, hole.offset + hole.length - start - length)
+        self._free[index:index + 1] = [e for e in (before, after) if e.length]
+        return Extent(start, length)
+
+    def node_of(self, extent: Extent) -> int | None:
+        """The NUMA node an extent's pages are bound to (``None``: unbound pool)."""
+        return next((r.node for r in self.regions if r.start <= extent.offset < r.end), None)
+
+    def wait_for(self, length: int, token: object, near: int | None = None) -> None:
         """Queue ``token`` until ``length`` bytes can be carved (see :meth:`release`)."""
-        self._waiters.append(_Waiter(align_up(max(length, 1), EXTENT_ALIGNMENT), token))
+        self._waiters.append(_Waiter(align_up(max(length, 1), EXTENT_ALIGNMENT), token, near))
 
     def cancel_wait(self, token: object) -> list[tuple[object, Extent]]:
         """Forget a queued waiter (its owner went away).
@@ -193,7 +251,8 @@ class StagingPool:
     def _grant_waiters(self) -> list[tuple[object, Extent]]:
         granted = []
         while self._waiters:
-            extent_for_head = self._carve(self._waiters[0].length)
+            head = self._waiters[0]
+            extent_for_head = self._carve(head.length, head.near)
             if extent_for_head is None:
                 break
             granted.append((self._waiters.popleft().token, extent_for_head))
@@ -212,14 +271,11 @@ class StagingPool:
         registrations of hundreds of GiB fail on recent drivers); a failure clears CUDA's
         sticky error and leaves the pool pageable (slower copies, still correct).
         """
-        import ctypes
         import time
 
         import torch
 
-        buf = (ctypes.c_char * self.size).from_buffer(self._map)
-        address = ctypes.addressof(buf)
-        del buf
+        address = _address(self._map)
         cudart, chunk = torch.cuda.cudart(), knobs.CUDA_REGISTER_CHUNK_BYTES.get()
         started, registered = time.monotonic(), []
         for start in range(0, self.size, chunk):
@@ -263,3 +319,14 @@ class StagingPool:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """Where ``mapping`` starts in this process's address space."""
+    import ctypes
+
+    view = (ctypes.c_char * len(mapping)).from_buffer(mapping)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
