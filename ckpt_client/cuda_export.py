@@ -9,8 +9,10 @@ through the shared-memory pool, copied by this process. :func:`route` makes that
 from plain facts, so it is testable without a GPU.
 
 Devices are matched by UUID (the daemon's ``CUDA_VISIBLE_DEVICES`` may differ from ours).
-Each storage is exported once and the description reused while the tensor keeps its
-allocation (re-exporting grows torch's per-storage sent-data chain). Every save records a
+An export is sent again while the daemon holds it open (:class:`ExportCache`), keyed by
+the storage's allocation, not the tensor object (``state_dict()`` makes new ones on every
+call): re-exporting grows torch's per-storage sent-data chain, and sending an export the
+daemon already released would make it release the counter twice. Every save records a
 fresh inter-process event on each device's current stream: the daemon's copy stream
 waits on it, so the copy is ordered after the kernels that produced the values.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -165,40 +168,185 @@ def _uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-# Export cache: a tensor object -> (its allocation's address, its IPC description); valid
-# while the tensor still points at that allocation.
-_exported: "weakref.WeakKeyDictionary[torch.Tensor, tuple]" = weakref.WeakKeyDictionary()
+def _storage_of(tensor: torch.Tensor) -> tuple:
+    """Which allocation a tensor's storage is (state_dict() makes new tensor objects on
+    every call, so the storage, not the tensor, is what stays the same between saves)."""
+    storage = tensor.untyped_storage()
+    return (tensor.device.index, storage.data_ptr(), storage.nbytes())
+
+
+def _export_id(spec: dict) -> tuple:
+    return (spec["ref_counter_handle"], spec["ref_counter_offset"])
+
+
+class ExportCache:
+    """The exports of this process's CUDA storages that its daemon holds open.
+
+    Torch sets every export's reference counter to 1: the one release the daemon owes,
+    paid when it drops what it opened. An export may therefore be sent again only while
+    the daemon still holds it, which the STAGED reply of the save it was last sent in
+    says (``ipc_kept``); anything else is exported afresh (a new counter). A held export
+    keeps its storage's block out of reuse, so the allocation it names is still the one
+    this process holds under the same address. While a save is in flight nothing is
+    reused: its reply may still drop what an earlier reply kept.
+
+    The cache also knows which releases the daemon may still owe (held exports, and
+    those of saves that failed); a daemon that died pays none of them, so this process
+    pays them itself (:meth:`pay_for_dead_daemon`), or its freed blocks would stay in
+    torch's sent-data limbo for good.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict = {}   # storage key -> the storage half of its held export
+        self._owed: dict = {}   # export id -> (storage key, storage half): maybe unpaid
+        self._in_flight = 0
+        self._sent = self._settled = 0  # sequence numbers of saves
+        self._lock = threading.Lock()
+
+    def storage_specs(self, keys: list, export) -> tuple[list, int]:
+        """The storage half of each description of a save, and the save's number.
+
+        ``keys[j]`` is a storage key (or ``None``: no description); it gets its held
+        export, or ``export(j)``'s fresh one, shared by every entry of the same storage
+        (views of one storage go out as one export). The save counts as in flight until
+        :meth:`settle`.
+        """
+        with self._lock:
+            held = dict(self._held) if not self._in_flight else {}
+            self._in_flight += 1
+            self._sent += 1
+            number = self._sent
+        chosen: dict = {}
+        for j, key in enumerate(keys):
+            if key is not None and key not in chosen:
+                chosen[key] = held.get(key) or export(j)
+        return [chosen[key] if key is not None else None for key in keys], number
+
+    def settle(self, number: int, keys: list, specs: list, kept: list | None) -> None:
+        """Save ``number`` ended: staged, with the ``kept`` indices the daemon holds open,
+        or failed (``None``: whatever it opened may or may not be paid yet)."""
+        sent = {_export_id(h): (k, _storage_half(h)) for k, h in zip(keys, specs)
+                if h is not None}
+        held = {keys[i]: _storage_half(specs[i]) for i in kept or () if specs[i] is not None}
+        with self._lock:
+            self._in_flight -= 1
+            newest = number > self._settled
+            self._settled = max(self._settled, number)
+            self._held = held if newest and number == self._sent else {}
+            if kept is None or not newest:
+                self._owed.update(sent)
+                return
+            # Staged: on the devices of this save the daemon now holds exactly the kept
+            # exports; it paid for everything else it had of ours there.
+            devices = {key[0] for key, _ in sent.values()}
+            self._owed = {e: v for e, v in self._owed.items() if v[0][0] not in devices}
+            self._owed.update({_export_id(h): (k, h) for k, h in held.items()})
+
+    @property
+    def held_exports(self) -> set:
+        """Export ids the daemon holds open (for tests and diagnostics)."""
+        with self._lock:
+            return {_export_id(spec) for spec in self._held.values()}
+
+    def pay_for_dead_daemon(self, release) -> int:
+        """The daemon died: pay each release it may have owed (``release(spec)``); paying
+        one it had paid already harms nothing now that nobody maps the block. Returns
+        how many were paid."""
+        with self._lock:
+            owed, self._owed, self._held = list(self._owed.values()), {}, {}
+        for _, spec in owed:
+            release(spec)
+        return len(owed)
+
+
+_STORAGE_FIELDS = ("device_uuid", "handle", "storage_size", "storage_offset",
+                   "ref_counter_handle", "ref_counter_offset", "event_handle",
+                   "event_sync_required")
+
+
+def _storage_half(spec: dict) -> dict:
+    return {k: spec[k] for k in _STORAGE_FIELDS}
 
 
 def _export(tensor: torch.Tensor) -> dict:
-    address = tensor.untyped_storage().data_ptr()
-    cached = _exported.get(tensor)
-    if cached is not None and cached[0] == address:
-        return cached[1]
+    """A fresh export of ``tensor``'s storage (torch's reductions; a new counter slot)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(tensor)
-    (_, size, stride, offset, _, dtype, device, handle, storage_size, storage_offset,
+    (_, _, _, _, _, _, device, handle, storage_size, storage_offset,
      _, ref_handle, ref_offset, event_handle, event_sync) = args
-    spec = {"size": list(size), "stride": list(stride), "offset": offset,
-            "dtype": str(dtype).removeprefix("torch."), "device_uuid": _uuid(device),
-            "handle": handle, "storage_size": storage_size, "storage_offset": storage_offset,
-            "ref_counter_handle": ref_handle, "ref_counter_offset": ref_offset,
-            "event_handle": event_handle, "event_sync_required": event_sync}
-    _exported[tensor] = (address, spec)
-    return spec
+    return {"device_uuid": _uuid(device), "handle": handle, "storage_size": storage_size,
+            "storage_offset": storage_offset, "ref_counter_handle": ref_handle,
+            "ref_counter_offset": ref_offset, "event_handle": event_handle,
+            "event_sync_required": event_sync}
 
 
-def plan_ipc(connection, sources: list) -> tuple[list | None, list]:
+def _describe(tensor: torch.Tensor, storage: dict) -> dict:
+    """The tensor half (its view of the storage) joined to the storage half."""
+    return {**storage, "size": list(tensor.shape), "stride": list(tensor.stride()),
+            "offset": tensor.storage_offset(), "dtype": str(tensor.dtype).removeprefix("torch.")}
+
+
+_caches: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def export_cache(connection) -> ExportCache:
+    """The export cache of a connection (one daemon holds one set of our exports)."""
+    with _caches_lock:
+        if connection not in _caches:
+            _caches[connection] = ExportCache()
+        return _caches[connection]
+
+
+def daemon_died(connection) -> None:
+    """Pay the IPC releases a dead daemon owed us (called when its connection closes)."""
+    with _caches_lock:
+        cache = _caches.pop(connection, None)
+    if cache is not None:
+        paid = cache.pay_for_dead_daemon(_release_counter)
+        if paid:
+            log.info("paid %d CUDA IPC reference(s) the dead daemon (pid %d) held",
+                     paid, connection.daemon_pid)
+
+
+def _release_counter(spec: dict) -> None:
+    try:
+        torch.UntypedStorage._release_ipc_counter_cuda(  # noqa: SLF001
+            spec["ref_counter_handle"], spec["ref_counter_offset"])
+    except Exception as exc:  # the counter file is ours; gone only if we are exiting
+        log.debug("could not release an IPC counter: %s", exc)
+
+
+@dataclass
+class IpcPlan:
+    """The IPC descriptions of one save, and the cache that must hear how it ended."""
+
+    specs: list          # per source: its description, or None (copied through shm)
+    keys: list           # per source: its storage key, or None
+    cache: ExportCache
+    number: int          # the cache's number for this save
+    settled: bool = False
+
+    def settle(self, kept: list | None) -> None:
+        """The save was staged (``kept``: the daemon's ``ipc_kept``) or failed (``None``);
+        only the first call counts."""
+        if not self.settled:
+            self.settled = True
+            self.cache.settle(self.number, self.keys, self.specs, kept)
+
+
+def plan_ipc(connection, sources: list) -> tuple[IpcPlan | None, list]:
     """One entry per source: the IPC description the daemon copies from, or ``None``.
 
     Returns
     -------
-    (specs, events)
-        ``specs`` is ``None`` when no source goes by IPC (a shm-only request). ``events``
-        are the producer events recorded here (one per device and save), which order the
-        daemon's copy after the work queued so far on each device's current stream; keep
-        them alive until the save is staged.
+    (plan, events)
+        ``plan`` is ``None`` when no source goes by IPC (a shm-only request); else it
+        must be settled once the save is staged or failed. ``events`` are the producer
+        events recorded here (one per device and save), which order the daemon's copy
+        after the work queued so far on each device's current stream; keep them alive
+        until the save is staged.
     """
     if not connection.has_cuda or not any(isinstance(s, torch.Tensor) and s.is_cuda
                                           for s in sources):
@@ -211,17 +359,24 @@ def plan_ipc(connection, sources: list) -> tuple[list | None, list]:
             warnings.warn(f"ckptd: {note}", RuntimeWarning, stacklevel=3)
     if IPC not in routes:
         return None, []
+    cache = export_cache(connection)
+    keys = [_storage_of(source) if how == IPC else None for source, how in zip(sources, routes)]
+    storages, number = cache.storage_specs(keys, lambda j: _export(sources[j]))
     ready: dict[int, bytes] = {}
     specs, events = [], []
-    for source, how in zip(sources, routes):
-        if how != IPC:
-            specs.append(None)
-            continue
-        index = source.device.index
-        if index not in ready:
-            event = torch.cuda.Event(interprocess=True)
-            event.record(torch.cuda.current_stream(index))
-            ready[index] = event.ipc_handle()
-            events.append(event)
-        specs.append({**_export(source), "ready_event": ready[index]})
-    return specs, events
+    try:
+        for source, storage in zip(sources, storages):
+            if storage is None:
+                specs.append(None)
+                continue
+            index = source.device.index
+            if index not in ready:
+                event = torch.cuda.Event(interprocess=True)
+                event.record(torch.cuda.current_stream(index))
+                ready[index] = event.ipc_handle()
+                events.append(event)
+            specs.append({**_describe(source, storage), "ready_event": ready[index]})
+    except BaseException:
+        IpcPlan(storages, keys, cache, number).settle(None)  # never sent: owed, not waited for
+        raise
+    return IpcPlan(specs, keys, cache, number), events

@@ -267,20 +267,36 @@ class _StagingJob:
     save: DaemonSave
     body: dict
     sources: list
-    specs: list | None
+    plan: object | None   # ckpt_client.cuda_export.IpcPlan, or None: every buffer via shm
     events: list = field(default_factory=list)  # producer events, alive until staged
+
+    @property
+    def specs(self) -> list | None:
+        """Per buffer: the IPC description the daemon copies, or None (we copy it)."""
+        return self.plan.specs if self.plan is not None else None
 
     def run(self) -> None:
         """STAGE, copy this rank's share, STAGED (answered once the daemon's share is in).
+
+        The IPC plan hears how it ended in every case, so the export cache never
+        re-sends an export the daemon no longer holds.
 
         Raises
         ------
         DaemonRequestError, DaemonUnavailableError
             When the daemon refuses or is gone (the request, if created, is aborted).
         """
+        plan, kept = self.plan, None
+        try:
+            kept = self._exchange()
+        finally:
+            if plan is not None:
+                plan.settle(kept)
+
+    def _exchange(self) -> list | None:
         connection, save = self.save.connection, self.save
         if save._cancelled:
-            return
+            return None
         reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
         save.request_id = reply["request_id"]
         buffers = self.body["buffers"]
@@ -294,14 +310,15 @@ class _StagingJob:
             save.abort()
             raise
         try:
-            connection.call(MessageType.STAGED, {"request_id": save.request_id},
-                            timeout=knobs.STAGE_TIMEOUT.get())
+            staged = connection.call(MessageType.STAGED, {"request_id": save.request_id},
+                                     timeout=knobs.STAGE_TIMEOUT.get())
         except DaemonRequestError as exc:
             if exc.code != ErrorCode.IPC_DENIED or self.specs is None:
                 raise
             self._again_through_shm(exc)
-            return
+            return None
         save.transport_bytes = _transport_bytes(buffers, self.specs)
+        return staged.get("ipc_kept") or []
 
     def _again_through_shm(self, denial: DaemonRequestError) -> None:
         """The kernel refused the daemon our CUDA memory: stage this save (and, through
@@ -314,9 +331,10 @@ class _StagingJob:
                       "through shared memory", RuntimeWarning, stacklevel=2)
         self.save.forget(delete_files=True)
         self.save.request_id = None
-        self.specs, self.events = None, []
+        self.plan.settle(None)
+        self.plan, self.events = None, []
         self.body = {**self.body, "cuda": None}
-        self.run()
+        self._exchange()
 
 
 def _transport_bytes(buffers: list, specs: list | None) -> dict:
@@ -414,11 +432,12 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     from ckpt_client.cuda_export import plan_ipc
 
     buffers = [describe(s) for s in sources]
-    specs, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
+    plan, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
     body = {"format": fmt, "path": os.path.abspath(path), "buffers": buffers,
-            "skeleton": skeleton, "files": files or [], "cuda": specs, **(extra or {})}
+            "skeleton": skeleton, "files": files or [],
+            "cuda": plan.specs if plan is not None else None, **(extra or {})}
     save = DaemonSave(connection, None, body["path"], body["files"])
-    job = _StagingJob(save, body, sources, specs, events)
+    job = _StagingJob(save, body, sources, plan, events)
     if zero_stall:
         _background_stager(connection).submit(job)
         return save

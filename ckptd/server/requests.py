@@ -90,6 +90,7 @@ class SaveRequest:
     iteration: int | None = None
     phase: str = Phase.STAGING
     near: int | None = None        # the NUMA node its bytes come from (None: anywhere)
+    ipc_kept: list = field(default_factory=list)  # buffers whose CUDA export stays open
     lease: object | None = None    # ExtentLease while the request holds staging space
     pending_reply: object | None = None  # a Call still owed an answer (deferred STAGE)
     jobs_pending: int = 0

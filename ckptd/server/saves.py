@@ -73,7 +73,7 @@ class SaveService:
         try:
             request = self._admit(call, body)
         except RequestError:
-            self.device.release_unopened(body.cuda)
+            self.device.release_unopened(body.cuda, call.identity)
             raise
         if request.phase == Phase.WAITING_FOR_POOL:
             request.pending_reply = call
@@ -159,7 +159,13 @@ class SaveService:
         if request.phase == Phase.STAGING:  # the device copy answers it (staged())
             request.pending_reply = call
             return DEFERRED
-        return {"request_id": request.id, "phase": request.phase}
+        return self._staged_reply(request)
+
+    @staticmethod
+    def _staged_reply(request: SaveRequest) -> dict:
+        """Every byte is staged; ``ipc_kept``: buffers whose CUDA export the daemon holds
+        open, which the trainer may send again (it exports the others afresh)."""
+        return {"request_id": request.id, "phase": request.phase, "ipc_kept": request.ipc_kept}
 
     def on_poll(self, call: Call, body: Poll) -> dict:
         """Phase and results of this connection's requests."""
@@ -246,7 +252,7 @@ class SaveService:
         """Every byte is in the extent: answer a STAGED that waited for the device copy."""
         call, request.pending_reply = request.pending_reply, None
         if call is not None:
-            call.reply({"request_id": request.id, "phase": request.phase})
+            call.reply(self._staged_reply(request))
 
     def write(self, request: SaveRequest) -> int:
         """Submit a staged request's writer jobs; returns how many."""
@@ -325,10 +331,16 @@ class DeviceCopies:
                                f"rank {rank}: this daemon has no CUDA device",
                                "send CPU copies through the staging pool instead")
 
-    def release_unopened(self, specs: list | None) -> None:
+    def release_unopened(self, specs: list | None, identity: bytes) -> None:
         """Handles of a refused request: handed over, never to be opened."""
         if specs and self.cuda is not None:
-            self.cuda.release(specs)
+            self.cuda.release(specs, self._pid(identity))
+
+    def _pid(self, identity: bytes) -> int | None:
+        try:
+            return self.ranks.of(identity).pid
+        except RequestError:  # never registered: nothing of it can be held open
+            return None
 
     def start(self, request: SaveRequest) -> None:
         """Queue the request's device-to-host copy into its leased extent."""
@@ -345,7 +357,7 @@ class DeviceCopies:
         if self.cuda is None:
             return
         if request.lease is None:  # still queued for space: its copy never started
-            self.cuda.release(request.cuda_specs)
+            self.cuda.release(request.cuda_specs, self._pid(request.identity))
         else:
             self.cuda.cancel(request.id)
 
@@ -353,4 +365,5 @@ class DeviceCopies:
         """A :class:`ckptd.staging.cuda.CudaStaged` arrived from the stager."""
         request = self.table.find(result.request_id)
         if request is not None:
+            request.ipc_kept = list(result.kept)
             self.lifecycle.copied(request, DEVICE_COPY, result.error, result.code)

@@ -9,14 +9,18 @@ Owns the daemon's CUDA side:
   recorded on its current stream; the copy stream waits on it before copying, so the copy
   sees the values the trainer's queued kernels produce, whether the mapping is new or
   cached;
-- the cache of opened mappings per trainer process: a storage is kept mapped only when
-  two consecutive saves used it (parameters, optimizer state), so the trainer's
-  temporaries are not pinned until the next save; mappings of a trainer that went away
-  are dropped;
-- IPC reference counters: a description that is never opened (the save was refused,
-  aborted while queued, or failed first) has its counter released, so the trainer's
-  freed blocks do not stay in torch's sent-data limbo; events the daemon opened are
-  destroyed with the save;
+- IPC reference counters, paid exactly once per export: torch sets each export's counter
+  to 1, the one release the receiver owes, and pays it when the storage opened for it is
+  freed. So each export is opened at most once (:class:`OpenExports`): a save that sends
+  an export this worker still holds reuses the open storage instead of calling torch's
+  rebuild again; an export that is never opened (the save was refused, aborted while
+  queued, or failed first) has its counter released unless it is held. A trainer's freed
+  blocks thus neither stay in torch's sent-data limbo forever nor leave it early;
+- which exports stay open: those two consecutive saves used (parameters, optimizer
+  state); the rest are dropped once copied, so the trainer's temporaries are not pinned
+  until the next save. The STAGED reply names the kept ones: the trainer re-sends those
+  and exports the others afresh. A trainer that went away has everything dropped;
+  events the daemon opened are destroyed with the save;
 - safety: every copy is synchronized (also when one fails) before the extent's hold is
   dropped, so a reused extent is never still being written by the GPU;
 - denial: when the kernel refuses us the trainer's memory (expandable segments share it
@@ -35,7 +39,7 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -65,6 +69,7 @@ class CudaStaged:
     request_id: int
     error: str | None
     code: str | None = None  # an ErrorCode the trainer acts on (IPC_DENIED: retry via shm)
+    kept: tuple = ()         # buffer indices whose export the daemon holds open now
 
 
 #: What torch's allocator says when the kernel refuses to share an expandable segment.
@@ -97,18 +102,112 @@ class _Part:
     indices: list
 
 
+@dataclass
+class _Progress:
+    """A job's parts still copying, its first failure, and the exports kept so far."""
+
+    left: int
+    error: str | None = None
+    code: str | None = None
+    kept: list = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class _Forget:
     pid: int
 
 
+@dataclass(frozen=True)
+class _Release:
+    """Descriptions of a save that will never be copied (refused, or failed early)."""
+
+    pid: int | None
+    specs: list
+
+
 _STOP = object()
 
 
-def never_opened(specs: list, indices: list, opened: set) -> list:
-    """The descriptions among ``specs[indices]`` whose handle was not opened: their IPC
-    reference counters are still held for us and must be released."""
-    return [specs[i] for i in indices if specs[i] is not None and i not in opened]
+def export_id(spec: dict) -> tuple:
+    """Which export a description is: torch gives every export its own counter slot."""
+    return (spec["ref_counter_handle"], spec["ref_counter_offset"])
+
+
+def storage_key(spec: dict) -> tuple:
+    """Which storage a description exports (the same for every export of it)."""
+    return (spec["handle"], spec["storage_offset"])
+
+
+class OpenExports:
+    """The exports of one trainer that one device worker holds open.
+
+    Holding an export open means its release is still owed and will be paid when the
+    storage is dropped from here; so an export that is held is never opened again nor
+    released separately.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict = {}         # export id -> the storage opened for it
+        self._previous: set = set()   # storage keys the previous save used
+
+    def get(self, export: tuple):
+        """The storage held open for ``export``, or ``None``."""
+        return self._open.get(export)
+
+    def holds(self, export: tuple) -> bool:
+        """Whether ``export``'s release is owed by a storage held here."""
+        return export in self._open
+
+    def settle(self, used: dict) -> set:
+        """A save finished using ``used`` (export id -> (storage key, storage)).
+
+        Keeps open what this save and the one before used (by storage), drops the rest
+        (freeing a storage pays its export's release) and returns the kept export ids.
+        """
+        kept = {e: storage for e, (key, storage) in used.items() if key in self._previous}
+        self._previous = {key for key, _ in used.values()}
+        self._open = kept
+        return set(kept)
+
+    def unpaid(self, specs: list, opened: set) -> list:
+        """Of ``specs``, one per export that was neither opened (``opened``: export ids)
+        nor is held here: their releases are owed now."""
+        owed, seen = [], set(opened)
+        for spec in specs:
+            export = export_id(spec)
+            if export not in seen and not self.holds(export):
+                seen.add(export)
+                owed.append(spec)
+        return owed
+
+
+class SaveMappings:
+    """The storages one save copies from: an export held open is reused, any other is
+    opened once (``open_export(spec) -> storage``), however often the save names it."""
+
+    def __init__(self, exports: OpenExports, open_export) -> None:
+        self.exports, self.open_export = exports, open_export
+        self.used: dict = {}  # export id -> (storage key, storage)
+
+    def storage(self, spec: dict):
+        """The storage of ``spec``'s export, opened now if nothing holds it."""
+        export = export_id(spec)
+        found = self.exports.get(export)
+        if found is None and export in self.used:
+            found = self.used[export][1]
+        if found is None:
+            found = self.open_export(spec)
+        self.used[export] = (storage_key(spec), found)
+        return found
+
+    def settle(self) -> set:
+        """The save succeeded: keep what it shares with the one before (see
+        :meth:`OpenExports.settle`); returns the kept export ids."""
+        return self.exports.settle(self.used)
+
+    def unpaid(self, specs: list) -> list:
+        """Of ``specs``, those whose release is owed now (neither opened nor held)."""
+        return self.exports.unpaid(specs, set(self.used))
 
 
 class _DeviceWorker:
@@ -119,8 +218,7 @@ class _DeviceWorker:
         self.stager, self.device, self.torch = stager, device, torch
         torch.cuda.set_device(device)  # the context exists before any handle is opened
         self.stream = torch.cuda.Stream(device)
-        self._mapped: dict[int, dict] = {}     # trainer pid -> {key: storage} kept mapped
-        self._last_used: dict[int, set] = {}   # trainer pid -> keys of its previous save
+        self._exports: dict[int, OpenExports] = {}  # trainer pid -> its exports held open
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"ckptd-cuda-{device}", daemon=True)
         self.thread.start()
@@ -132,15 +230,20 @@ class _DeviceWorker:
             if item is _STOP:
                 return
             if isinstance(item, _Forget):
-                self._mapped.pop(item.pid, None)
-                self._last_used.pop(item.pid, None)
+                self._exports.pop(item.pid, None)  # dropping the storages pays their releases
                 continue
-            opened: set = set()
+            if isinstance(item, _Release):
+                exports = self._exports.get(item.pid, OpenExports())
+                self._release_counters(exports.unpaid(item.specs, set()))
+                continue
             error = code = None
+            kept: tuple = ()
+            mappings = SaveMappings(self._exports.setdefault(item.job.pid, OpenExports()),
+                                    self._open)
             try:
                 if self.stager.is_cancelled(item.job.request_id):
                     raise InterruptedError("the save was aborted before its copy started")
-                self._copy(item, opened)
+                kept = self._copy(item, mappings)
             except Exception as exc:  # reported to the trainer, never kills the thread
                 error, code = staging_failure(exc, item.job.pid)
                 if code is not None:
@@ -150,16 +253,13 @@ class _DeviceWorker:
                                   item.job.request_id, self.device)
             finally:
                 self.stream.synchronize()  # nothing may still write the extent
-                self._release_counters(never_opened(item.job.specs, item.indices, opened))
-            self.stager.part_done(item.job, error, code)
+                self._release_counters(mappings.unpaid([item.job.specs[i] for i in item.indices]))
+            self.stager.part_done(item.job, error, code, kept)
 
-    def _copy(self, part: _Part, opened: set) -> None:
+    def _copy(self, part: _Part, mappings: "SaveMappings") -> tuple:
+        """Copy the part; returns the buffer indices whose export stays open."""
         torch, job = self.torch, part.job
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         ready_events = {}
-        used: dict = {}
-        cached = self._mapped.get(job.pid, {})
         for index in part.indices:
             spec, offset, (_, _, expected) = job.specs[index], job.offsets[index], job.buffers[index]
             if spec.get("dtype") not in protocol.BUFFER_DTYPES or spec["dtype"] == "bytes":
@@ -169,16 +269,9 @@ class _DeviceWorker:
                 event = torch.cuda.Event.from_ipc_handle(self.device, handle)
                 self.stream.wait_event(event)
                 ready_events[handle] = event
-            key = (spec["handle"], spec["storage_offset"])
             dtype = getattr(torch, spec["dtype"])
-            with torch.cuda.stream(self.stream):
-                source = rebuild_cuda_tensor(
-                    torch.Tensor, spec["size"], spec["stride"], spec["offset"],
-                    torch.UntypedStorage, dtype, self.device, spec["handle"], spec["storage_size"],
-                    spec["storage_offset"], False, spec["ref_counter_handle"],
-                    spec["ref_counter_offset"], spec["event_handle"], False)
-            opened.add(index)
-            used[key] = cached.get(key) or source.untyped_storage()
+            source = torch.empty(0, dtype=dtype, device=f"cuda:{self.device}").set_(
+                mappings.storage(spec), spec["offset"], spec["size"], spec["stride"])
             nbytes = source.numel() * source.element_size()
             if nbytes != expected:
                 raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {expected} "
@@ -188,12 +281,21 @@ class _DeviceWorker:
             with torch.cuda.stream(self.stream):
                 destination.copy_(source, non_blocking=self.stager.pool.registered_with_cuda)
         self.stream.synchronize()
-        # Keep mapped only what two consecutive saves used (parameters, optimizer state):
-        # a temporary of the trainer is unmapped right away instead of pinned.
-        previous = self._last_used.get(job.pid, set())
-        self._mapped[job.pid] = {k: v for k, v in used.items() if k in previous}
-        self._last_used[job.pid] = set(used)
         ready_events.clear()  # the opened events are destroyed with their objects
+        kept = mappings.settle()
+        return tuple(i for i in part.indices if export_id(job.specs[i]) in kept)
+
+    def _open(self, spec: dict):
+        """Open an export's storage through torch (which, finding the storage already
+        open under another export, pays this one's release at once)."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        with self.torch.cuda.stream(self.stream):
+            return rebuild_cuda_tensor(
+                self.torch.Tensor, [0], [1], 0, self.torch.UntypedStorage, self.torch.uint8,
+                self.device, spec["handle"], spec["storage_size"], spec["storage_offset"],
+                False, spec["ref_counter_handle"], spec["ref_counter_offset"],
+                spec["event_handle"], False).untyped_storage()
 
     def _release_counters(self, specs: list) -> None:
         for spec in specs:
@@ -260,14 +362,14 @@ class CudaStager:
             device = self.devices.get(spec.get("device_uuid"))
             (parts.setdefault(device, []) if device is not None else unknown).append(index)
         if unknown:
-            self._release_now([s for s in job.specs if s is not None])
+            self.release(job.specs, job.pid)
             with self._lock:
                 self.results.post(CudaStaged(job.request_id, (
                     f"the trainer's GPU {job.specs[unknown[0]].get('device_uuid')} is not "
                     "visible to the daemon; give ckptd the same devices (CUDA_VISIBLE_DEVICES)")))
             return
         with self._lock:
-            self._pending[job.request_id] = [len(parts), None, None]  # left, error, code
+            self._pending[job.request_id] = _Progress(len(parts))
         for device, indices in parts.items():
             self.workers[device].jobs.put(_Part(job, indices))
 
@@ -282,28 +384,41 @@ class CudaStager:
         with self._lock:
             return request_id in self._cancelled
 
-    def part_done(self, job: CudaJob, error: str | None, code: str | None = None) -> None:
+    def part_done(self, job: CudaJob, error: str | None, code: str | None = None,
+                  kept: tuple = ()) -> None:
         """A worker finished its part; the last one reports the job (with the first
-        failure of its parts)."""
+        failure of its parts, and the exports every device keeps open)."""
         with self._lock:
-            state = self._pending.get(job.request_id)
-            if state is None:
+            progress = self._pending.get(job.request_id)
+            if progress is None:
                 return
-            state[0] -= 1
-            if state[1] is None and error is not None:
-                state[1:] = [error, code]
-            if state[0]:
+            progress.left -= 1
+            progress.kept.extend(kept)
+            if progress.error is None and error is not None:
+                progress.error, progress.code = error, code
+            if progress.left:
                 return
             del self._pending[job.request_id]
             self._cancelled.discard(job.request_id)
-            self.results.post(CudaStaged(job.request_id, state[1], state[2]))
+            self.results.post(CudaStaged(job.request_id, progress.error, progress.code,
+                                         tuple(sorted(progress.kept))))
 
-    def release(self, specs: list) -> None:
-        """Release the counters of descriptions the daemon will never open (a refused save)."""
-        self._release_now([s for s in specs if s is not None])
+    def release(self, specs: list, pid: int | None) -> None:
+        """Release the counters of descriptions the daemon will never open (a refused or
+        failed save of trainer ``pid``), except those a worker holds open: their release
+        is paid when the worker drops them."""
+        by_device: dict = {}
+        for spec in specs:
+            if spec is not None:
+                by_device.setdefault(self.devices.get(spec.get("device_uuid")), []).append(spec)
+        for device, owned in by_device.items():
+            if device is None or pid is None:  # no worker can hold these open
+                self._release_now(owned)
+            else:
+                self.workers[device].jobs.put(_Release(pid, owned))
 
     def _release_now(self, specs: list) -> None:
-        next(iter(self.workers.values()))._release_counters(specs)
+        next(iter(self.workers.values()))._release_counters(OpenExports().unpaid(specs, set()))
 
     def forget_process(self, pid: int) -> None:
         """Drop the mappings opened for a trainer that went away."""

@@ -96,6 +96,34 @@ def test_gpu_memory_and_shared_files_stay_flat_over_50_saves(daemon, monkeypatch
     assert shm_torch_files() <= files + 2
 
 
+def ipc_counter(export: tuple) -> int:
+    """The value of an export's reference counter, read from torch's counter file."""
+    handle, offset = export
+    name = handle.decode() if isinstance(handle, bytes) else handle
+    with open("/dev/shm/" + name.lstrip("/"), "rb") as f:
+        f.seek(8 * offset)
+        return int.from_bytes(f.read(8), "little", signed=True)
+
+
+def test_each_storage_is_exported_twice_and_its_counter_paid_once(daemon, monkeypatch):
+    from ckpt_client.cuda_export import export_cache
+
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
+    held = []
+    for i in range(6):  # state_dict() makes new tensor objects every time
+        loaded, _ = save_and_load(model.state_dict(), os.path.join(daemon.roots[0], f"c{i}.pt"))
+        held.append(export_cache(connect()).held_exports)
+    parameters = len(list(model.parameters()))
+    assert held[0] == set(), "nothing is kept open after a storage's first save"
+    assert len(held[1]) == parameters and held[1] == held[2] == held[5], \
+        "from the second save on, each parameter's export is held and re-sent, not re-made"
+    assert [ipc_counter(e) for e in held[5]] == [1] * parameters, "one release owed, not paid"
+    loaded, _ = save_and_load({"only": model[0].weight}, os.path.join(daemon.roots[0], "c.pt"))
+    assert all(ipc_counter(e) == 0 for e in held[5] - export_cache(connect()).held_exports), \
+        "an export the daemon dropped is paid exactly once (never negative, never left at 1)"
+
+
 def test_refused_and_failed_saves_leak_nothing(daemon, monkeypatch, tmp_path):
     from ckpt_client.errors import DaemonRequestError
 

@@ -1,0 +1,172 @@
+"""CUDA IPC reference counters are paid exactly once per export, whatever happens.
+
+The trainer's :class:`ckpt_client.cuda_export.ExportCache` and the daemon's
+:class:`ckptd.staging.cuda.OpenExports` / :class:`SaveMappings` run for real; torch's
+side of the bargain (``reduce_tensor`` sets a new counter to 1; ``rebuild_cuda_tensor``
+opens a storage whose deleter pays, or pays at once when the storage is already open)
+is played by :class:`TorchCounters`, written from torch 2.13's ``reductions.py`` and
+``CudaIPCTypes.cpp``, since this machine has no GPU (``tests/gpu`` reads the real
+counters). A counter below 0 is a release paid twice (the trainer's block leaves limbo
+while the daemon may still map it); one left at 1 with nothing open is a block stuck in
+limbo for good.
+"""
+
+from __future__ import annotations
+
+import random
+import weakref
+
+import pytest
+
+from ckpt_client.cuda_export import ExportCache, IpcPlan
+from ckptd.staging.cuda import OpenExports, SaveMappings, export_id, storage_key
+
+
+class Storage:
+    """An opened storage; freeing it pays its export's release (its deleter)."""
+
+
+class TorchCounters:
+    def __init__(self) -> None:
+        self.counters: dict = {}
+        self.opened_for: dict = {}            # export id -> weakref to the storage made for it
+        self._open_storages = weakref.WeakValueDictionary()  # storage key -> live storage
+        self._next = 0
+
+    def export(self, key: tuple) -> dict:     # reduce_tensor in the trainer
+        self._next += 1
+        self.counters[("/torch_1_2", self._next)] = 1
+        return {"device_uuid": f"GPU-{key[0]}", "handle": key, "storage_size": 64,
+                "storage_offset": 0, "ref_counter_handle": "/torch_1_2",
+                "ref_counter_offset": self._next, "event_handle": b"", "event_sync_required": False}
+
+    def open(self, spec: dict) -> Storage:    # rebuild_cuda_tensor in the daemon
+        live = self._open_storages.get(storage_key(spec))
+        if live is not None:
+            self.release(spec)
+            return live
+        storage = Storage()
+        weakref.finalize(storage, self.release, spec)  # its deleter pays
+        self._open_storages[storage_key(spec)] = storage
+        self.opened_for[export_id(spec)] = weakref.ref(storage)
+        return storage
+
+    def release(self, spec: dict) -> None:    # _release_ipc_counter_cuda
+        self.counters[export_id(spec)] -= 1
+
+    def check(self, quiet: bool) -> None:
+        # storages hold no cycles: CPython frees them (and runs the deleters) at once
+        assert min(self.counters.values()) >= 0, "a release was paid twice"
+        if quiet:  # nothing in flight: every unpaid export has its storage open
+            for export, value in self.counters.items():
+                alive = export in self.opened_for and self.opened_for[export]() is not None
+                assert value == int(alive), (export, value, alive)
+
+
+class Daemon:
+    """One trainer's exports on one device worker, as ``_DeviceWorker._run`` handles them."""
+
+    def __init__(self, torch: TorchCounters) -> None:
+        self.torch, self.exports = torch, OpenExports()
+
+    def stage(self, specs: list, fail_after: int | None = None) -> list | None:
+        mappings = SaveMappings(self.exports, self.torch.open)
+        indices = [i for i, s in enumerate(specs) if s is not None]
+        try:
+            for n, i in enumerate(indices):
+                if n == fail_after:
+                    raise RuntimeError("copy failed")
+                mappings.storage(specs[i])
+            kept = mappings.settle()
+            return [i for i in indices if export_id(specs[i]) in kept]
+        except RuntimeError:
+            return None
+        finally:
+            for spec in mappings.unpaid([specs[i] for i in indices]):
+                self.torch.release(spec)
+
+    def refuse(self, specs: list) -> None:   # CudaStager.release -> _Release
+        for spec in self.exports.unpaid([s for s in specs if s is not None], set()):
+            self.torch.release(spec)
+
+
+def plan(cache: ExportCache, torch: TorchCounters, keys: list) -> IpcPlan:
+    halves, number = cache.storage_specs(keys, lambda j: torch.export(keys[j]))
+    return IpcPlan(halves, keys, cache, number)
+
+
+PARAMS = [(0, p) for p in range(4)]
+
+
+def test_a_steady_state_exports_each_storage_twice_then_reuses_it():
+    torch, cache = TorchCounters(), ExportCache()
+    daemon = Daemon(torch)
+    for _ in range(20):
+        save = plan(cache, torch, PARAMS + [PARAMS[0]])  # one storage twice (a view)
+        save.settle(daemon.stage(save.specs))
+        torch.check(quiet=True)
+    assert len(torch.counters) == 2 * len(PARAMS), "first save, then the export kept open"
+    assert cache.held_exports == {e for e, v in torch.counters.items() if v == 1}
+
+
+def test_a_temporary_is_not_pinned_past_the_next_save():
+    torch, cache = TorchCounters(), ExportCache()
+    daemon = Daemon(torch)
+    for step in range(6):
+        temporary = [(0, 100 + step)]  # a new storage every save
+        save = plan(cache, torch, PARAMS + temporary)
+        save.settle(daemon.stage(save.specs))
+        torch.check(quiet=True)
+        (temporary_export,) = [export_id(s) for s in save.specs if s["handle"] == temporary[0]]
+        assert torch.counters[temporary_export] == 0, "the temporary's block stays in limbo"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_saves_failures_refusals_and_overlaps_pay_each_release_once(seed):
+    rng = random.Random(seed)
+    torch, cache = TorchCounters(), ExportCache()
+    daemon = Daemon(torch)
+    universe = [(d, s) for d in (0, 1) for s in range(5)]
+    for _ in range(30):
+        pending = []
+        for _ in range(rng.choice((1, 1, 2))):  # 2: a zero-stall save planned before the
+            keys = rng.sample(universe, rng.randint(1, 6))  # previous one was answered
+            keys += rng.sample(keys, min(len(keys), rng.randint(0, 2)))  # views of these
+            pending.append(plan(cache, torch, keys))
+        answers = []
+        for save in pending:  # the daemon takes them in order...
+            fate = rng.random()
+            if fate < 0.1:
+                daemon.refuse(save.specs)
+                answers.append((save, None))
+            elif fate < 0.25:
+                daemon.stage(save.specs, fail_after=rng.randint(0, len(save.specs)))
+                answers.append((save, None))
+            else:
+                answers.append((save, daemon.stage(save.specs)))
+        if rng.random() < 0.3:  # ...but two threads may hear their answers out of order
+            answers.reverse()
+        for save, kept in answers:
+            save.settle(kept)
+        torch.check(quiet=True)
+    daemon.exports = None  # the trainer leaves: the daemon forgets its mappings
+    torch.check(quiet=True)
+    assert set(torch.counters.values()) <= {0}, "every release paid once the daemon forgot"
+
+
+def test_a_dead_daemons_releases_are_paid_by_the_trainer():
+    torch, cache = TorchCounters(), ExportCache()
+    daemon = Daemon(torch)
+    for _ in range(3):
+        save = plan(cache, torch, PARAMS)
+        save.settle(daemon.stage(save.specs))
+    failed = plan(cache, torch, [(0, 50), (0, 51)])
+    daemon.stage(failed.specs, fail_after=1)  # one opened; then the daemon is SIGKILLed:
+    held_storages = daemon.exports            # its deleters never run
+    daemon.exports = None
+    failed.settle(None)
+    assert sum(torch.counters.values()) == len(PARAMS), "the held exports are unpaid"
+    assert cache.pay_for_dead_daemon(torch.release) >= len(PARAMS)
+    assert max(torch.counters.values()) <= 0, "a block would stay in limbo for good"
+    assert cache.held_exports == set()
+    del held_storages
