@@ -189,6 +189,7 @@ class Sample:
     unique_before: int = 0
     bytes_on_disk: int = 0
     daemon_write_s: float | None = None
+    daemon_stage_s: float | None = None
     ref_copy_s: float | None = None
     ref_raw_s: float | None = None
     ref_step_s: float | None = None
@@ -211,6 +212,7 @@ class Result:
     unique_extra_gib: float
     bytes_on_disk: int
     daemon_write_s: float | None = None
+    daemon_stage_s: float | None = None
     paired_blocking_ratio: float | None = None
     paired_durable_ratio: float | None = None
     paired_step_ratio: float | None = None
@@ -315,6 +317,8 @@ class Bench:
         if log_at is not None:
             times = [float(x) for _, x in _DURABLE_RE.findall(self.daemon.log_since(log_at))]
             sample.daemon_write_s = max(times) if times else None
+            staged = [float(x) for x, _ in _STAGED_RE.findall(self.daemon.log_since(log_at))]
+            sample.daemon_stage_s = sum(staged) if staged else None
         return sample
 
     def run(self, method: m.Method) -> Result:
@@ -362,6 +366,7 @@ def summarize(method: m.Method, idle: list[Sample], stepped: list[Sample]) -> Re
         unique_extra_gib=max(s.unique_peak - s.unique_before for s in both) / GiB,
         bytes_on_disk=int(med([s.bytes_on_disk for s in idle]) or 0),
         daemon_write_s=med([s.daemon_write_s for s in idle]),
+        daemon_stage_s=med([s.daemon_stage_s for s in idle]),
         paired_blocking_ratio=med([s.blocking_s / s.ref_copy_s for s in idle if s.ref_copy_s]),
         paired_durable_ratio=(med([s.durable_s / s.ref_raw_s for s in idle if s.ref_raw_s])
                               if method.writes else None),
@@ -541,6 +546,12 @@ def render_section(section: dict) -> list[str]:
         lines += ["", "ckptd's own log, time from STAGED to durable (slowest file of the save, "
                   "median): " + "; ".join(f"{r.name} {r.daemon_write_s:.3f} s" for r in daemon_rows)
                   + "."]
+    staging_rows = [r for r in results if r.daemon_stage_s]
+    if staging_rows:
+        lines += ["", "ckptd's staging, STAGE to every byte in the pool (its log; on CUDA the "
+                  "daemon's device-to-host copies), median: " + "; ".join(
+                      f"{r.name} {r.daemon_stage_s:.3f} s = {total / r.daemon_stage_s / GB:.2f} GB/s"
+                      for r in staging_rows) + "."]
     lines += ["", "Key ratios (targets, SPEC §6: blocking ≤ 1.15× memcpy, durable ≤ 1.1× raw disk):", ""]
     for r in results:
         if r.kind == "async" or r.name.startswith(("torch.save", "DCP save")):
@@ -698,12 +709,8 @@ def rerender(args: argparse.Namespace) -> int:
         with open(args.interpretation) as f:
             report["interpretation"] = f.read()
     text = render(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-    else:
+    write_report(args.out, text, report)
+    if not args.out:
         print(text)
     return 0
 
