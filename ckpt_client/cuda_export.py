@@ -190,26 +190,33 @@ class ExportCache:
     this process holds under the same address. While a save is in flight nothing is
     reused: its reply may still drop what an earlier reply kept.
 
-    The cache also knows which releases the daemon may still owe (held exports, and
-    those of saves that failed); a daemon that died pays none of them, so this process
-    pays them itself (:meth:`pay_for_dead_daemon`), or its freed blocks would stay in
-    torch's sent-data limbo for good.
+    Releases nobody else will pay are paid here with ``release(spec)``: fresh exports of
+    a save that never reached the daemon, and, once the daemon died, every release it
+    may have owed (held exports, those of failed saves, and of saves still in flight);
+    paying one twice harms nothing once nobody maps the block.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, release) -> None:
+        self._release = release
         self._held: dict = {}   # storage key -> the storage half of its held export
         self._owed: dict = {}   # export id -> (storage key, storage half): maybe unpaid
         self._in_flight = 0
         self._sent = self._settled = 0  # sequence numbers of saves
+        self._daemon_dead = False
         self._lock = threading.Lock()
 
-    def storage_specs(self, keys: list, export) -> tuple[list, int]:
-        """The storage half of each description of a save, and the save's number.
+    def storage_specs(self, keys: list, export) -> tuple[list, int, list]:
+        """The storage half of each description of a save.
 
         ``keys[j]`` is a storage key (or ``None``: no description); it gets its held
         export, or ``export(j)``'s fresh one, shared by every entry of the same storage
         (views of one storage go out as one export). The save counts as in flight until
-        :meth:`settle`.
+        :meth:`settle` or :meth:`withdraw`.
+
+        Returns
+        -------
+        (halves, number, fresh)
+            Per key its storage half; the save's number; the fresh exports made for it.
         """
         with self._lock:
             held = dict(self._held) if not self._in_flight else {}
@@ -217,10 +224,25 @@ class ExportCache:
             self._sent += 1
             number = self._sent
         chosen: dict = {}
-        for j, key in enumerate(keys):
-            if key is not None and key not in chosen:
-                chosen[key] = held.get(key) or export(j)
-        return [chosen[key] if key is not None else None for key in keys], number
+        fresh: list = []
+        try:
+            for j, key in enumerate(keys):
+                if key is not None and key not in chosen:
+                    chosen[key] = held.get(key)
+                    if chosen[key] is None:
+                        chosen[key] = export(j)
+                        fresh.append(chosen[key])
+        except BaseException:
+            self.withdraw(fresh)
+            raise
+        return [chosen[key] if key is not None else None for key in keys], number, fresh
+
+    def withdraw(self, fresh: list) -> None:
+        """A save that never reached the daemon: pay its fresh exports' releases."""
+        for spec in fresh:
+            self._release(spec)
+        with self._lock:
+            self._in_flight -= 1
 
     def settle(self, number: int, keys: list, specs: list, kept: list | None) -> None:
         """Save ``number`` ended: staged, with the ``kept`` indices the daemon holds open,
@@ -230,17 +252,29 @@ class ExportCache:
         held = {keys[i]: _storage_half(specs[i]) for i in kept or () if specs[i] is not None}
         with self._lock:
             self._in_flight -= 1
-            newest = number > self._settled
-            self._settled = max(self._settled, number)
-            self._held = held if newest and number == self._sent else {}
-            if kept is None or not newest:
-                self._owed.update(sent)
-                return
-            # Staged: on the devices of this save the daemon now holds exactly the kept
-            # exports; it paid for everything else it had of ours there.
-            devices = {key[0] for key, _ in sent.values()}
-            self._owed = {e: v for e, v in self._owed.items() if v[0][0] not in devices}
-            self._owed.update({_export_id(h): (k, h) for k, h in held.items()})
+            if self._daemon_dead:  # nobody else will pay these now
+                owed, sent = list(sent.values()), {}
+            else:
+                owed = []
+                self._record(number, sent, held, kept is not None)
+        for _, spec in owed:
+            self._release(spec)
+
+    def _record(self, number: int, sent: dict, held: dict, staged: bool) -> None:
+        newest = number > self._settled
+        self._settled = max(self._settled, number)
+        self._held = held if newest and number == self._sent else {}
+        if not staged or not newest:
+            self._owed.update(sent)
+            return
+        # Staged: on the devices of this save the daemon now holds the kept storages and
+        # paid for everything else of ours there. A kept storage may be owed under an
+        # earlier export (torch paid the new one at once when it found it open), so every
+        # export of a kept storage stays owed.
+        devices = {key[0] for key, _ in sent.values()}
+        self._owed = {e: v for e, v in self._owed.items()
+                      if v[0][0] not in devices or v[0] in held}
+        self._owed.update({_export_id(h): (k, h) for k, h in held.items()})
 
     @property
     def held_exports(self) -> set:
@@ -248,14 +282,14 @@ class ExportCache:
         with self._lock:
             return {_export_id(spec) for spec in self._held.values()}
 
-    def pay_for_dead_daemon(self, release) -> int:
-        """The daemon died: pay each release it may have owed (``release(spec)``); paying
-        one it had paid already harms nothing now that nobody maps the block. Returns
-        how many were paid."""
+    def pay_for_dead_daemon(self) -> int:
+        """The daemon died: pay each release it may have owed, now and for saves still in
+        flight when they end. Returns how many were paid now."""
         with self._lock:
             owed, self._owed, self._held = list(self._owed.values()), {}, {}
+            self._daemon_dead = True
         for _, spec in owed:
-            release(spec)
+            self._release(spec)
         return len(owed)
 
 
@@ -295,7 +329,7 @@ def export_cache(connection) -> ExportCache:
     """The export cache of a connection (one daemon holds one set of our exports)."""
     with _caches_lock:
         if connection not in _caches:
-            _caches[connection] = ExportCache()
+            _caches[connection] = ExportCache(_release_counter)
         return _caches[connection]
 
 
@@ -304,7 +338,7 @@ def daemon_died(connection) -> None:
     with _caches_lock:
         cache = _caches.pop(connection, None)
     if cache is not None:
-        paid = cache.pay_for_dead_daemon(_release_counter)
+        paid = cache.pay_for_dead_daemon()
         if paid:
             log.info("paid %d CUDA IPC reference(s) the dead daemon (pid %d) held",
                      paid, connection.daemon_pid)
@@ -326,14 +360,22 @@ class IpcPlan:
     keys: list           # per source: its storage key, or None
     cache: ExportCache
     number: int          # the cache's number for this save
+    fresh: list          # the exports made for this save (not re-sent held ones)
     settled: bool = False
 
     def settle(self, kept: list | None) -> None:
-        """The save was staged (``kept``: the daemon's ``ipc_kept``) or failed (``None``);
-        only the first call counts."""
+        """The save reached the daemon and was staged (``kept``: its ``ipc_kept``) or
+        failed (``None``); only the first call of this or :meth:`withdraw` counts."""
         if not self.settled:
             self.settled = True
             self.cache.settle(self.number, self.keys, self.specs, kept)
+
+    def withdraw(self) -> None:
+        """The save never reached the daemon (aborted while queued): nobody opened its
+        fresh exports, so their releases are paid here."""
+        if not self.settled:
+            self.settled = True
+            self.cache.withdraw(self.fresh)
 
 
 def plan_ipc(connection, sources: list) -> tuple[IpcPlan | None, list]:
@@ -361,7 +403,7 @@ def plan_ipc(connection, sources: list) -> tuple[IpcPlan | None, list]:
         return None, []
     cache = export_cache(connection)
     keys = [_storage_of(source) if how == IPC else None for source, how in zip(sources, routes)]
-    storages, number = cache.storage_specs(keys, lambda j: _export(sources[j]))
+    storages, number, fresh = cache.storage_specs(keys, lambda j: _export(sources[j]))
     ready: dict[int, bytes] = {}
     specs, events = [], []
     try:
@@ -377,6 +419,6 @@ def plan_ipc(connection, sources: list) -> tuple[IpcPlan | None, list]:
                 events.append(event)
             specs.append({**_describe(source, storage), "ready_event": ready[index]})
     except BaseException:
-        IpcPlan(storages, keys, cache, number).settle(None)  # never sent: owed, not waited for
+        cache.withdraw(fresh)  # never sent
         raise
-    return IpcPlan(specs, keys, cache, number), events
+    return IpcPlan(specs, keys, cache, number, fresh), events

@@ -269,6 +269,7 @@ class _StagingJob:
     sources: list
     plan: object | None   # ckpt_client.cuda_export.IpcPlan, or None: every buffer via shm
     events: list = field(default_factory=list)  # producer events, alive until staged
+    reached_daemon: bool = False
 
     @property
     def specs(self) -> list | None:
@@ -290,13 +291,16 @@ class _StagingJob:
         try:
             kept = self._exchange()
         finally:
-            if plan is not None:
+            if plan is not None and not self.reached_daemon:
+                plan.withdraw()
+            elif plan is not None:
                 plan.settle(kept)
 
     def _exchange(self) -> list | None:
         connection, save = self.save.connection, self.save
         if save._cancelled:
             return None
+        self.reached_daemon = True  # from here on the daemon may hold our descriptions
         reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
         save.request_id = reply["request_id"]
         buffers = self.body["buffers"]
@@ -327,8 +331,8 @@ class _StagingJob:
         connection = self.save.connection
         connection.ipc_denied = reason = denial.body.get("message") or str(denial)
         log.warning("%s; staging CUDA tensors through shared memory from now on", reason)
-        warnings.warn(f"ckptd: {reason}; this save and later ones stage CUDA tensors "
-                      "through shared memory", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"ckptd: {reason} (this save and every later one of this process)",
+                      RuntimeWarning, stacklevel=2)
         self.save.forget(delete_files=True)
         self.save.request_id = None
         self.plan.settle(None)
@@ -345,6 +349,8 @@ def _transport_bytes(buffers: list, specs: list | None) -> dict:
 _copiers: "weakref.WeakKeyDictionary[DaemonConnection, PoolCopier]" = weakref.WeakKeyDictionary()
 _stagers: "weakref.WeakKeyDictionary[DaemonConnection, BackgroundStager]" = \
     weakref.WeakKeyDictionary()
+_planning_locks: "weakref.WeakKeyDictionary[DaemonConnection, threading.Lock]" = \
+    weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
 
 
@@ -353,6 +359,13 @@ def _copier(connection: DaemonConnection) -> PoolCopier:
         if connection not in _copiers:
             _copiers[connection] = PoolCopier(connection.pool)
         return _copiers[connection]
+
+
+def _planning_lock(connection: DaemonConnection) -> threading.Lock:
+    with _registry_lock:
+        if connection not in _planning_locks:
+            _planning_locks[connection] = threading.Lock()
+        return _planning_locks[connection]
 
 
 def _background_stager(connection: DaemonConnection) -> "BackgroundStager":
@@ -374,10 +387,15 @@ class BackgroundStager:
         """Queue a job; its save's ``wait_staged`` returns (or raises) when it is done."""
         self._jobs.put(job)
 
+    def wait_idle(self) -> None:
+        """Return once every queued job has run."""
+        self._jobs.join()
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
+                self._jobs.task_done()
                 return
             try:
                 job.run()
@@ -385,6 +403,8 @@ class BackgroundStager:
                 job.save.mark_staged(_reason(exc))
             else:
                 job.save.mark_staged()
+            finally:
+                self._jobs.task_done()
 
     def stop(self) -> None:
         """Finish the queued jobs, then end the thread."""
@@ -432,19 +452,24 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     from ckpt_client.cuda_export import plan_ipc
 
     buffers = [describe(s) for s in sources]
-    plan, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
-    body = {"format": fmt, "path": os.path.abspath(path), "buffers": buffers,
-            "skeleton": skeleton, "files": files or [],
-            "cuda": plan.specs if plan is not None else None, **(extra or {})}
-    save = DaemonSave(connection, None, body["path"], body["files"])
-    job = _StagingJob(save, body, sources, plan, events)
-    if zero_stall:
-        _background_stager(connection).submit(job)
-        return save
-    try:
-        job.run()
-    except BaseException as exc:
-        save.mark_staged(_reason(exc))
-        raise
+    # Saves reach the daemon in the order they were planned: a CUDA export may be re-sent
+    # only on the daemon's word after the save before it (see cuda_export.ExportCache).
+    with _planning_lock(connection):
+        if not zero_stall and connection in _stagers:
+            _stagers[connection].wait_idle()
+        plan, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
+        body = {"format": fmt, "path": os.path.abspath(path), "buffers": buffers,
+                "skeleton": skeleton, "files": files or [],
+                "cuda": plan.specs if plan is not None else None, **(extra or {})}
+        save = DaemonSave(connection, None, body["path"], body["files"])
+        job = _StagingJob(save, body, sources, plan, events)
+        if zero_stall:
+            _background_stager(connection).submit(job)
+            return save
+        try:
+            job.run()
+        except BaseException as exc:
+            save.mark_staged(_reason(exc))
+            raise
     save.mark_staged()
     return save

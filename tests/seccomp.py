@@ -45,15 +45,18 @@ def _program(syscall: int, error: int) -> bytes:
 def deny(syscall: int = PIDFD_GETFD, error: int = errno.EPERM):
     """A ``preexec_fn`` that makes ``syscall`` fail with ``error`` in the child (and in
     everything it starts)."""
-    program = _program(syscall, error)  # built before the fork: nothing allocates after
+    # Everything is built before the fork: the child of a threaded parent only calls prctl.
+    program = _program(syscall, error)
+    libc = ctypes.CDLL(None, use_errno=True)
+    filters = ctypes.create_string_buffer(program, len(program))
+    fprog = ctypes.create_string_buffer(
+        struct.pack("HxxxxxxQ", len(program) // 8, ctypes.addressof(filters)))
+    prctl = libc.prctl
 
     def install() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        filters = ctypes.create_string_buffer(program, len(program))
-        fprog = struct.pack("HxxxxxxQ", len(program) // 8, ctypes.addressof(filters))
-        fprog_buffer = ctypes.create_string_buffer(fprog, len(fprog))
-        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.prctl(
-                _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog_buffer, 0, 0) != 0:
+        if prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or prctl(
+                _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "installing the seccomp filter failed")
 
+    install.keep = (filters, fprog)  # alive as long as the hook
     return install

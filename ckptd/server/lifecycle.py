@@ -28,7 +28,7 @@ import logging
 import time
 from typing import Callable, Iterable, Protocol
 
-from ckptd.protocol import ErrorCode, Phase
+from ckptd.protocol import Phase
 from ckptd.server.requests import RequestTable, SaveRequest
 from ckptd.staging.pool import Extent, StagingPool
 
@@ -316,7 +316,6 @@ class SaveLifecycle:
             self.on_done(request)
         call, request.pending_reply = request.pending_reply, None
         if call is not None and phase != Phase.DONE:
-            call.fail(request.error_code or (ErrorCode.INTERNAL if phase == Phase.FAILED
-                                             else ErrorCode.ABORTED),
+            call.fail(request.failure_code,
                       request.error or f"request {request.id} was {phase}",
                       "the save did not happen; save again")

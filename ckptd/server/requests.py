@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ckptd import knobs
-from ckptd.protocol import Phase
+from ckptd.protocol import ErrorCode, Phase
 
 STATUS_SCHEMA = 1
 
@@ -128,6 +128,12 @@ class SaveRequest:
     def error_code(self) -> str | None:
         """The protocol error code of the first failure, when it has a specific one."""
         return self.errors[0].get("code") if self.errors else None
+
+    @property
+    def failure_code(self) -> str:
+        """The code a trainer's call about this ended request is refused with."""
+        return self.error_code or (ErrorCode.ABORTED if self.phase == Phase.ABORTED
+                                   else ErrorCode.INTERNAL)
 
     @property
     def extent(self):

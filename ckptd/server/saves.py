@@ -145,9 +145,8 @@ class SaveService:
         """The trainer copied its buffers in; answered once every byte is staged (a device
         copy of the same request may still be running), or the save failed."""
         request = self._own_request(call.identity, body.request_id)
-        if request.finished:
-            raise RequestError(ErrorCode.ABORTED if request.phase == Phase.ABORTED
-                               else ErrorCode.INTERNAL,
+        if request.finished:  # e.g. its device copy failed before our STAGED arrived
+            raise RequestError(request.failure_code,
                                request.error or f"request {request.id} was {request.phase}",
                                "the save did not happen; save again")
         if request.phase != Phase.STAGING and request.phase != Phase.WRITING \

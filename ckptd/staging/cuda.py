@@ -72,14 +72,18 @@ class CudaStaged:
     kept: tuple = ()         # buffer indices whose export the daemon holds open now
 
 
-#: What torch's allocator says when the kernel refuses to share an expandable segment.
-_DENIAL_MARKERS = ("pidfd_getfd", "pidfd_open")
+#: What torch's allocator says when the kernel refuses to share an expandable segment
+#: (pidfd_open / pidfd_getfd failing with EPERM or EACCES, or missing: ENOSYS). Other
+#: errors of those calls (ESRCH: the trainer exited) are not a denial.
+_DENIALS = ("Operation not permitted", "Permission denied", "does not support",
+            "does not exist")
 
 
 def denied_by_the_kernel(exc: BaseException) -> bool:
     """Whether opening a handle failed because the OS denied us the trainer's memory
-    (not because the handle or the device is bad)."""
-    return any(marker in str(exc) for marker in _DENIAL_MARKERS)
+    (not because the handle, the device or the trainer is gone or bad)."""
+    text = str(exc)
+    return "pidfd" in text and any(denial in text for denial in _DENIALS)
 
 
 def staging_failure(exc: BaseException, pid: int) -> tuple[str, str | None]:
@@ -87,10 +91,12 @@ def staging_failure(exc: BaseException, pid: int) -> tuple[str, str | None]:
     if denied_by_the_kernel(exc):
         return (f"the kernel denied ckptd (pid {os.getpid()}) the CUDA memory of trainer "
                 f"pid {pid} ({str(exc).strip().splitlines()[0]}): expandable segments are "
-                "shared through pidfd_getfd, which Yama ptrace_scope >= 2, a seccomp policy "
-                "or a kernel older than 5.6 forbids; the trainer stages through shared "
-                "memory instead. For CUDA IPC, lower kernel.yama.ptrace_scope to 1 or turn "
-                "expandable segments off", ErrorCode.IPC_DENIED)
+                "shared through pidfd_getfd, which Yama (ptrace_scope 2 or 3, or 1 when the "
+                "trainer could not name the daemon its ptracer), a seccomp profile or a "
+                "kernel older than 5.6 forbids; the trainer stages through shared memory "
+                "instead. For CUDA IPC, allow pidfd_getfd (Yama scope at most 1; the "
+                "container's seccomp profile) or turn expandable segments off",
+                ErrorCode.IPC_DENIED)
     return f"CUDA staging failed on the daemon: {type(exc).__name__}: {exc}", None
 
 
@@ -236,25 +242,31 @@ class _DeviceWorker:
                 exports = self._exports.get(item.pid, OpenExports())
                 self._release_counters(exports.unpaid(item.specs, set()))
                 continue
-            error = code = None
-            kept: tuple = ()
-            mappings = SaveMappings(self._exports.setdefault(item.job.pid, OpenExports()),
-                                    self._open)
-            try:
-                if self.stager.is_cancelled(item.job.request_id):
-                    raise InterruptedError("the save was aborted before its copy started")
-                kept = self._copy(item, mappings)
-            except Exception as exc:  # reported to the trainer, never kills the thread
-                error, code = staging_failure(exc, item.job.pid)
-                if code is not None:
-                    log.warning("request %d: %s", item.job.request_id, error)
-                elif not isinstance(exc, InterruptedError):
-                    log.exception("CUDA staging of request %d on device %d failed",
-                                  item.job.request_id, self.device)
-            finally:
-                self.stream.synchronize()  # nothing may still write the extent
-                self._release_counters(mappings.unpaid([item.job.specs[i] for i in item.indices]))
-            self.stager.part_done(item.job, error, code, kept)
+            self._stage(item)
+
+    def _stage(self, item: _Part) -> None:
+        """Copy one part and report it. A method of its own so that the storages this
+        save opened and does not keep are freed (their releases paid) when it returns,
+        not when the next job replaces a loop variable."""
+        error = code = None
+        kept: tuple = ()
+        mappings = SaveMappings(self._exports.setdefault(item.job.pid, OpenExports()), self._open)
+        try:
+            if self.stager.is_cancelled(item.job.request_id):
+                raise InterruptedError("the save was aborted before its copy started")
+            kept = self._copy(item, mappings)
+        except Exception as exc:  # reported to the trainer, never kills the thread
+            error, code = staging_failure(exc, item.job.pid)
+            if code is not None:
+                log.warning("request %d: %s", item.job.request_id, error)
+            elif not isinstance(exc, InterruptedError):
+                log.exception("CUDA staging of request %d on device %d failed",
+                              item.job.request_id, self.device)
+        finally:
+            self.stream.synchronize()  # nothing may still write the extent
+            self._release_counters(mappings.unpaid([item.job.specs[i] for i in item.indices]))
+        mappings.used.clear()  # what was not kept is dropped now: its releases are paid
+        self.stager.part_done(item.job, error, code, kept)
 
     def _copy(self, part: _Part, mappings: "SaveMappings") -> tuple:
         """Copy the part; returns the buffer indices whose export stays open."""

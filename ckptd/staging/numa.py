@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 SYSFS = "/sys"
-_MPOL_PREFERRED = 1
+_MPOL_DEFAULT, _MPOL_PREFERRED = 0, 1
 _NR_MBIND = {"x86_64": 237, "aarch64": 235}
 
 
@@ -45,10 +45,21 @@ def _read(path: str) -> str | None:
         return None
 
 
-def online_nodes(sysfs: str = SYSFS) -> list[int]:
-    """The online NUMA nodes (``[0]`` where the kernel has no NUMA information)."""
-    text = _read(os.path.join(sysfs, "devices/system/node/online"))
-    return sorted(parse_cpulist(text)) if text else [0]
+def online_nodes(sysfs: str = SYSFS, status: str = "/proc/self/status") -> list[int]:
+    """The nodes a pool region can live on: online, with CPUs and memory (not a GPU's HBM
+    or a CXL expander exposed as a node), and allowed by our cpuset. ``[0]`` where the
+    kernel has no NUMA information."""
+    nodes = None
+    for name in ("online", "has_cpu", "has_memory"):
+        text = _read(os.path.join(sysfs, "devices/system/node", name))
+        if text is not None:
+            found = parse_cpulist(text)
+            nodes = found if nodes is None else nodes & found
+    allowed = next((line.split(":", 1)[1] for line in (_read(status) or "").splitlines()
+                    if line.startswith("Mems_allowed_list:")), None)
+    if nodes is not None and allowed is not None:
+        nodes &= parse_cpulist(allowed)
+    return sorted(nodes) if nodes else [0]
 
 
 def node_cpus(node: int, sysfs: str = SYSFS) -> set[int]:
@@ -68,8 +79,9 @@ def pci_node(domain: int, bus: int, device: int, sysfs: str = SYSFS) -> int | No
     return node if node >= 0 else None
 
 
-def bind_preferred(address: int, length: int, node: int) -> None:
-    """Prefer ``node`` for the pages of ``[address, address + length)`` not allocated yet.
+def bind_preferred(address: int, length: int, node: int | None) -> None:
+    """Prefer ``node`` for the pages of ``[address, address + length)`` not allocated yet
+    (``None``: back to the default policy).
 
     Raises
     ------
@@ -81,13 +93,16 @@ def bind_preferred(address: int, length: int, node: int) -> None:
     number = _NR_MBIND.get(platform.machine())
     if number is None:
         raise OSError(0, f"mbind is not known on {platform.machine()}")
-    words = node // 64 + 1
+    words = (node or 0) // 64 + 1
     mask = (ctypes.c_ulong * words)()
-    mask[node // 64] = 1 << (node % 64)
+    if node is not None:
+        mask[node // 64] = 1 << (node % 64)
+    mode, maxnode = (_MPOL_PREFERRED, words * 64 + 1) if node is not None else (_MPOL_DEFAULT, 0)
     libc = ctypes.CDLL(None, use_errno=True)
     # maxnode counts one more than the mask's bits: the kernel reads maxnode - 1 of them.
-    if libc.syscall(number, ctypes.c_void_p(address), ctypes.c_ulong(length), _MPOL_PREFERRED,
-                    mask, ctypes.c_ulong(words * 64 + 1), 0) != 0:
+    if libc.syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_ulong(length),
+                    ctypes.c_ulong(mode), mask if node is not None else None,
+                    ctypes.c_ulong(maxnode), ctypes.c_ulong(0)) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"mbind to NUMA node {node} failed: {os.strerror(error)}")
 

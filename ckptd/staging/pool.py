@@ -145,12 +145,16 @@ class StagingPool:
         regions = [Region(a, b, n) for a, b, n in zip(bounds, bounds[1:], self.nodes) if b > a]
         os.ftruncate(fd, self.size)
         staging = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        base = _address(staging)
         try:
-            base = _address(staging)
             for region in regions:
                 numa.bind_preferred(base + region.start, region.end - region.start, region.node)
         except OSError as exc:
             log.warning("staging pool left unbound to NUMA nodes: %s", exc)
+            try:  # no half-bound pool: the regions bound before the failure are undone
+                numa.bind_preferred(base, self.size, None)
+            except OSError:
+                pass
             return
         finally:
             staging.close()

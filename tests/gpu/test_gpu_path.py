@@ -119,9 +119,17 @@ def test_each_storage_is_exported_twice_and_its_counter_paid_once(daemon, monkey
     assert len(held[1]) == parameters and held[1] == held[2] == held[5], \
         "from the second save on, each parameter's export is held and re-sent, not re-made"
     assert [ipc_counter(e) for e in held[5]] == [1] * parameters, "one release owed, not paid"
-    loaded, _ = save_and_load({"only": model[0].weight}, os.path.join(daemon.roots[0], "c.pt"))
+    torch.cuda.ipc_collect()
+    before = torch.cuda.memory_allocated()
+    temporary = torch.randn(1 << 20, device="cuda")
+    loaded, _ = save_and_load({"only": model[0].weight, "tmp": temporary},
+                              os.path.join(daemon.roots[0], "c.pt"))
     assert all(ipc_counter(e) == 0 for e in held[5] - export_cache(connect()).held_exports), \
         "an export the daemon dropped is paid exactly once (never negative, never left at 1)"
+    del temporary
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated() == before, \
+        "the temporary's block stays in limbo: the daemon did not pay its release after its save"
 
 
 def test_refused_and_failed_saves_leak_nothing(daemon, monkeypatch, tmp_path):

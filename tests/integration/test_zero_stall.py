@@ -95,6 +95,36 @@ def test_a_guarded_step_waits_for_staging_and_the_file_holds_the_pre_step_weight
     assert not optimizer._optimizer_step_pre_hooks
 
 
+def test_saves_reach_the_daemon_in_the_order_they_were_made(start_daemon, monkeypatch):
+    """An ordinary save made while zero-stall saves are still queued here is sent after
+    them (a CUDA export may only be re-sent on the daemon's word about the save before)."""
+    from ckpt_client import async_torch_save
+
+    daemon = start_daemon(pool_size=POOL)
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    model, _ = model_and_optimizer()
+    state = model.state_dict()
+    paths = {n: os.path.join(daemon.roots[0], f"{n}.pt") for n in ("x", "y", "z", "inline")}
+    queue = AsyncCallsQueue()
+    with writers_paused(daemon):
+        queue.schedule_async_request(async_torch_save(state, paths["x"], zero_stall=True))
+        queue.wait_for_staging(timeout=60)  # x fills the pool
+        for name in ("y", "z"):  # y waits for space at the daemon; z waits here behind it
+            queue.schedule_async_request(async_torch_save(state, paths[name], zero_stall=True))
+        wait_for(lambda: phases(daemon)[-1:] == ["waiting_for_pool"], 30, "y held by back-pressure")
+        inline: list = []
+        worker = threading.Thread(target=lambda: inline.append(
+            async_torch_save({"step": torch.tensor(1)}, paths["inline"])))
+        worker.start()
+    worker.join(60)
+    assert inline, "the ordinary save never returned"
+    queue.schedule_async_request(inline[0])
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    ids = {r["path"]: r["id"] for r in daemon.status()["requests"]}
+    order = sorted(paths, key=lambda n: ids[paths[n]])
+    assert order == ["x", "y", "z", "inline"], f"the daemon got them in the order {order}"
+
+
 def test_the_guard_does_not_wait_when_staging_is_done(daemon, monkeypatch):
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     model, optimizer = model_and_optimizer()

@@ -91,15 +91,20 @@ class Daemon:
 
 
 def plan(cache: ExportCache, torch: TorchCounters, keys: list) -> IpcPlan:
-    halves, number = cache.storage_specs(keys, lambda j: torch.export(keys[j]))
-    return IpcPlan(halves, keys, cache, number)
+    halves, number, fresh = cache.storage_specs(keys, lambda j: torch.export(keys[j]))
+    return IpcPlan(halves, keys, cache, number, fresh)
+
+
+def new_cache(torch: TorchCounters) -> ExportCache:
+    return ExportCache(torch.release)
 
 
 PARAMS = [(0, p) for p in range(4)]
 
 
 def test_a_steady_state_exports_each_storage_twice_then_reuses_it():
-    torch, cache = TorchCounters(), ExportCache()
+    torch = TorchCounters()
+    cache = new_cache(torch)
     daemon = Daemon(torch)
     for _ in range(20):
         save = plan(cache, torch, PARAMS + [PARAMS[0]])  # one storage twice (a view)
@@ -110,7 +115,8 @@ def test_a_steady_state_exports_each_storage_twice_then_reuses_it():
 
 
 def test_a_temporary_is_not_pinned_past_the_next_save():
-    torch, cache = TorchCounters(), ExportCache()
+    torch = TorchCounters()
+    cache = new_cache(torch)
     daemon = Daemon(torch)
     for step in range(6):
         temporary = [(0, 100 + step)]  # a new storage every save
@@ -124,7 +130,8 @@ def test_a_temporary_is_not_pinned_past_the_next_save():
 @pytest.mark.parametrize("seed", range(40))
 def test_random_saves_failures_refusals_and_overlaps_pay_each_release_once(seed):
     rng = random.Random(seed)
-    torch, cache = TorchCounters(), ExportCache()
+    torch = TorchCounters()
+    cache = new_cache(torch)
     daemon = Daemon(torch)
     universe = [(d, s) for d in (0, 1) for s in range(5)]
     for _ in range(30):
@@ -134,8 +141,11 @@ def test_random_saves_failures_refusals_and_overlaps_pay_each_release_once(seed)
             keys += rng.sample(keys, min(len(keys), rng.randint(0, 2)))  # views of these
             pending.append(plan(cache, torch, keys))
         answers = []
-        for save in pending:  # the daemon takes them in order...
+        for save in pending:  # the daemon takes them in the order they were planned...
             fate = rng.random()
+            if fate < 0.05:  # aborted while queued: never reached the daemon
+                save.withdraw()
+                continue
             if fate < 0.1:
                 daemon.refuse(save.specs)
                 answers.append((save, None))
@@ -154,8 +164,27 @@ def test_random_saves_failures_refusals_and_overlaps_pay_each_release_once(seed)
     assert set(torch.counters.values()) <= {0}, "every release paid once the daemon forgot"
 
 
+def test_an_export_planned_while_another_save_was_in_flight_stays_owed_to_a_dead_daemon():
+    torch = TorchCounters()
+    cache = new_cache(torch)
+    daemon = Daemon(torch)
+    for _ in range(3):  # the parameters' exports are held
+        save = plan(cache, torch, PARAMS)
+        save.settle(daemon.stage(save.specs))
+    first = plan(cache, torch, PARAMS)   # re-sends the held exports...
+    second = plan(cache, torch, PARAMS)  # ...planned before the first was answered: fresh
+    for save in (first, second):
+        save.settle(daemon.stage(save.specs))
+    held_storages = daemon.exports       # the daemon is SIGKILLed: its deleters never run
+    daemon.exports = None
+    cache.pay_for_dead_daemon()
+    assert max(torch.counters.values()) <= 0, "a parameter's block would stay in limbo"
+    del held_storages
+
+
 def test_a_dead_daemons_releases_are_paid_by_the_trainer():
-    torch, cache = TorchCounters(), ExportCache()
+    torch = TorchCounters()
+    cache = new_cache(torch)
     daemon = Daemon(torch)
     for _ in range(3):
         save = plan(cache, torch, PARAMS)
@@ -166,7 +195,32 @@ def test_a_dead_daemons_releases_are_paid_by_the_trainer():
     daemon.exports = None
     failed.settle(None)
     assert sum(torch.counters.values()) == len(PARAMS), "the held exports are unpaid"
-    assert cache.pay_for_dead_daemon(torch.release) >= len(PARAMS)
+    late = plan(cache, torch, [(0, 60)])  # in flight when the daemon died
+    assert cache.pay_for_dead_daemon() >= len(PARAMS)
+    late.settle(None)
     assert max(torch.counters.values()) <= 0, "a block would stay in limbo for good"
     assert cache.held_exports == set()
     del held_storages
+
+
+def test_an_export_that_fails_half_way_through_a_plan_is_paid_and_reuse_goes_on():
+    torch = TorchCounters()
+    cache = new_cache(torch)
+    daemon = Daemon(torch)
+    for _ in range(2):
+        save = plan(cache, torch, PARAMS)
+        save.settle(daemon.stage(save.specs))
+
+    def export_failing_on_the_new_storage(j):
+        if keys[j] == (0, 70):
+            raise RuntimeError("cudaIpcGetMemHandle failed")
+        return torch.export(keys[j])
+
+    keys = [(0, 71), (0, 70)]
+    with pytest.raises(RuntimeError):
+        cache.storage_specs(keys, export_failing_on_the_new_storage)
+    assert torch.counters[("/torch_1_2", len(torch.counters))] == 0, "the export made first"
+    again = plan(cache, torch, PARAMS)
+    assert {export_id(s) for s in again.specs} == cache.held_exports, \
+        "nothing is in flight any more: the held exports are re-sent"
+    again.settle(daemon.stage(again.specs))

@@ -234,6 +234,15 @@ def test_a_device_copy_the_kernel_denied_answers_with_its_own_code(pool):
     life.copied(request, DEVICE_COPY, "the kernel denied ckptd ...", "ipc_denied")
     assert request.phase == Phase.FAILED and call.answers == [("error", "ipc_denied")]
     assert request.error_code == "ipc_denied" and pool.free_bytes == pool.size
+    assert request.failure_code == "ipc_denied", "a STAGED arriving after it gets the same code"
+
+
+def test_an_ended_request_is_refused_with_the_code_of_how_it_ended(pool):
+    life, failed, _ = device_save(pool)
+    life.copied(failed, DEVICE_COPY, "CUDA error: an illegal memory access")
+    life2, aborted, _ = device_save(pool)
+    life2.abort(aborted, "trainer gone")
+    assert (failed.failure_code, aborted.failure_code) == ("internal", "aborted")
 
 
 def test_a_save_filled_by_two_copiers_writes_only_when_both_are_done(pool):

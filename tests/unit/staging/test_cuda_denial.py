@@ -37,6 +37,8 @@ def test_other_copy_failures_keep_the_generic_failure():
     message, code = staging_failure(RuntimeError("CUDA error: an illegal memory access"), 1)
     assert code is None and "illegal memory access" in message
     assert not denied_by_the_kernel(ValueError("IPC tensor of 8 bytes does not match"))
+    assert not denied_by_the_kernel(RuntimeError("pidfd_open:No such process")), \
+        "the trainer exited: nobody is there to retry through shared memory"
 
 
 PROBE = ("import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "

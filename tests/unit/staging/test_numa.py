@@ -44,11 +44,22 @@ def test_cpulists_parse_as_sysfs_writes_them():
 
 
 def test_nodes_and_devices_are_read_from_sysfs(two_sockets, tmp_path):
-    assert numa.online_nodes(two_sockets) == [0, 1]
+    write(two_sockets, "status", "Mems_allowed_list:\t0-1\n")
+    assert numa.online_nodes(two_sockets, os.path.join(two_sockets, "status")) == [0, 1]
     assert numa.pci_node(0, 0x9C, 0, two_sockets) == 1
     assert numa.pci_node(0, 0x3A, 0, two_sockets) is None, "-1 means no affinity"
     assert numa.pci_node(0, 0x77, 0, two_sockets) is None, "an unknown device"
     assert numa.online_nodes(str(tmp_path / "nowhere")) == [0], "no NUMA info: one node"
+
+
+def test_nodes_without_cpus_or_outside_our_cpuset_get_no_region(tmp_path):
+    write(tmp_path, "devices/system/node/online", "0-2")
+    write(tmp_path, "devices/system/node/has_cpu", "0-1")       # node 2: a GPU's HBM
+    write(tmp_path, "devices/system/node/has_memory", "0-2")
+    write(tmp_path, "status", "Name:\tckptd\nMems_allowed_list:\t0-2\n")
+    assert numa.online_nodes(str(tmp_path), str(tmp_path / "status")) == [0, 1]
+    write(tmp_path, "status", "Mems_allowed_list:\t1\n")       # a cpuset of node 1 only
+    assert numa.online_nodes(str(tmp_path), str(tmp_path / "status")) == [1]
 
 
 def test_a_save_is_near_its_gpu_else_its_process(two_sockets):
@@ -89,6 +100,15 @@ def test_each_region_is_bound_to_its_node_before_its_pages_exist(tmp_path):
         assert plain.regions == [] and all(" default " in line for line in numa_maps_of(path))
     finally:
         plain.close()
+
+
+def test_a_binding_the_kernel_refuses_leaves_no_region_bound(tmp_path):
+    path = f"/dev/shm/ckptd-test-numa-{os.getpid()}-{tmp_path.name}"
+    pool = StagingPool(path, 64 * UNIT, nodes=[0, 63])  # node 0 binds, node 63 does not exist
+    try:
+        assert pool.regions == [] and all(" default " in line for line in numa_maps_of(path))
+    finally:
+        pool.close()
 
 
 @pytest.fixture
