@@ -90,24 +90,35 @@ class Daemon:
             self.torch.release(spec)
 
 
-def plan(cache: ExportCache, torch: TorchCounters, keys: list) -> IpcPlan:
-    halves, number, fresh = cache.storage_specs(keys, lambda j: torch.export(keys[j]))
-    return IpcPlan(halves, keys, cache, number, fresh)
+class Trainer:
+    """One trainer process (its export cache) and its daemon, over torch's counters."""
 
+    def __init__(self) -> None:
+        self.torch = TorchCounters()
+        self.cache = ExportCache(self.torch.release)
+        self.daemon = Daemon(self.torch)
 
-def new_cache(torch: TorchCounters) -> ExportCache:
-    return ExportCache(torch.release)
+    def plan(self, keys: list) -> IpcPlan:
+        halves, number, fresh = self.cache.storage_specs(keys,
+                                                         lambda j: self.torch.export(keys[j]))
+        return IpcPlan(halves, keys, self.cache, number, fresh)
+
+    def save(self, keys: list, times: int = 1) -> IpcPlan:
+        """``times`` saves of ``keys``, each staged and answered before the next."""
+        for _ in range(times):
+            save = self.plan(keys)
+            save.settle(self.daemon.stage(save.specs))
+        return save
 
 
 PARAMS = [(0, p) for p in range(4)]
 
 
 def test_a_steady_state_exports_each_storage_twice_then_reuses_it():
-    torch = TorchCounters()
-    cache = new_cache(torch)
-    daemon = Daemon(torch)
+    job = Trainer()
+    torch, cache, daemon = job.torch, job.cache, job.daemon
     for _ in range(20):
-        save = plan(cache, torch, PARAMS + [PARAMS[0]])  # one storage twice (a view)
+        save = job.plan(PARAMS + [PARAMS[0]])  # one storage twice (a view)
         save.settle(daemon.stage(save.specs))
         torch.check(quiet=True)
     assert len(torch.counters) == 2 * len(PARAMS), "first save, then the export kept open"
@@ -115,12 +126,11 @@ def test_a_steady_state_exports_each_storage_twice_then_reuses_it():
 
 
 def test_a_temporary_is_not_pinned_past_the_next_save():
-    torch = TorchCounters()
-    cache = new_cache(torch)
-    daemon = Daemon(torch)
+    job = Trainer()
+    torch, daemon = job.torch, job.daemon
     for step in range(6):
         temporary = [(0, 100 + step)]  # a new storage every save
-        save = plan(cache, torch, PARAMS + temporary)
+        save = job.plan(PARAMS + temporary)
         save.settle(daemon.stage(save.specs))
         torch.check(quiet=True)
         (temporary_export,) = [export_id(s) for s in save.specs if s["handle"] == temporary[0]]
@@ -130,16 +140,15 @@ def test_a_temporary_is_not_pinned_past_the_next_save():
 @pytest.mark.parametrize("seed", range(40))
 def test_random_saves_failures_refusals_and_overlaps_pay_each_release_once(seed):
     rng = random.Random(seed)
-    torch = TorchCounters()
-    cache = new_cache(torch)
-    daemon = Daemon(torch)
+    job = Trainer()
+    torch, daemon = job.torch, job.daemon
     universe = [(d, s) for d in (0, 1) for s in range(5)]
     for _ in range(30):
         pending = []
         for _ in range(rng.choice((1, 1, 2))):  # 2: a zero-stall save planned before the
             keys = rng.sample(universe, rng.randint(1, 6))  # previous one was answered
             keys += rng.sample(keys, min(len(keys), rng.randint(0, 2)))  # views of these
-            pending.append(plan(cache, torch, keys))
+            pending.append(job.plan(keys))
         answers = []
         for save in pending:  # the daemon takes them in the order they were planned...
             fate = rng.random()
@@ -165,14 +174,11 @@ def test_random_saves_failures_refusals_and_overlaps_pay_each_release_once(seed)
 
 
 def test_an_export_planned_while_another_save_was_in_flight_stays_owed_to_a_dead_daemon():
-    torch = TorchCounters()
-    cache = new_cache(torch)
-    daemon = Daemon(torch)
-    for _ in range(3):  # the parameters' exports are held
-        save = plan(cache, torch, PARAMS)
-        save.settle(daemon.stage(save.specs))
-    first = plan(cache, torch, PARAMS)   # re-sends the held exports...
-    second = plan(cache, torch, PARAMS)  # ...planned before the first was answered: fresh
+    job = Trainer()
+    torch, cache, daemon = job.torch, job.cache, job.daemon
+    job.save(PARAMS, times=3)  # the parameters' exports are held
+    first = job.plan(PARAMS)   # re-sends the held exports...
+    second = job.plan(PARAMS)  # ...planned before the first was answered: fresh
     for save in (first, second):
         save.settle(daemon.stage(save.specs))
     held_storages = daemon.exports       # the daemon is SIGKILLed: its deleters never run
@@ -183,19 +189,16 @@ def test_an_export_planned_while_another_save_was_in_flight_stays_owed_to_a_dead
 
 
 def test_a_dead_daemons_releases_are_paid_by_the_trainer():
-    torch = TorchCounters()
-    cache = new_cache(torch)
-    daemon = Daemon(torch)
-    for _ in range(3):
-        save = plan(cache, torch, PARAMS)
-        save.settle(daemon.stage(save.specs))
-    failed = plan(cache, torch, [(0, 50), (0, 51)])
+    job = Trainer()
+    torch, cache, daemon = job.torch, job.cache, job.daemon
+    job.save(PARAMS, times=3)
+    failed = job.plan([(0, 50), (0, 51)])
     daemon.stage(failed.specs, fail_after=1)  # one opened; then the daemon is SIGKILLed:
     held_storages = daemon.exports            # its deleters never run
     daemon.exports = None
     failed.settle(None)
     assert sum(torch.counters.values()) == len(PARAMS), "the held exports are unpaid"
-    late = plan(cache, torch, [(0, 60)])  # in flight when the daemon died
+    late = job.plan([(0, 60)])  # in flight when the daemon died
     assert cache.pay_for_dead_daemon() >= len(PARAMS)
     late.settle(None)
     assert max(torch.counters.values()) <= 0, "a block would stay in limbo for good"
@@ -204,12 +207,9 @@ def test_a_dead_daemons_releases_are_paid_by_the_trainer():
 
 
 def test_an_export_that_fails_half_way_through_a_plan_is_paid_and_reuse_goes_on():
-    torch = TorchCounters()
-    cache = new_cache(torch)
-    daemon = Daemon(torch)
-    for _ in range(2):
-        save = plan(cache, torch, PARAMS)
-        save.settle(daemon.stage(save.specs))
+    job = Trainer()
+    torch, cache, daemon = job.torch, job.cache, job.daemon
+    job.save(PARAMS, times=2)
 
     def export_failing_on_the_new_storage(j):
         if keys[j] == (0, 70):
@@ -220,7 +220,7 @@ def test_an_export_that_fails_half_way_through_a_plan_is_paid_and_reuse_goes_on(
     with pytest.raises(RuntimeError):
         cache.storage_specs(keys, export_failing_on_the_new_storage)
     assert torch.counters[("/torch_1_2", len(torch.counters))] == 0, "the export made first"
-    again = plan(cache, torch, PARAMS)
+    again = job.plan(PARAMS)
     assert {export_id(s) for s in again.specs} == cache.held_exports, \
         "nothing is in flight any more: the held exports are re-sent"
     again.settle(daemon.stage(again.specs))
