@@ -191,7 +191,8 @@ class StagingPool:
         if length > self.size:
             raise PoolTooSmallError(
                 f"request needs {length} bytes of staging space but the pool holds "
-                f"{self.size}; start ckptd with a larger --pool-size")
+                f"{self.size}; start ckptd with a larger --pool-size (CKPTD_POOL_SIZE for a "
+                "daemon that ckpt_client starts by itself)")
         if self._waiters:  # FIFO: nobody overtakes a request already waiting
             return None
         return self._carve(length, near)
