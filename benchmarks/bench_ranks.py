@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,13 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bench_save import GB, GiB, Daemon, default_workdir, loadavg, machine_facts, on_device  # noqa: E402
+from bench_save import (GB, STAGED_RE, GiB, Daemon, default_workdir, machine_facts,  # noqa: E402
+                        on_device)
 import methods as m  # noqa: E402
+from procmem import loadavg  # noqa: E402
 from report import write_report  # noqa: E402
 import workload  # noqa: E402
-
-_STAGED_RE = re.compile(r"staged in ([0-9.]+)s; writing")
-
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: build its share, then time ``repeats`` bound copies and saves."""
@@ -114,7 +112,7 @@ def measure(ranks: int, total: int, daemon: Daemon, args: argparse.Namespace,
         with open(path) as f:
             per_rank.append(json.load(f))
     m.remove_tree(rundir)
-    staged = [float(x) for x in _STAGED_RE.findall(daemon.log_since(log_at))][ranks:]  # after warm-up
+    staged = [float(x) for x, _ in STAGED_RE.findall(daemon.log_since(log_at))][ranks:]  # after warm-up
     per_run = [staged[i:i + ranks] for i in range(0, len(staged), ranks)]
 
     def slowest(key: str) -> list[float]:

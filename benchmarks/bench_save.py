@@ -59,6 +59,7 @@ import methods as m  # noqa: E402
 from ckptd.protocol import wait_until_ready  # noqa: E402
 from report import stop_daemon, write_report  # noqa: E402
 import procmem  # noqa: E402
+from procmem import loadavg  # noqa: E402
 import workload  # noqa: E402
 
 GiB = 1 << 30
@@ -127,11 +128,6 @@ def code_version() -> str:
     return f"{head}" + (" + uncommitted changes in ckptd/ckpt_client" if dirty else "")
 
 
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
 # ---------------------------------------------------------------- the daemon
 
 class Daemon:
@@ -168,7 +164,7 @@ class Daemon:
 
 
 _DURABLE_RE = re.compile(r"durable: (\d+) bytes in ([0-9.]+)s after staging")
-_STAGED_RE = re.compile(r"staged in ([0-9.]+)s; writing (\d+) file")
+STAGED_RE = re.compile(r"staged in ([0-9.]+)s; writing (\d+) file")
 
 
 # ---------------------------------------------------------------- measuring
@@ -315,9 +311,10 @@ class Bench:
             bytes_on_disk=m.bytes_under(path, lambda n: not n.endswith(".ckptd-sum")),
             ref_copy_s=ref_copy_s, ref_raw_s=ref_raw_s, ref_step_s=ref_step_s)
         if log_at is not None:
-            times = [float(x) for _, x in _DURABLE_RE.findall(self.daemon.log_since(log_at))]
+            log = self.daemon.log_since(log_at)
+            times = [float(x) for _, x in _DURABLE_RE.findall(log)]
             sample.daemon_write_s = max(times) if times else None
-            staged = [float(x) for x, _ in _STAGED_RE.findall(self.daemon.log_since(log_at))]
+            staged = [float(x) for x, _ in STAGED_RE.findall(log)]
             sample.daemon_stage_s = sum(staged) if staged else None
         return sample
 

@@ -58,7 +58,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import transports  # noqa: E402
-from procmem import machine_cpu, process_cpu  # noqa: E402
+from procmem import loadavg, machine_cpu, process_cpu, top_cpu_users  # noqa: E402
 from report import write_report  # noqa: E402
 
 MiB = 1 << 20
@@ -478,24 +478,6 @@ def gil_probe(primitive: str, secrets: dict, size: int = 256 * MiB, tries: int =
 
 # ============================================================== machine facts
 
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
-
-
-def other_cpu_users(before: dict, after: dict, limit: int = 6) -> list[tuple[str, float]]:
-    """The processes (not this benchmark's) that used the most CPU between two snapshots."""
-    mine = {os.getpid()}
-    used = []
-    for pid, (cmd, cpu, _) in after.items():
-        if pid in mine or "bench_transport" in cmd:
-            continue
-        delta = cpu - before.get(pid, (cmd, 0.0, 0))[1]
-        if delta >= 0.5:
-            used.append((cmd, round(delta, 1)))
-    return sorted(used, key=lambda x: -x[1])[:limit]
-
-
 def machine_facts() -> dict:
     facts = {"python": platform.python_version(), "ssl": ssl.OPENSSL_VERSION,
              "kernel": platform.release(), "cores": os.cpu_count()}
@@ -818,7 +800,8 @@ def main(argv: list[str] | None = None) -> int:
             bed.down()
         shutil.rmtree(workdir, ignore_errors=True)
     report["load_end"] = loadavg()
-    report["other_users"] = other_cpu_users(snapshot, process_cpu())
+    report["other_users"] = top_cpu_users(  # not this benchmark's processes
+        snapshot, process_cpu(), lambda pid, cmd: pid == os.getpid() or "bench_transport" in cmd)
     ok = [r for r in report["runs"] if "error" not in r]
     report["other_cpu_total"] = sum(r["other_cpu"] for r in ok)
     report["interrupt_cpu_total"] = sum(r["interrupt_cpu"] for r in ok)

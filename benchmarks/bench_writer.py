@@ -40,7 +40,8 @@ from torch.utils.serialization import config as ser_config  # noqa: E402
 
 import methods as m  # noqa: E402
 import workload  # noqa: E402
-from bench_save import drop_caches, loadavg  # noqa: E402
+from bench_save import drop_caches  # noqa: E402
+from procmem import loadavg  # noqa: E402
 from ckptd import protocol  # noqa: E402
 from ckptd.checksum import ChecksumWriter  # noqa: E402
 from ckptd.storage.durable import write_file_atomically  # noqa: E402

@@ -105,6 +105,27 @@ def process_cpu() -> dict[int, tuple[str, float, int]]:
     return out
 
 
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages, as /proc/loadavg writes them."""
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def cpu_used(before: dict, after: dict, pid: int) -> float:
+    """CPU seconds ``pid`` used between two :func:`process_cpu` snapshots."""
+    cmd, cpu, _ = after[pid]
+    return cpu - before.get(pid, (cmd, 0.0, 0))[1]
+
+
+def top_cpu_users(before: dict, after: dict, skip, limit: int = 6,
+                  least: float = 0.5) -> list[tuple[str, float]]:
+    """The processes not ``skip(pid, cmd)`` that used the most CPU between two
+    :func:`process_cpu` snapshots (at least ``least`` seconds each)."""
+    used = [(cmd, round(cpu_used(before, after, pid), 1))
+            for pid, (cmd, _, _) in after.items() if not skip(pid, cmd)]
+    return sorted((u for u in used if u[1] >= least), key=lambda x: -x[1])[:limit]
+
+
 def descendants(root: int, parents: dict[int, int] | None = None) -> list[int]:
     """``root``'s live descendants (children, grandchildren, ...), not ``root`` itself."""
     parents = parent_map() if parents is None else parents

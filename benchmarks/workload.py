@@ -219,7 +219,6 @@ class TrainingStep:
         self.b = torch.randn(1024, 1024, generator=gen).to(device)
         self.tensors = tensors_of(state)
         self.device = device
-        self.matmuls = 4
         update = min(self._timed(self._update) for _ in range(3))
         one = min(self._timed(lambda: self._compute(8)) for _ in range(3)) / 8
         self.matmuls = max(4, round(compute_ratio * update / one))

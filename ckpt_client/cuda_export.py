@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ckptd import protocol
+
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
@@ -175,10 +177,6 @@ def _storage_of(tensor: torch.Tensor) -> tuple:
     return (tensor.device.index, storage.data_ptr(), storage.nbytes())
 
 
-def _export_id(spec: dict) -> tuple:
-    return (spec["ref_counter_handle"], spec["ref_counter_offset"])
-
-
 class ExportCache:
     """The exports of this process's CUDA storages that its daemon holds open.
 
@@ -190,7 +188,7 @@ class ExportCache:
     this process holds under the same address. While a save is in flight nothing is
     reused: its reply may still drop what an earlier reply kept.
 
-    Releases nobody else will pay are paid here with ``release(spec)``: fresh exports of
+    Releases nobody else will pay are paid here with ``release(specs)``: fresh exports of
     a save that never reached the daemon, and, once the daemon died, every release it
     may have owed (held exports, those of failed saves, and of saves still in flight);
     paying one twice harms nothing once nobody maps the block.
@@ -198,8 +196,8 @@ class ExportCache:
 
     def __init__(self, release) -> None:
         self._release = release
-        self._held: dict = {}   # storage key -> the storage half of its held export
-        self._owed: dict = {}   # export id -> (storage key, storage half): maybe unpaid
+        self._held: dict = {}   # storage key -> the description of its held export
+        self._owed: dict = {}   # export id -> (storage key, description): maybe unpaid
         self._in_flight = 0
         self._sent = self._settled = 0  # sequence numbers of saves
         self._daemon_dead = False
@@ -219,7 +217,7 @@ class ExportCache:
             Per key its storage half; the save's number; the fresh exports made for it.
         """
         with self._lock:
-            held = dict(self._held) if not self._in_flight else {}
+            held = self._held if not self._in_flight else {}  # replaced, never changed
             self._in_flight += 1
             self._sent += 1
             number = self._sent
@@ -239,17 +237,15 @@ class ExportCache:
 
     def withdraw(self, fresh: list) -> None:
         """A save that never reached the daemon: pay its fresh exports' releases."""
-        for spec in fresh:
-            self._release(spec)
+        self._release(fresh)
         with self._lock:
             self._in_flight -= 1
 
     def settle(self, number: int, keys: list, specs: list, kept: list | None) -> None:
         """Save ``number`` ended: staged, with the ``kept`` indices the daemon holds open,
         or failed (``None``: whatever it opened may or may not be paid yet)."""
-        sent = {_export_id(h): (k, _storage_half(h)) for k, h in zip(keys, specs)
-                if h is not None}
-        held = {keys[i]: _storage_half(specs[i]) for i in kept or () if specs[i] is not None}
+        sent = {protocol.ipc_export_id(h): (k, h) for k, h in zip(keys, specs) if h is not None}
+        held = {keys[i]: specs[i] for i in kept or () if specs[i] is not None}
         with self._lock:
             self._in_flight -= 1
             if self._daemon_dead:  # nobody else will pay these now
@@ -257,8 +253,7 @@ class ExportCache:
             else:
                 owed = []
                 self._record(number, sent, held, kept is not None)
-        for _, spec in owed:
-            self._release(spec)
+        self._release([spec for _, spec in owed])
 
     def _record(self, number: int, sent: dict, held: dict, staged: bool) -> None:
         newest = number > self._settled
@@ -274,13 +269,13 @@ class ExportCache:
         devices = {key[0] for key, _ in sent.values()}
         self._owed = {e: v for e, v in self._owed.items()
                       if v[0][0] not in devices or v[0] in held}
-        self._owed.update({_export_id(h): (k, h) for k, h in held.items()})
+        self._owed.update({protocol.ipc_export_id(h): (k, h) for k, h in held.items()})
 
     @property
     def held_exports(self) -> set:
         """Export ids the daemon holds open (for tests and diagnostics)."""
         with self._lock:
-            return {_export_id(spec) for spec in self._held.values()}
+            return {protocol.ipc_export_id(spec) for spec in self._held.values()}
 
     def pay_for_dead_daemon(self) -> int:
         """The daemon died: pay each release it may have owed, now and for saves still in
@@ -288,18 +283,8 @@ class ExportCache:
         with self._lock:
             owed, self._owed, self._held = list(self._owed.values()), {}, {}
             self._daemon_dead = True
-        for _, spec in owed:
-            self._release(spec)
+        self._release([spec for _, spec in owed])
         return len(owed)
-
-
-_STORAGE_FIELDS = ("device_uuid", "handle", "storage_size", "storage_offset",
-                   "ref_counter_handle", "ref_counter_offset", "event_handle",
-                   "event_sync_required")
-
-
-def _storage_half(spec: dict) -> dict:
-    return {k: spec[k] for k in _STORAGE_FIELDS}
 
 
 def _export(tensor: torch.Tensor) -> dict:
@@ -329,7 +314,7 @@ def export_cache(connection) -> ExportCache:
     """The export cache of a connection (one daemon holds one set of our exports)."""
     with _caches_lock:
         if connection not in _caches:
-            _caches[connection] = ExportCache(_release_counter)
+            _caches[connection] = ExportCache(protocol.release_ipc_counters)
         return _caches[connection]
 
 
@@ -342,14 +327,6 @@ def daemon_died(connection) -> None:
         if paid:
             log.info("paid %d CUDA IPC reference(s) the dead daemon (pid %d) held",
                      paid, connection.daemon_pid)
-
-
-def _release_counter(spec: dict) -> None:
-    try:
-        torch.UntypedStorage._release_ipc_counter_cuda(  # noqa: SLF001
-            spec["ref_counter_handle"], spec["ref_counter_offset"])
-    except Exception as exc:  # the counter file is ours; gone only if we are exiting
-        log.debug("could not release an IPC counter: %s", exc)
 
 
 @dataclass

@@ -338,9 +338,10 @@ class LocalCheckpointManager:
         if failures:
             raise CheckpointException("find_latest failed", failures)
         self._found = choose_latest(gathered, inventory, world_size, self._session.order_holders)
-        if self._found.missing_text():
-            log.warning("rank %d: %s; the latest complete one is %s", rank,
-                        self._found.missing_text(), self._found.iteration)
+        missing = self._found.missing_text()
+        if missing:
+            log.warning("rank %d: %s; the latest complete one is %s", rank, missing,
+                        self._found.iteration)
         self._latest = self._found.iteration
         log.info("rank %d: latest complete local checkpoint: %d", rank, self._latest)
         return self._latest

@@ -40,7 +40,7 @@ class Latest:
 
     def missing_text(self) -> str:
         """Why a newer committed iteration is not loadable ('' when none is)."""
-        if self.incomplete is None or self.incomplete[0] <= self.iteration:
+        if self.incomplete is None:  # choose_latest records only iterations newer than its pick
             return ""
         iteration, lost = self.incomplete
         return (f"iteration {iteration} was committed, but no node holds the parts of ranks "

@@ -126,7 +126,8 @@ def read_part(path: str, trusted: list | None = None) -> tuple[dict, dict]:
     """
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
-        check = trusted is None or identity_of(fd) != list(trusted)
+        identity = identity_of(fd)  # [size, mtime_ns, inode], as it is open now
+        check = trusted is None or identity != list(trusted)
         expected = read_sidecar(path) if check else None
         consumed: list = []
 
@@ -147,7 +148,7 @@ def read_part(path: str, trusted: list | None = None) -> tuple[dict, dict]:
         for _, _, nbytes in specs:
             offsets.append(total)
             total += nbytes
-        size = os.fstat(fd).st_size
+        size = identity[0]
         if size != data_offset + total:
             if check:
                 verify_file(path)

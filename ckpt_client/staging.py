@@ -269,7 +269,6 @@ class _StagingJob:
     sources: list
     plan: object | None   # ckpt_client.cuda_export.IpcPlan, or None: every buffer via shm
     events: list = field(default_factory=list)  # producer events, alive until staged
-    reached_daemon: bool = False
 
     @property
     def specs(self) -> list | None:
@@ -291,16 +290,15 @@ class _StagingJob:
         try:
             kept = self._exchange()
         finally:
-            if plan is not None and not self.reached_daemon:
-                plan.withdraw()
-            elif plan is not None:
-                plan.settle(kept)
+            if plan is not None:
+                plan.settle(kept)  # no-op after a withdraw
 
     def _exchange(self) -> list | None:
         connection, save = self.save.connection, self.save
-        if save._cancelled:
+        if save._cancelled:  # never reaches the daemon: nobody will open our exports
+            if self.plan is not None:
+                self.plan.withdraw()
             return None
-        self.reached_daemon = True  # from here on the daemon may hold our descriptions
         reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
         save.request_id = reply["request_id"]
         buffers = self.body["buffers"]

@@ -22,6 +22,7 @@ is the contract ``ckpt_client`` may use.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket as _socket
@@ -49,6 +50,7 @@ __all__ = [
     "read_part_header", "PART_FRAME_BYTES",
     # shared rules
     "check_session_id", "holder_order", "process_alive", "is_loopback_address",
+    "ipc_export_id", "release_ipc_counters",
     # endpoint discovery and the request channel
     "SOCKET_ENV", "default_runtime_dir", "resolve_socket_path", "ready_file_for", "ready_pid", "wait_until_ready",
     "endpoint_for", "socket_is_live", "ensure_private_dir",
@@ -721,6 +723,25 @@ def is_loopback_address(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: whoever resolves it decides
         return False
+
+
+def ipc_export_id(spec: dict) -> tuple:
+    """Which export a CUDA IPC description is: torch gives every export of a storage its
+    own reference-counter slot, and each slot is owed exactly one release."""
+    return (spec["ref_counter_handle"], spec["ref_counter_offset"])
+
+
+def release_ipc_counters(specs) -> None:
+    """Pay the release each description's export is owed (torch's
+    ``_release_ipc_counter_cuda``), once per export; a counter file already gone means its
+    trainer is gone too, and is skipped."""
+    import torch  # only a side that holds CUDA descriptions calls this
+
+    for export in {ipc_export_id(spec) for spec in specs}:
+        try:
+            torch.UntypedStorage._release_ipc_counter_cuda(*export)  # noqa: SLF001
+        except Exception as exc:
+            logging.getLogger(__name__).debug("could not release IPC counter %s: %s", export, exc)
 
 
 def process_alive(pid: int) -> bool:

@@ -54,7 +54,7 @@ class Target:
     receiver: PartReceiver | None = None
     expected_crc: int | None = None
     last_progress: float = field(default_factory=time.monotonic)
-    done: bool = False
+    stats: object | None = None  # the sender's PeerStats, looked up once
 
     @property
     def size(self) -> int:
@@ -218,7 +218,7 @@ class Targets:
             return
         target.last_progress = time.monotonic()
         if fresh:
-            self._peer_of(channel.peer_key)[1].add(received=len(frame.payload))
+            self._stats(target).add(received=len(frame.payload))
         channel.send(Kind.ACK, frame.xfer, offset=frame.offset)
 
     def _finish(self, channel: Channel, frame: Frame) -> None:
@@ -248,11 +248,15 @@ class Targets:
         self._end(target, True, None, discard=False)
         channel.send(Kind.DONE, frame.xfer, payload={"ok": True})
 
+    def _stats(self, target: Target):
+        if target.stats is None:  # not per chunk: the lookup scans the peer table
+            target.stats = self._peer_of(target.peer_key)[1]
+        return target.stats
+
     def _end(self, target: Target, ok: bool, error: str | None, discard: bool = True) -> None:
         with self._lock:
-            if self._targets.get(target.xfer) is not target or target.done:
+            if self._targets.get(target.xfer) is not target:  # ended already
                 return
-            target.done = True
             del self._targets[target.xfer]
             self._outcomes[target.xfer] = (ok, error)
             while len(self._outcomes) > REMEMBERED_OUTCOMES:
@@ -261,7 +265,7 @@ class Targets:
             target.receiver.discard()
         if not ok:
             log.warning("receiving %s from %s failed: %s", target.path, target.peer, error)
-        self._peer_of(target.peer_key)[1].stream_ended(ok, error)
+        self._stats(target).stream_ended(ok, error)
         self._post(Received(target.xfer, target.kind, ok, error, target.path if ok else None,
                             target.peer, max(target.size, 0)))
 

@@ -227,10 +227,11 @@ class Lane:
         while True:
             if self.stopped or connection.broken:
                 return None
+            window_full = connection.chunks_in_flight() >= window
             for index, (job, item) in enumerate(self.queue):
                 if job.finished and item != ABORT:
                     continue
-                if isinstance(item, int) and connection.chunks_in_flight() >= window:
+                if isinstance(item, int) and window_full:
                     continue
                 del self.queue[index]
                 return job, item
@@ -260,8 +261,7 @@ class Lane:
         if item == BEGIN:
             channel.send(Kind.BEGIN, job.xfer, extra=job.size, payload=job.begin)
         elif item == ABORT:
-            channel.send(Kind.ABORT, job.xfer, payload={"error": getattr(job, "abort_reason",
-                                                                          None)})
+            channel.send(Kind.ABORT, job.xfer, payload={"error": job.abort_reason})
         elif item == END:
             channel.send(Kind.END, job.xfer, extra=job.size, payload={"size": job.size})
         else:

@@ -286,7 +286,7 @@ class Channel:
             limit = PART_FRAME_BYTES if kind == Kind.CHUNK else MAX_CONTROL_PAYLOAD
             if kind not in Kind.ALL or length > limit:
                 raise ChannelError(f"refused a frame of kind {kind} with {length} bytes")
-            body = self._buffer("body", length + TAG_BYTES)
+            body = self._buffer("body", self._in.body_size(length))
             _recv_exact(self.sock, body, self._moved)
             payload = self._in.open(bytes(self._head), body, self._buffer("plain", length))
         except OSError as exc:

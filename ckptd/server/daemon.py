@@ -105,9 +105,8 @@ class Daemon:
         remove_stale_pools()
         WrittenDirectories.sweep_predecessors(self.runtime_dir)
         self.journal = WrittenDirectories(self.runtime_dir)
-        nodes = numa.online_nodes() if knobs.NUMA_PLACEMENT.get() else [0]
         self.pool = StagingPool(pool_path_for_this_daemon(), self.config.pool_size,
-                                nodes=nodes if len(nodes) > 1 else None)
+                                nodes=numa.online_nodes() if knobs.NUMA_PLACEMENT.get() else None)
         self.context = zmq.Context()
         self.writers = WriterPool(self.config.writers, self.context, self.runtime_dir,
                                   self.pool.path, self.pool.size, self.config.log_level,

@@ -198,14 +198,13 @@ class LocalService:
             self.replicator.command(ConnectPeers())
         parts = self.store.inventory(session, verify=True)
         for part in parts:
-            part["identity"] = self.store.verified_identity(part["path"])
             part["resident"] = self.resident.lookup(session.session_id, part["owner"],
                                                     part["iteration"])
         return {"address": self.address, "host": host_name(),
                 "parts": [{k: p[k] for k in ("iteration", "owner", "size", "verified", "committed",
                                              "path", "identity", "resident")} for p in parts]}
 
-    def on_local_commit(self, call: Call, body: LocalCommit):
+    def on_local_commit(self, call: Call, body: LocalCommit) -> dict:
         """Every rank's save of an iteration is durable: mark it and drop older iterations
         before answering, so that when the trainer's save returns the older files are gone
         (what users of the reference API check)."""
@@ -215,8 +214,7 @@ class LocalService:
         self.resident.committed(session.session_id, body.iteration)
         log.info("rank %d committed iteration %d of session %r", rank.rank, body.iteration,
                  session.session_id)
-        call.reply({"removed": older})
-        return DEFERRED
+        return {"removed": older}
 
     def on_local_fetch(self, call: Call, body: LocalFetch):
         """Fetch a part this node lacks from the holders, in the order the client gave."""
@@ -230,7 +228,7 @@ class LocalService:
         path = session.part_path(body.iteration, body.owner)
         moved_aside = self.store.set_aside_if_corrupt(path)
         peers = self.sessions.get(session.session_id) or SessionPeers([])
-        keyed = [peers.holder(address) for address in body.holders if peers.holder(address)]
+        keyed = [holder for address in body.holders if (holder := peers.holder(address))]
         fetch_id, self._next_fetch = self._next_fetch, self._next_fetch + 1
         self._fetches[fetch_id] = (call, body, moved_aside)
         log.info("rank %d: fetching rank %d's part of iteration %d from %s", rank.rank,

@@ -48,7 +48,7 @@ class RedundancyLedger:
             request.session, request.rank, request.iteration,
             1 + (replicas.wanted if replicas is not None else 0),
             [own_address or "this node", *done],
-            {a: h["error"] for a, h in holders.items() if h["state"] == "failed"})
+            replicas.failures if replicas is not None else {})
 
     def describe(self, peer_health: dict) -> list[dict]:
         """Each part's copies now (``peer_health``: address -> ``up``/``down``/...)."""

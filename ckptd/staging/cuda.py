@@ -134,9 +134,7 @@ class _Release:
 _STOP = object()
 
 
-def export_id(spec: dict) -> tuple:
-    """Which export a description is: torch gives every export its own counter slot."""
-    return (spec["ref_counter_handle"], spec["ref_counter_offset"])
+export_id = protocol.ipc_export_id
 
 
 def storage_key(spec: dict) -> tuple:
@@ -216,6 +214,24 @@ class SaveMappings:
         return self.exports.unpaid(specs, set(self.used))
 
 
+def stage_part(exports: OpenExports, specs: list, open_export, copy,
+               release=protocol.release_ipc_counters) -> set:
+    """The export bookkeeping around one part's copy.
+
+    ``copy(mappings)`` copies every buffer, opening exports through ``mappings``, and
+    returns (or raises) only once nothing reads them any more. Returns the export ids
+    kept open. Whatever happens, the releases owed now are paid (``release(specs)``) and
+    what was not kept is dropped, paying its releases, before this returns.
+    """
+    mappings = SaveMappings(exports, open_export)
+    try:
+        copy(mappings)
+        return mappings.settle()
+    finally:
+        release(mappings.unpaid(specs))
+        mappings.used.clear()
+
+
 class _DeviceWorker:
     """The thread and copy stream of one device."""
 
@@ -240,21 +256,20 @@ class _DeviceWorker:
                 continue
             if isinstance(item, _Release):
                 exports = self._exports.get(item.pid, OpenExports())
-                self._release_counters(exports.unpaid(item.specs, set()))
+                protocol.release_ipc_counters(exports.unpaid(item.specs, set()))
                 continue
             self._stage(item)
 
     def _stage(self, item: _Part) -> None:
-        """Copy one part and report it. A method of its own so that the storages this
-        save opened and does not keep are freed (their releases paid) when it returns,
-        not when the next job replaces a loop variable."""
+        """Copy one part and report it (with the buffers whose export stays open)."""
         error = code = None
         kept: tuple = ()
-        mappings = SaveMappings(self._exports.setdefault(item.job.pid, OpenExports()), self._open)
+        job = item.job
         try:
-            if self.stager.is_cancelled(item.job.request_id):
-                raise InterruptedError("the save was aborted before its copy started")
-            kept = self._copy(item, mappings)
+            held = stage_part(self._exports.setdefault(job.pid, OpenExports()),
+                              [job.specs[i] for i in item.indices], self._open,
+                              lambda mappings: self._copy(item, mappings))
+            kept = tuple(i for i in item.indices if export_id(job.specs[i]) in held)
         except Exception as exc:  # reported to the trainer, never kills the thread
             error, code = staging_failure(exc, item.job.pid)
             if code is not None:
@@ -262,16 +277,21 @@ class _DeviceWorker:
             elif not isinstance(exc, InterruptedError):
                 log.exception("CUDA staging of request %d on device %d failed",
                               item.job.request_id, self.device)
-        finally:
-            self.stream.synchronize()  # nothing may still write the extent
-            self._release_counters(mappings.unpaid([item.job.specs[i] for i in item.indices]))
-        mappings.used.clear()  # what was not kept is dropped now: its releases are paid
         self.stager.part_done(item.job, error, code, kept)
 
-    def _copy(self, part: _Part, mappings: "SaveMappings") -> tuple:
-        """Copy the part; returns the buffer indices whose export stays open."""
+    def _copy(self, part: _Part, mappings: SaveMappings) -> None:
+        """Copy the part into its extent; synchronized before it returns or raises, so
+        nothing still reads the trainer's memory or writes the extent afterwards."""
+        if self.stager.is_cancelled(part.job.request_id):
+            raise InterruptedError("the save was aborted before its copy started")
+        try:
+            self._copy_buffers(part, mappings)
+        finally:
+            self.stream.synchronize()
+
+    def _copy_buffers(self, part: _Part, mappings: SaveMappings) -> None:
         torch, job = self.torch, part.job
-        ready_events = {}
+        ready_events = {}  # the opened events are destroyed with this frame
         for index in part.indices:
             spec, offset, (_, _, expected) = job.specs[index], job.offsets[index], job.buffers[index]
             if spec.get("dtype") not in protocol.BUFFER_DTYPES or spec["dtype"] == "bytes":
@@ -292,10 +312,6 @@ class _DeviceWorker:
             destination = self.stager.pool_tensor[start:start + nbytes].view(dtype).view(source.shape)
             with torch.cuda.stream(self.stream):
                 destination.copy_(source, non_blocking=self.stager.pool.registered_with_cuda)
-        self.stream.synchronize()
-        ready_events.clear()  # the opened events are destroyed with their objects
-        kept = mappings.settle()
-        return tuple(i for i in part.indices if export_id(job.specs[i]) in kept)
 
     def _open(self, spec: dict):
         """Open an export's storage through torch (which, finding the storage already
@@ -309,13 +325,6 @@ class _DeviceWorker:
                 False, spec["ref_counter_handle"], spec["ref_counter_offset"],
                 spec["event_handle"], False).untyped_storage()
 
-    def _release_counters(self, specs: list) -> None:
-        for spec in specs:
-            try:
-                self.torch.UntypedStorage._release_ipc_counter_cuda(  # noqa: SLF001
-                    spec["ref_counter_handle"], spec["ref_counter_offset"])
-            except Exception as exc:  # a counter file already gone: its trainer is gone too
-                log.debug("could not release an IPC counter: %s", exc)
 
 
 def _pci_node(properties) -> int | None:
@@ -425,12 +434,9 @@ class CudaStager:
                 by_device.setdefault(self.devices.get(spec.get("device_uuid")), []).append(spec)
         for device, owned in by_device.items():
             if device is None or pid is None:  # no worker can hold these open
-                self._release_now(owned)
+                protocol.release_ipc_counters(owned)
             else:
                 self.workers[device].jobs.put(_Release(pid, owned))
-
-    def _release_now(self, specs: list) -> None:
-        next(iter(self.workers.values()))._release_counters(OpenExports().unpaid(specs, set()))
 
     def forget_process(self, pid: int) -> None:
         """Drop the mappings opened for a trainer that went away."""

@@ -124,7 +124,8 @@ class Placement:
     sysfs: str = SYSFS
 
     def __post_init__(self) -> None:
-        self._cpus = {node: node_cpus(node, self.sysfs) for node in self.nodes}
+        self._cpus = ({node: node_cpus(node, self.sysfs) for node in self.nodes}
+                      if self.several else {})
 
     @property
     def several(self) -> bool:

@@ -222,7 +222,8 @@ class LocalStore:
         return list(key) if key is not None and cached == (*key, True) else None
 
     def inventory(self, session: LocalSession, verify: bool = True) -> list[dict]:
-        """Every clean part held for ``session``: iteration, owner, size, verified, committed.
+        """Every clean part held for ``session``: iteration, owner, size, verified, committed;
+        with ``verify`` also its ``identity`` (see :meth:`verified_identity`).
 
         With ``verify=False`` (status), ``verified`` is the cached result or ``None``.
         """
@@ -231,14 +232,15 @@ class LocalStore:
             committed = self.is_committed(session, iteration)
             for owner in self.parts_of(session, iteration):
                 path = session.part_path(iteration, owner)
-                try:
-                    size = os.path.getsize(path)
-                except FileNotFoundError:
-                    continue
                 verified = self.verify(path) if verify else self.cached_verification(path)
+                key, cached = self._identity_and_cache(path)
+                if key is None:
+                    continue
                 held.append({"session": session.session_id, "iteration": iteration,
-                             "owner": owner, "size": size, "verified": verified,
+                             "owner": owner, "size": key[0], "verified": verified,
                              "committed": committed, "path": path})
+                if verify:
+                    held[-1]["identity"] = list(key) if cached == (*key, True) else None
         return held
 
     def begin_iteration(self, session: LocalSession, iteration: int) -> None:

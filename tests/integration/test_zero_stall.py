@@ -116,6 +116,8 @@ def test_saves_reach_the_daemon_in_the_order_they_were_made(start_daemon, monkey
         worker = threading.Thread(target=lambda: inline.append(
             async_torch_save({"step": torch.tensor(1)}, paths["inline"])))
         worker.start()
+        worker.join(1.0)  # time to overtake z, if it could
+        assert worker.is_alive(), "the ordinary save finished while the pool was still full"
     worker.join(60)
     assert inline, "the ordinary save never returned"
     queue.schedule_async_request(inline[0])

@@ -19,7 +19,7 @@ import weakref
 import pytest
 
 from ckpt_client.cuda_export import ExportCache, IpcPlan
-from ckptd.staging.cuda import OpenExports, SaveMappings, export_id, storage_key
+from ckptd.staging.cuda import OpenExports, export_id, stage_part, storage_key
 
 
 class Storage:
@@ -54,6 +54,10 @@ class TorchCounters:
     def release(self, spec: dict) -> None:    # _release_ipc_counter_cuda
         self.counters[export_id(spec)] -= 1
 
+    def release_all(self, specs: list) -> None:  # protocol.release_ipc_counters
+        for export in {export_id(spec): spec for spec in specs}.values():
+            self.release(export)
+
     def check(self, quiet: bool) -> None:
         # storages hold no cycles: CPython frees them (and runs the deleters) at once
         assert min(self.counters.values()) >= 0, "a release was paid twice"
@@ -64,30 +68,30 @@ class TorchCounters:
 
 
 class Daemon:
-    """One trainer's exports on one device worker, as ``_DeviceWorker._run`` handles them."""
+    """One trainer's exports on one device worker: ``stage_part`` as ``_DeviceWorker``
+    calls it, with a copy that opens each buffer's export (and may fail part-way)."""
 
     def __init__(self, torch: TorchCounters) -> None:
         self.torch, self.exports = torch, OpenExports()
 
     def stage(self, specs: list, fail_after: int | None = None) -> list | None:
-        mappings = SaveMappings(self.exports, self.torch.open)
         indices = [i for i, s in enumerate(specs) if s is not None]
-        try:
+
+        def copy(mappings) -> None:
             for n, i in enumerate(indices):
                 if n == fail_after:
                     raise RuntimeError("copy failed")
                 mappings.storage(specs[i])
-            kept = mappings.settle()
-            return [i for i in indices if export_id(specs[i]) in kept]
+
+        try:
+            held = stage_part(self.exports, [specs[i] for i in indices], self.torch.open, copy,
+                              self.torch.release_all)
         except RuntimeError:
             return None
-        finally:
-            for spec in mappings.unpaid([specs[i] for i in indices]):
-                self.torch.release(spec)
+        return [i for i in indices if export_id(specs[i]) in held]
 
     def refuse(self, specs: list) -> None:   # CudaStager.release -> _Release
-        for spec in self.exports.unpaid([s for s in specs if s is not None], set()):
-            self.torch.release(spec)
+        self.torch.release_all(self.exports.unpaid([s for s in specs if s is not None], set()))
 
 
 class Trainer:
@@ -95,7 +99,7 @@ class Trainer:
 
     def __init__(self) -> None:
         self.torch = TorchCounters()
-        self.cache = ExportCache(self.torch.release)
+        self.cache = ExportCache(self.torch.release_all)
         self.daemon = Daemon(self.torch)
 
     def plan(self, keys: list) -> IpcPlan:

@@ -78,7 +78,7 @@ def test_pieces_arriving_out_of_order_and_twice_make_one_verified_part(store, tm
         PartReceiver(session.part_path(3, 0), 10).write(8, b"abc")
 
 
-def test_a_part_with_a_missing_piece_is_never_made_durable(store, tmp_path):
+def test_overlapping_pieces_are_never_made_durable(store, tmp_path):
     session = store.register("s", str(tmp_path / "local"))
     receiver = PartReceiver(session.part_path(4, 0), 8)
     receiver.write(0, b"abc")
