@@ -1,0 +1,120 @@
+"""The request channel: a client's DEALER socket that matches replies to requests.
+
+Owns sending a request with a fresh id and waiting for the reply that carries it, from
+several threads at once. Used by the trainer library and by ``ckptd status``. It must
+not interpret bodies beyond turning an error reply into :class:`ErrorReply`; zmq is
+imported when a channel is made, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ckptd.protocol.errors import ErrorReply, ReplyTimeout
+from ckptd.protocol.framing import Message, decode, encode
+from ckptd.protocol.names import MessageType
+
+__all__ = ["Channel"]
+
+
+class Channel:
+    """A DEALER socket that sends requests and waits for the matching reply.
+
+    Used by the trainer library and by ``ckptd status``: the one place that matches
+    replies to requests. Safe to use from several threads at once (a trainer's main
+    thread polls while a background thread stages a zero-stall save): one lock guards
+    the socket, and a reply that arrives for another waiting thread is kept for it.
+    Replies to requests nobody waits for any more (they timed out) are discarded.
+
+    Parameters
+    ----------
+    endpoint : str
+        ZeroMQ endpoint of the daemon.
+    context : zmq.Context, optional
+        Context to create the socket in (default: the process-wide instance).
+    """
+
+    def __init__(self, endpoint: str, context=None) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.endpoint = endpoint
+        self.socket = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self.socket.linger = 0
+        self.socket.connect(endpoint)
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._awaited: set[int] = set()       # ids some thread still waits for
+        self._arrived: dict[int, Message] = {}  # their replies, when another thread read them
+
+    def send(self, msg_type: str, body: dict | None = None, frames=()) -> int:
+        """Send a request without waiting; returns its id."""
+        with self._lock:
+            msg_id = self._next_id
+            self._next_id += 1
+            self._awaited.add(msg_id)
+            self.socket.send_multipart(encode(msg_type, msg_id, body, frames), copy=False)
+        return msg_id
+
+    def wait(self, msg_id: int, timeout: float, still_worth_waiting=None,
+             slice_seconds: float = 0.1) -> Message:
+        """Wait for the reply to ``msg_id``.
+
+        Parameters
+        ----------
+        timeout : float
+            Seconds before :class:`ReplyTimeout`.
+        still_worth_waiting : callable, optional
+            Called between slices; raise from it to stop waiting (e.g. the daemon died).
+
+        Raises
+        ------
+        ReplyTimeout, ErrorReply, ProtocolError
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ReplyTimeout(f"no reply from {self.endpoint} within {timeout:.1f}s")
+                reply = self._receive(msg_id, min(remaining, slice_seconds))
+                if reply is not None:
+                    if reply.type == MessageType.ERROR:
+                        raise ErrorReply(reply.body)
+                    return reply
+                if still_worth_waiting is not None:
+                    still_worth_waiting()
+        finally:
+            with self._lock:
+                self._awaited.discard(msg_id)
+                self._arrived.pop(msg_id, None)
+
+    def _receive(self, msg_id: int, seconds: float) -> Message | None:
+        """One slice of waiting: ``msg_id``'s reply if it came, else ``None``."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with self._lock:
+                if msg_id in self._arrived:
+                    return self._arrived.pop(msg_id)
+                # Short polls while holding the lock, so other waiting threads get their
+                # turn at the socket (and at the replies it delivers for them).
+                left = deadline - time.monotonic()
+                if self.socket.poll(max(1, int(min(left, 0.01) * 1000))):
+                    reply = decode(self.socket.recv_multipart())
+                    if reply.id == msg_id:
+                        return reply
+                    if reply.id in self._awaited:
+                        self._arrived[reply.id] = reply
+                    continue  # else: a late answer to a request we gave up on
+            if time.monotonic() >= deadline:
+                return None
+
+    def call(self, msg_type: str, body: dict | None = None, frames=(), timeout: float = 30.0,
+             still_worth_waiting=None) -> Message:
+        """Send a request and wait for its reply (see :meth:`wait`)."""
+        return self.wait(self.send(msg_type, body, frames), timeout, still_worth_waiting)
+
+    def close(self) -> None:
+        """Close the socket."""
+        self.socket.close(linger=0)

@@ -1,0 +1,158 @@
+"""The client channel's vocabulary: the typed body of every request a trainer sends.
+
+Owns one :class:`~ckptd.protocol.body.Body` subclass per request type (hello, stage,
+staged, poll, forget, abort, commit_file and the local-checkpoint requests) and the rules
+their fields follow. The client builds these to send and the daemon checks them on
+receipt, so a renamed field fails at both ends. It must not hold the handlers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import field
+from typing import Any
+
+from ckptd.protocol.body import Body, check
+from ckptd.protocol.errors import ProtocolError
+from ckptd.protocol.names import BUFFER_DTYPES, ErrorCode, SaveFormat
+
+__all__ = ["Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile", "LocalSession",
+           "LocalInventory", "LocalFetch", "LocalCommit"]
+
+
+def _non_negative(value: Any) -> bool:
+    return value is None or value >= 0
+
+
+def _valid_buffer(entry: Any) -> bool:
+    return (isinstance(entry, list) and len(entry) == 3 and entry[0] in BUFFER_DTYPES
+            and isinstance(entry[1], list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in entry[1])
+            and isinstance(entry[2], int) and not isinstance(entry[2], bool) and entry[2] >= 0)
+
+
+def _plain_file_name(name: Any) -> bool:
+    return (isinstance(name, str) and bool(name) and "/" not in name and "\x00" not in name
+            and not name.startswith("."))
+
+
+def _valid_files(entries: Any) -> bool:
+    return all(isinstance(e, list) and len(e) == 2 and _plain_file_name(e[0])
+               and isinstance(e[1], list)
+               and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in e[1])
+               for e in entries)
+
+
+def _valid_peers(peers: Any) -> bool:
+    # [control address, public key] or, since bulk streams, [..., bulk address host:port]
+    return all(p is None or (isinstance(p, list) and len(p) in (2, 3)
+                             and all(isinstance(x, str) for x in p)) for p in peers)
+
+
+
+
+class Hello(Body, message="hello"):
+    """A trainer process registers with its daemon."""
+
+    rank: int = check(lambda v: v >= 0, "a rank >= 0")
+    pid: int = check(lambda v: v > 0, "a process id")
+    world_size: int = check(lambda v: v >= 1, "a world size >= 1", 1)
+
+
+class Stage(Body, message="stage"):
+    """Reserve staging space for a save; buffers with a CUDA IPC spec are the daemon's to copy.
+
+    ``buffers`` lists ``[dtype, shape, nbytes]`` in staging order; ``files`` (DCP) maps
+    each output file name to the buffer indices it holds; ``cuda`` (mixed transport) has
+    one entry per buffer: an IPC spec the daemon copies from, or None for a buffer the
+    trainer copies into shared memory itself.
+    """
+    format: str = check(lambda v: v in (SaveFormat.TORCH, SaveFormat.DCP, SaveFormat.LOCAL),
+                        "one of torch, dcp, local")
+    path: str
+    buffers: list = check(lambda v: all(_valid_buffer(b) for b in v),
+                          "a list of [dtype name, shape list, byte count]")
+    skeleton: bytes = b""
+    files: list = check(_valid_files, "a list of [plain file name, [buffer indices]]", [])
+    cuda: list | None = None  # per buffer: a CUDA IPC spec the daemon copies from, or None
+    session: str | None = None
+    iteration: int | None = check(_non_negative, "an iteration >= 0", None)
+    stock_files: bool = False
+
+    def check_together(self) -> None:
+        """File entries name existing buffers; a local part names its iteration."""
+        for name, indices in self.files:
+            if any(i >= len(self.buffers) for i in indices):
+                raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                    f"stage: file {name!r} names a buffer beyond the "
+                                    f"{len(self.buffers)} described")
+        if self.format == SaveFormat.LOCAL and self.iteration is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: a local part needs 'iteration'")
+        if self.cuda is not None and (len(self.cuda) != len(self.buffers) or not all(
+                spec is None or isinstance(spec, dict) for spec in self.cuda)):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: 'cuda' needs one entry (a spec "
+                                "or null) per buffer, in order")
+
+
+class Staged(Body, message="staged"):
+    """The client finished copying a request's tensors into its extent."""
+
+    request_id: int
+
+
+class Poll(Body, message="poll"):
+    """Phase and results of some of this connection's requests."""
+
+    request_ids: list[int] = field(default_factory=list)
+
+
+class Forget(Body, message="forget"):
+    """Drop finished requests (and the files of failed ones)."""
+
+    request_ids: list[int] = field(default_factory=list)
+    delete_files: bool = False
+
+
+class Abort(Body, message="abort"):
+    """Drop in-flight requests of this connection (all of them when ``request_ids`` is None)."""
+
+    request_ids: list[int] | None = None
+
+
+class CommitFile(Body, message="commit_file"):
+    """Write one small file atomically (DCP ``.metadata``); its bytes are the one frame."""
+
+    path: str
+    stock_files: bool = False
+
+
+class LocalSession(Body, message="local_session"):
+    """Register a local-checkpoint session: its root, every rank's daemon, the cliques."""
+
+    root: str
+    session: str = ""
+    world_size: int = 1
+    peers: list = check(_valid_peers, "a list of [address, key, bulk address] (or null) per "
+                        "rank", [])
+    cliques: list[list[int]] = field(default_factory=list)
+
+
+class LocalInventory(Body, message="local_inventory"):
+    """The parts this node holds for a session, verified."""
+
+    session: str = ""
+
+
+class LocalFetch(Body, message="local_fetch"):
+    """Get a part this node lacks from the holders, in the order given."""
+
+    iteration: int = check(lambda v: v >= 0, "an iteration >= 0")
+    owner: int = check(lambda v: v >= 0, "a rank >= 0")
+    session: str = ""
+    holders: list[str] = field(default_factory=list)
+
+
+class LocalCommit(Body, message="local_commit"):
+    """Every rank's save of an iteration is durable: mark it committed, drop older ones."""
+
+    iteration: int = check(lambda v: v >= 0, "an iteration >= 0")
+    session: str = ""
