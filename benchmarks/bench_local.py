@@ -277,7 +277,7 @@ def _loopback_receive(port: int, protection: str, streams: int, per_stream: int,
     """Receiver process: accept ``streams`` connections, read until the end, answer."""
     from zmq.utils import z85
 
-    from ckptd.replication.channel import Channel, Kind
+    from ckptd.replication.bulk_connection import BulkConnection, Kind
 
     server = socket.create_server(("127.0.0.1", port), backlog=streams)
     print("ready", flush=True)
@@ -290,7 +290,7 @@ def _loopback_receive(port: int, protection: str, streams: int, per_stream: int,
                 got += sock.recv_into(buf)
             sock.sendall(b"k")
             return
-        channel = Channel.accept(sock, own_secret, own_public, lambda k: k == client_public,
+        channel = BulkConnection.accept(sock, own_secret, own_public, lambda k: k == client_public,
                                  protection, 30.0)
         while (frame := channel.receive()).kind != Kind.END:
             pass
@@ -310,7 +310,7 @@ def loopback(protection: str, streams: int, nbytes: int) -> float:
     import zmq
     from zmq.utils import z85
 
-    from ckptd.replication.channel import Channel, Kind
+    from ckptd.replication.bulk_connection import BulkConnection, Kind
 
     server_keys, client_keys = zmq.curve_keypair(), zmq.curve_keypair()
     with socket.socket() as s:
@@ -329,7 +329,7 @@ def loopback(protection: str, streams: int, nbytes: int) -> float:
         if protection == "tcp":
             connections.append(socket.create_connection(("127.0.0.1", port)))
         else:
-            connections.append(Channel.dial(("127.0.0.1", port), z85.decode(client_keys[1]),
+            connections.append(BulkConnection.dial(("127.0.0.1", port), z85.decode(client_keys[1]),
                                             z85.decode(client_keys[0]),
                                             z85.decode(server_keys[0]), protection, 30.0))
 

@@ -1,7 +1,7 @@
 """A stand-in for another job's daemon (or a stranger): real peer wire, chosen keys.
 
 Tests use it to knock on a real daemon's doors: the ZeroMQ control socket (CURVE) and
-the bulk listener (:mod:`ckptd.replication.channel`), each with a key pair the test
+the bulk listener (:mod:`ckptd.replication.bulk_connection`), each with a key pair the test
 chooses, so they can show what a key the trainers never named gets (nothing) and what a
 named one gets (answers).
 """
@@ -15,7 +15,8 @@ from zmq.utils import z85
 
 from ckptd import protocol
 from ckptd.protocol import MessageType
-from ckptd.replication.channel import Channel, ChannelError, Kind
+from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Kind
+from ckptd.replication.bulk_wire import Begin, Ready, control_body, send_control
 
 
 def keypair() -> tuple[str, str]:
@@ -42,34 +43,33 @@ def register_session(socket_path: str, session: str, root: str, extra_peers=()) 
 
 
 def dial_bulk(info: dict, public: str, secret: str, protection: str | None = None,
-              timeout: float = 30.0) -> Channel:
+              timeout: float = 30.0) -> BulkConnection:
     """Open a bulk connection to the daemon of ``info`` with this key pair.
 
     Raises
     ------
-    ChannelError
+    BulkConnectionError
         If the daemon refuses (it answers an unknown key with nothing at all).
     """
     host, _, port = info["bulk_address"].rpartition(":")
-    return Channel.dial((host, int(port)), z85.decode(secret.encode()),
+    return BulkConnection.dial((host, int(port)), z85.decode(secret.encode()),
                         z85.decode(public.encode()), z85.decode(info["public_key"].encode()),
                         protection or info["encryption"], timeout, timeout)
 
 
-def push_begin(channel: Channel, xfer: int, session: str, owner: int, iteration: int,
-               size: int) -> dict:
+def push_begin(channel: BulkConnection, xfer: int, session: str, owner: int, iteration: int,
+               size: int) -> Ready:
     """Announce a replica push on a bulk connection; returns the daemon's READY answer."""
-    channel.send(Kind.BEGIN, xfer, extra=size,
-                 payload={"session": session, "owner": owner, "iteration": iteration})
+    send_control(channel, xfer, Begin(session, owner, iteration), extra=size)
     frame = channel.receive()
     assert frame.kind == Kind.READY, frame.kind
-    return frame.body()
+    return control_body(frame)
 
 
 def bulk_refused(info: dict, public: str, secret: str) -> str | None:
     """The reason a bulk connection with this key pair fails, or None if it was accepted."""
     try:
         dial_bulk(info, public, secret, timeout=10.0).close()
-    except ChannelError as exc:
+    except BulkConnectionError as exc:
         return str(exc)
     return None

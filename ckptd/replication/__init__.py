@@ -7,10 +7,12 @@ and, for part bytes, on the bulk connection threads it starts:
                   only this job's daemons, one link per peer, non-blocking senders, and
                   the address this daemon advertises (never loopback for 0.0.0.0);
 - ``health``      each peer's heartbeat with a miss budget (control link only);
-- ``wire``        the control channel's typed vocabulary (heartbeats, fetch requests);
+- ``wire``        the control channel's typed vocabulary (heartbeats, fetch requests),
+                  built by the sender and checked on arrival;
 - ``sealing``     the bulk path's keys (X25519 of the CURVE keys, HKDF per connection)
                   and per-frame protection (AES-256-GCM, or GMAC only);
-- ``channel``     one bulk tcp connection: its handshake and sealed frames;
+- ``bulk_connection`` one bulk tcp connection: its handshake and sealed frames;
+- ``bulk_wire``   the bulk path's typed vocabulary (the control frames' bodies);
 - ``streams``     where a part's bytes come from (the staging pool, or a file);
 - ``bulk_send``   parts sent over several connections per peer, resumed after a break;
 - ``bulk_receive`` the bulk listener, and parts written and checksummed as they arrive;

@@ -4,8 +4,8 @@ Owns the receiving side of every part stream (a replica pushed to this daemon, o
 it fetches for its rank):
 
 - :class:`BulkListener` accepts tcp connections on the advertised bulk address and
-  authenticates each (:meth:`ckptd.replication.channel.Channel.accept`: only keys of this
-  job's daemons; anyone else is closed without an answer, and logged);
+  authenticates each (:meth:`.bulk_connection.BulkConnection.accept`: only keys of
+  this job's daemons; anyone else is closed without an answer, and logged);
 - each connection has one thread that opens frames and hands them to :class:`Targets`;
 - a :class:`Target` writes each chunk at its offset and checksums it on the way
   (:class:`ckptd.storage.local_store.PartReceiver`), acknowledges it, and on ``END``
@@ -29,8 +29,10 @@ from typing import Callable
 
 from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError
+from ckptd.protocol.errors import ProtocolError
+from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Frame, Kind
 from ckptd.replication.bulk_send import io_timeout
-from ckptd.replication.channel import Channel, ChannelError, Frame, Kind
+from ckptd.replication.bulk_wire import Abort, Begin, Done, Ready, control_body, send_control
 from ckptd.replication.commands import Received
 from ckptd.storage.local_store import LocalStore, LocalStoreError, PartReceiver
 
@@ -88,6 +90,9 @@ class Targets:
         self._lock = threading.Lock()
         self._targets: dict[int, Target] = {}
         self._outcomes: OrderedDict = OrderedDict()  # xfer -> (ok, error)
+        #: The bulk path's handler table on the receiving end: frame kind -> handler.
+        self._frame_handlers = {Kind.BEGIN: self._begin, Kind.CHUNK: self._chunk,
+                                Kind.END: self._finish, Kind.ABORT: self._abort}
 
     # ------------------------------------------------------------ replicator thread
     def expect(self, target: Target) -> None:
@@ -137,38 +142,37 @@ class Targets:
                  "bytes_done": t.received} for t in targets]
 
     # ------------------------------------------------------------ connection threads
-    def handle(self, channel: Channel, frame: Frame) -> None:
+    def handle(self, channel: BulkConnection, frame: Frame) -> None:
         """One frame from a sender (on that connection's thread).
 
         Raises
         ------
-        ChannelError
+        BulkConnectionError
             For frames a sender must not send (the connection is closed).
         """
-        if frame.kind == Kind.BEGIN:
-            self._begin(channel, frame)
-        elif frame.kind == Kind.CHUNK:
-            self._chunk(channel, frame)
-        elif frame.kind == Kind.END:
-            self._finish(channel, frame)
-        elif frame.kind == Kind.ABORT:
-            target = self._target(channel, frame.xfer)
-            if target is not None:
-                self._end(target, False, f"the sender gave up: {frame.body().get('error')}")
-        else:
-            raise ChannelError(f"a sender sent a frame of kind {frame.kind}")
+        handler = self._frame_handlers.get(frame.kind)
+        if handler is None:
+            raise BulkConnectionError(f"a sender sent a frame of kind {frame.kind}")
+        handler(channel, frame)
 
-    def _target(self, channel: Channel, xfer: int) -> Target | None:
+    def _abort(self, channel: BulkConnection, frame: Frame) -> None:
+        abort: Abort = control_body(frame)
+        target = self._target(channel, frame.xfer)
+        if target is not None:
+            self._end(target, False, f"the sender gave up: {abort.error}")
+
+    def _target(self, channel: BulkConnection, xfer: int) -> Target | None:
         with self._lock:
             target = self._targets.get(xfer)
         return target if target is not None and target.peer_key == channel.peer_key else None
 
-    def _begin(self, channel: Channel, frame: Frame) -> None:
-        body = frame.body()
+    def _begin(self, channel: BulkConnection, frame: Frame) -> None:
+        raw = frame.body()  # not a map: the connection is dropped
         with self._lock:
             target = self._targets.get(frame.xfer)
             finished = frame.xfer in self._outcomes
         try:
+            body = Begin.from_wire(raw)  # a map that breaks the schema is refused, answered
             if finished:
                 raise LocalStoreError("that transfer is over already")
             if target is not None and target.peer_key != channel.peer_key:
@@ -176,44 +180,41 @@ class Targets:
             if target is None:
                 target = self._replica(channel, frame.xfer, body)
             if target.receiver is None:
-                target.expected_crc = body.get("crc") if isinstance(body.get("crc"), int) else None
+                target.expected_crc = body.crc
                 target.receiver = PartReceiver(target.path, int(frame.extra))
                 log.info("receiving %s (%d bytes) from %s", target.path, frame.extra, target.peer)
             elif target.receiver.size != frame.extra:
                 raise LocalStoreError(f"BEGIN again with {frame.extra} bytes, not "
                                       f"{target.receiver.size}")
-        except (LocalStoreError, ValueError, TypeError, OSError) as exc:
+        except (ProtocolError, LocalStoreError, ValueError, TypeError, OSError) as exc:
             log.warning("refused a part stream from %s: %s", self._peer_of(channel.peer_key)[0],
                         exc)
-            channel.send(Kind.READY, frame.xfer, payload={"ok": False, "error": str(exc)})
+            send_control(channel, frame.xfer, Ready(False, str(exc)))
             if target is not None:
                 self._end(target, False, f"could not store it: {exc}")
             return
         target.last_progress = time.monotonic()
-        channel.send(Kind.READY, frame.xfer, payload={"ok": True})
+        send_control(channel, frame.xfer, Ready(True))
 
-    def _replica(self, channel: Channel, xfer: int, body: dict) -> Target:
-        session, owner, iteration = body.get("session"), body.get("owner"), body.get("iteration")
-        if not (isinstance(session, str) and isinstance(owner, int) and owner >= 0
-                and isinstance(iteration, int) and iteration >= 0):
-            raise ValueError("a pushed part must name its session, owner and iteration")
-        path = self.store.session(session).part_path(iteration, owner)
+    def _replica(self, channel: BulkConnection, xfer: int, body: Begin) -> Target:
+        path = self.store.session(body.session).part_path(body.iteration, body.owner)
         peer = self._peer_of(channel.peer_key)[0]
-        target = Target(xfer, "replica", path, channel.peer_key, peer, owner, iteration)
+        target = Target(xfer, "replica", path, channel.peer_key, peer, body.owner,
+                        body.iteration)
         with self._lock:
             self._targets[xfer] = target
         return target
 
-    def _chunk(self, channel: Channel, frame: Frame) -> None:
+    def _chunk(self, channel: BulkConnection, frame: Frame) -> None:
         target = self._target(channel, frame.xfer)
         if target is None or target.receiver is None:
-            channel.send(Kind.ABORT, frame.xfer, payload={"error": "no such transfer here (it "
-                                                          "timed out or this daemon restarted)"})
+            send_control(channel, frame.xfer, Abort("no such transfer here (it timed out or "
+                                                    "this daemon restarted)"))
             return
         try:
             fresh = target.receiver.write(frame.offset, frame.payload)
         except (ValueError, OSError) as exc:
-            channel.send(Kind.ABORT, frame.xfer, payload={"error": str(exc)})
+            send_control(channel, frame.xfer, Abort(str(exc)))
             self._end(target, False, str(exc))
             return
         target.last_progress = time.monotonic()
@@ -221,24 +222,25 @@ class Targets:
             self._stats(target).add(received=len(frame.payload))
         channel.send(Kind.ACK, frame.xfer, offset=frame.offset)
 
-    def _finish(self, channel: Channel, frame: Frame) -> None:
+    def _finish(self, channel: BulkConnection, frame: Frame) -> None:
+        control_body(frame)  # an END that breaks its schema drops the connection
         target = self._target(channel, frame.xfer)
         if target is None:
             with self._lock:
                 outcome = self._outcomes.get(frame.xfer)
             ok, error = outcome if outcome else (False, "no such transfer here")
-            channel.send(Kind.DONE, frame.xfer, payload={"ok": ok, "error": error})
+            send_control(channel, frame.xfer, Done(ok, error))
             return
         receiver = target.receiver
         if receiver is None or not receiver.complete:
             error = f"stream ended after {target.received} of {target.size} bytes"
-            channel.send(Kind.DONE, frame.xfer, payload={"ok": False, "error": error})
+            send_control(channel, frame.xfer, Done(False, error))
             self._end(target, False, error)
             return
         try:
             checksum = receiver.finish(target.expected_crc)
         except (ChecksumMismatchError, OSError) as exc:
-            channel.send(Kind.DONE, frame.xfer, payload={"ok": False, "error": str(exc)})
+            send_control(channel, frame.xfer, Done(False, str(exc)))
             self._end(target, False, str(exc), discard=False)
             return
         self.store.note_verified(target.path)
@@ -246,7 +248,7 @@ class Targets:
                  "replica" if target.kind == "replica" else "fetched part", target.path,
                  checksum.size, checksum.value, target.peer)
         self._end(target, True, None, discard=False)
-        channel.send(Kind.DONE, frame.xfer, payload={"ok": True})
+        send_control(channel, frame.xfer, Done(True))
 
     def _stats(self, target: Target):
         if target.stats is None:  # not per chunk: the lookup scans the peer table
@@ -278,7 +280,7 @@ class BulkListener:
     host : str
         Address to bind (``""`` for every interface); the port is
         :data:`ckptd.knobs.PEER_BULK_PORT` (0: any free one).
-    identity : tuple
+    credentials : tuple
         ``(own secret, own public key, protection)`` (raw keys).
     allowed : callable
         ``allowed(raw key) -> bool``: keys the trainers named.
@@ -286,9 +288,9 @@ class BulkListener:
         Where frames go.
     """
 
-    def __init__(self, host: str, identity: tuple, allowed: Callable[[bytes], bool],
+    def __init__(self, host: str, credentials: tuple, allowed: Callable[[bytes], bool],
                  targets: Targets) -> None:
-        self._identity = identity
+        self._credentials = credentials
         self._allowed = allowed
         self.targets = targets
         try:
@@ -316,11 +318,11 @@ class BulkListener:
                              name=f"ckptd-bulk-in-{address[0]}").start()
 
     def _serve(self, sock: socket.socket, address: tuple) -> None:
-        own_secret, own_public, protection = self._identity
+        own_secret, own_public, protection = self._credentials
         try:
-            channel = Channel.accept(sock, own_secret, own_public, self._allowed, protection,
+            channel = BulkConnection.accept(sock, own_secret, own_public, self._allowed, protection,
                                      knobs.PEER_HANDSHAKE_TIMEOUT.get(), io_timeout())
-        except ChannelError as exc:
+        except BulkConnectionError as exc:
             log.warning("refused a bulk connection from %s:%d: %s", address[0], address[1], exc)
             sock.close()
             return
@@ -332,7 +334,7 @@ class BulkListener:
         try:
             while True:
                 self.targets.handle(channel, channel.receive())
-        except ChannelError as exc:
+        except BulkConnectionError as exc:
             if not channel.closed:
                 log.debug("bulk connection from %s:%d ended: %s", address[0], address[1], exc)
         except Exception:  # a bug must cost one connection, never the daemon

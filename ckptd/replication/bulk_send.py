@@ -36,7 +36,8 @@ from typing import Callable
 from ckptd import knobs
 from ckptd.checksum import combine_pieces
 from ckptd.protocol import PART_FRAME_BYTES
-from ckptd.replication.channel import Channel, ChannelError, Frame, Kind
+from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Frame, Kind
+from ckptd.replication.bulk_wire import Abort, Begin, Done, End, Ready, control_body, send_control
 from ckptd.replication.commands import Sent
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def io_timeout() -> float:
 class SendJob:
     """One part streamed to one peer.
 
-    ``begin`` is the ``BEGIN`` payload (which part, and the recorded crc32 when serving);
+    ``begin`` is the ``BEGIN`` body (which part, and the recorded crc32 when serving);
     ``expected_crc`` makes the job check the bytes it reads against that record.
     """
 
@@ -62,7 +63,7 @@ class SendJob:
     kind: str                     # "push" or "serve"
     peer: str                     # the receiver's control address (status, logs)
     source: object                # PoolItems or FileSource: .size, .frame(position), .close()
-    begin: dict
+    begin: Begin
     stats: object                 # the peer's PeerStats
     expected_crc: int | None = None
     request_id: int | None = None
@@ -97,7 +98,7 @@ class _Connection:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.channel: Channel | None = None
+        self.channel: BulkConnection | None = None
         self.inflight: dict = {}   # (xfer, item) -> job
         self.broken: str | None = None
 
@@ -116,22 +117,25 @@ class Lane:
         The peer's raw public key (its daemon must hold the secret).
     peer : str
         The peer's control address, for logs and status.
-    identity : tuple
+    credentials : tuple
         ``(own secret, own public key, protection)``.
     post : callable
         Hands a :class:`Sent` to the replicator.
     """
 
-    def __init__(self, address: tuple, peer_key: bytes, peer: str, identity: tuple,
+    def __init__(self, address: tuple, peer_key: bytes, peer: str, credentials: tuple,
                  post: Callable[[object], None]) -> None:
         self.address, self.peer_key, self.peer = address, peer_key, peer
-        self._identity = identity
+        self._credentials = credentials
         self._post = post
         self.lock = threading.Condition()
         self.queue: deque = deque()      # (job, item): item is BEGIN, END, ABORT or an offset
         self.jobs: dict[int, SendJob] = {}
         self.connections: list[_Connection] = []
         self.last_error: str | None = None
+        #: The bulk path's handler table on the sending end: frame kind -> handler.
+        self._answer_handlers = {Kind.ACK: self._on_ack, Kind.READY: self._on_ready,
+                                 Kind.DONE: self._on_outcome, Kind.ABORT: self._on_outcome}
         self.stopped = False
 
     # ------------------------------------------------------------ work (any thread)
@@ -192,12 +196,12 @@ class Lane:
                     return
                 if not self.queue:
                     continue
-            own_secret, own_public, protection = self._identity
+            own_secret, own_public, protection = self._credentials
             try:
-                channel = Channel.dial(self.address, own_secret, own_public, self.peer_key,
+                channel = BulkConnection.dial(self.address, own_secret, own_public, self.peer_key,
                                        protection, knobs.PEER_HANDSHAKE_TIMEOUT.get(),
                                        io_timeout())
-            except ChannelError as exc:
+            except BulkConnectionError as exc:
                 with self.lock:
                     self.last_error = str(exc)
                     # telling an unreachable peer that a transfer ended is best effort
@@ -213,7 +217,7 @@ class Lane:
             reader.start()
             try:
                 self._write(connection, channel)
-            except ChannelError as exc:
+            except BulkConnectionError as exc:
                 with self.lock:
                     connection.broken = connection.broken or str(exc)
             finally:
@@ -239,7 +243,7 @@ class Lane:
             self.queue = deque(w for w in self.queue if not w[0].finished or w[1] == ABORT)
             self.lock.wait(timeout=1.0)
 
-    def _write(self, connection: _Connection, channel: Channel) -> None:
+    def _write(self, connection: _Connection, channel: BulkConnection) -> None:
         while True:
             with self.lock:
                 work = self._next_item(connection)
@@ -257,13 +261,13 @@ class Lane:
                     if job.finished and job.sending == 0:
                         job.source.close()
 
-    def _send(self, channel: Channel, job: SendJob, item) -> None:
+    def _send(self, channel: BulkConnection, job: SendJob, item) -> None:
         if item == BEGIN:
-            channel.send(Kind.BEGIN, job.xfer, extra=job.size, payload=job.begin)
+            send_control(channel, job.xfer, job.begin, extra=job.size)
         elif item == ABORT:
-            channel.send(Kind.ABORT, job.xfer, payload={"error": job.abort_reason})
+            send_control(channel, job.xfer, Abort(job.abort_reason))
         elif item == END:
-            channel.send(Kind.END, job.xfer, extra=job.size, payload={"size": job.size})
+            send_control(channel, job.xfer, End(job.size), extra=job.size)
         else:
             frame = job.source.frame(item)
             if job.expected_crc is not None:  # recorded before its ACK can arrive
@@ -288,44 +292,48 @@ class Lane:
             self.lock.notify_all()
 
     # ------------------------------------------------------------ reading thread
-    def _read(self, connection: _Connection, channel: Channel) -> None:
+    def _read(self, connection: _Connection, channel: BulkConnection) -> None:
         try:
             while True:
                 frame = channel.receive()
                 with self.lock:
                     self._answer(connection, frame)
-        except ChannelError as exc:
+        except BulkConnectionError as exc:
             with self.lock:
                 connection.broken = connection.broken or str(exc)
                 self.lock.notify_all()
 
     def _answer(self, connection: _Connection, frame: Frame) -> None:
         """A receiver's answer (lock held)."""
-        job = self.jobs.get(frame.xfer)
-        if frame.kind == Kind.ACK:
-            connection.inflight.pop((frame.xfer, frame.offset), None)
-            if job is not None and frame.offset not in job.acked:
-                self._acknowledged(job, frame.offset)
-        elif frame.kind == Kind.READY:
-            connection.inflight.pop((frame.xfer, BEGIN), None)
-            body = frame.body()
-            if job is None:
-                return
-            if not body.get("ok"):
-                self.end_job(job, False, f"{self.peer} refused: {body.get('error')}")
-                return
-            job.last_progress = time.monotonic()
-            self.queue.extend((job, offset) for offset in job.offsets())
-            self._maybe_end(job)
-        elif frame.kind in (Kind.DONE, Kind.ABORT):
-            connection.inflight.pop((frame.xfer, END), None)
-            body = frame.body()
-            if job is not None:
-                ok = frame.kind == Kind.DONE and bool(body.get("ok"))
-                self.end_job(job, ok, None if ok else f"{self.peer}: {body.get('error')}")
-        else:
-            raise ChannelError(f"a receiver sent a frame of kind {frame.kind}")
+        handler = self._answer_handlers.get(frame.kind)
+        if handler is None:
+            raise BulkConnectionError(f"a receiver sent a frame of kind {frame.kind}")
+        handler(connection, frame, self.jobs.get(frame.xfer))
         self.lock.notify_all()
+
+    def _on_ack(self, connection: _Connection, frame: Frame, job: SendJob | None) -> None:
+        connection.inflight.pop((frame.xfer, frame.offset), None)
+        if job is not None and frame.offset not in job.acked:
+            self._acknowledged(job, frame.offset)
+
+    def _on_ready(self, connection: _Connection, frame: Frame, job: SendJob | None) -> None:
+        connection.inflight.pop((frame.xfer, BEGIN), None)
+        ready: Ready = control_body(frame)
+        if job is None:
+            return
+        if not ready.ok:
+            self.end_job(job, False, f"{self.peer} refused: {ready.error}")
+            return
+        job.last_progress = time.monotonic()
+        self.queue.extend((job, offset) for offset in job.offsets())
+        self._maybe_end(job)
+
+    def _on_outcome(self, connection: _Connection, frame: Frame, job: SendJob | None) -> None:
+        connection.inflight.pop((frame.xfer, END), None)
+        outcome: Done | Abort = control_body(frame)
+        if job is not None:
+            ok = isinstance(outcome, Done) and outcome.ok
+            self.end_job(job, ok, None if ok else f"{self.peer}: {outcome.error}")
 
     def _acknowledged(self, job: SendJob, offset: int) -> None:
         length = job.chunk_length(offset)
@@ -354,14 +362,14 @@ class BulkSender:
 
     Parameters
     ----------
-    identity : tuple
+    credentials : tuple
         ``(own secret, own public key, protection)`` (raw keys).
     post : callable
         Hands a :class:`Sent` to the replicator (from any thread).
     """
 
-    def __init__(self, identity: tuple, post: Callable[[object], None]) -> None:
-        self._identity = identity
+    def __init__(self, credentials: tuple, post: Callable[[object], None]) -> None:
+        self._credentials = credentials
         self._post = post
         self._lanes: dict[tuple, Lane] = {}
 
@@ -376,7 +384,7 @@ class BulkSender:
                     old.stop()
                     del self._lanes[(other, key)]
             lane = self._lanes[(address, peer_key)] = Lane(address, peer_key, peer,
-                                                           self._identity, self._post)
+                                                           self._credentials, self._post)
         lane.add(job)
 
     def jobs(self) -> list[tuple["Lane", SendJob]]:

@@ -1,9 +1,11 @@
 """The replicator's mailbox vocabulary: commands from the serve loop, events back to it,
 and what the bulk connection threads report to the replicator.
 
-Plain dataclasses that cross threads inside one process through
-:class:`ckptd.mailbox.Mailbox` (nothing is serialized). Each side dispatches on the class
-through one handler table. A holder is ``(control address, public key, bulk address)`` as
+Plain frozen dataclasses that cross threads inside one process through
+:class:`ckptd.mailbox.Mailbox`: nothing is serialized, so the sender's constructor is the
+only place a command is built and the class is its type (unlike the peer wire's bodies,
+which :mod:`.wire` and :mod:`.bulk_wire` check on arrival because they come from another
+daemon). Each side dispatches on the class through one handler table. A holder is ``(control address, public key, bulk address)`` as
 the trainers' table names it.
 """
 

@@ -25,6 +25,7 @@ from typing import Callable
 from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError, read_sidecar
 from ckptd.replication.bulk_send import BulkSender, SendJob
+from ckptd.replication.bulk_wire import Begin
 from ckptd.replication.commands import CancelPush, Push, PushDone, Sent
 from ckptd.replication.sealing import raw_key
 from ckptd.replication.streams import FileSource, PoolItems
@@ -72,8 +73,7 @@ class Outgoing:
             source = PoolItems(self.pool, command.items)
             xfer = secrets.randbits(62)
             job = SendJob(xfer, "push", address, source,
-                          {"session": part.session, "owner": part.owner,
-                           "iteration": part.iteration},
+                          Begin(part.session, part.owner, part.iteration),
                           self.transport.stats_of(address), request_id=command.request_id,
                           owner=part.owner, iteration=part.iteration)
             self._pushes[xfer] = (command.request_id, address, source.size)
@@ -124,8 +124,7 @@ class Outgoing:
             self._refuse(send, body, f"{self.transport.address}: {exc}")
             return
         job = SendJob(body.xfer, "serve", body.requester, source,
-                      {"session": body.session, "owner": body.owner,
-                       "iteration": body.iteration, "crc": recorded.value},
+                      Begin(body.session, body.owner, body.iteration, recorded.value),
                       self.transport.stats_of(body.requester), expected_crc=recorded.value,
                       owner=body.owner, iteration=body.iteration)
         self._serving[body.xfer] = path

@@ -101,12 +101,12 @@ class Replicator:
             self._pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        identity = (self.transport.raw_secret, self.transport.raw_public, self.protection)
+        credentials = (self.transport.raw_secret, self.transport.raw_public, self.protection)
         self.targets = Targets(store, self._bulk_events.post, self._peer_of_key)
-        self.listener = BulkListener(bind_host(listen), identity, self.transport.allowed_raw,
+        self.listener = BulkListener(bind_host(listen), credentials, self.transport.allowed_raw,
                                      self.targets)
         self.bulk_address = f"{self.transport.host}:{self.listener.port}"
-        sender = BulkSender(identity, self._bulk_events.post)
+        sender = BulkSender(credentials, self._bulk_events.post)
         self.outgoing = Outgoing(self.transport, store, self._pool, sender, self.events.post)
         self.incoming = Incoming(self.transport, self.targets, self.events.post,
                                  self.listener.activity)
@@ -202,9 +202,9 @@ class Replicator:
             return
         frames = sock.recv_multipart(copy=False)
         if sock is self.transport.router:
-            identity = frames[0].bytes
-            self._on_peer_message(frames[1:], self.transport.router_sender(identity),
-                                  from_router=True, peer=f"peer connection {identity.hex()}")
+            routing_id = frames[0].bytes
+            self._on_peer_message(frames[1:], self.transport.router_sender(routing_id),
+                                  from_router=True, peer=f"peer connection {routing_id.hex()}")
             return
         link = self.transport.link_of(sock)
         if link is not None:

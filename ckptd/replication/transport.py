@@ -321,9 +321,9 @@ class PeerTransport:
             return _send_multipart(link.socket, [], body, frames)
         return send
 
-    def router_sender(self, identity: bytes) -> Sender:
-        """Answer a peer that dialed us, by its connection identity."""
-        return lambda body, frames=(): _send_multipart(self.router, [identity], body, frames)
+    def router_sender(self, routing_id: bytes) -> Sender:
+        """Answer a peer that dialed us, by its connection's routing id."""
+        return lambda body, frames=(): _send_multipart(self.router, [routing_id], body, frames)
 
     # ------------------------------------------------------------ end
     def close(self) -> None:

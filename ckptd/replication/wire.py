@@ -7,7 +7,7 @@ typed :class:`ckptd.protocol.Body`, checked on arrival.
 Only small messages travel here, so a heartbeat never waits behind part bytes:
 ``PEER_PING`` / ``PEER_PONG`` are the heartbeat; ``PART_GET`` asks a holder to stream a part
 to the requester's bulk address (a fetch), and ``PART_REFUSED`` is a holder's answer when
-it cannot. Part bytes themselves go over the bulk path (:mod:`.channel`).
+it cannot. Part bytes themselves go over the bulk path (:mod:`.bulk_connection`).
 """
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ class Daemon:
     # ------------------------------------------------------------------ process-level messages
     def on_hello(self, call: Call, body: Hello) -> dict:
         """Register a trainer process."""
-        rank = self.ranks.register(call.identity, body)
+        rank = self.ranks.register(call.routing_id, body)
         log.info("rank %d registered (pid %d)", rank.rank, rank.pid)
         return {"daemon_pid": os.getpid(), "incarnation": self.incarnation,
                 "version": __version__, "pool_path": self.pool.path,
@@ -235,10 +235,10 @@ class Daemon:
     def on_goodbye(self, call: Call, body: Empty) -> dict:
         """A trainer disconnects: space reserved for copies that will never come is freed;
         writes already under way finish."""
-        rank = self.ranks.remove(call.identity)
+        rank = self.ranks.remove(call.routing_id)
         if rank is not None:
             log.info("rank %d said goodbye", rank.rank)
-            self.saves.abort_connection(call.identity, "the trainer disconnected before "
+            self.saves.abort_connection(call.routing_id, "the trainer disconnected before "
                                         "staging finished", only_unstaged=True)
             if self.cuda is not None:
                 self.cuda.forget_process(rank.pid)
@@ -263,8 +263,8 @@ class Daemon:
         for rank in self.ranks.gone():
             log.warning("rank %d (pid %d) is gone; aborting its in-flight saves", rank.rank,
                         rank.pid)
-            self.ranks.remove(rank.identity)
-            self.saves.abort_connection(rank.identity,
+            self.ranks.remove(rank.routing_id)
+            self.saves.abort_connection(rank.routing_id,
                                         f"trainer process {rank.pid} exited during the save")
             if self.cuda is not None:
                 self.cuda.forget_process(rank.pid)
@@ -291,7 +291,7 @@ class Daemon:
         """The status document ``ckptd status --json`` prints."""
         pool = self.pool
         return self.table.snapshot(
-            self.ranks.describe(lambda identity: len(self.table.of_connection(identity))),
+            self.ranks.describe(lambda routing_id: len(self.table.of_connection(routing_id))),
             version=__version__, pid=os.getpid(), incarnation=self.incarnation,
             host=host_name(), socket=self.socket_path,
             started_at=self.started_at, uptime_s=time.time() - self.started_at,

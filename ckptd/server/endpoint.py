@@ -48,8 +48,8 @@ class Call:
 
     Attributes
     ----------
-    identity : bytes
-        The client connection (ROUTER identity).
+    routing_id : bytes
+        The client connection (ROUTER routing id).
     msg_id : int
         The request's id, echoed in the answer.
     frames : list
@@ -57,7 +57,7 @@ class Call:
     """
 
     endpoint: "ClientEndpoint"
-    identity: bytes
+    routing_id: bytes
     msg_id: int
     frames: list = field(default_factory=list)
     answered: bool = False
@@ -74,7 +74,7 @@ class Call:
         if self.answered:
             return
         self.answered = True
-        self.endpoint.send(self.identity, msg_type, self.msg_id, body)
+        self.endpoint.send(self.routing_id, msg_type, self.msg_id, body)
 
 
 #: ``handler(call, body) -> reply body | DEFERRED``
@@ -110,8 +110,8 @@ class ClientEndpoint:
     def serve_one(self) -> None:
         """Receive one message and answer it (now, or later through its Call)."""
         frames = self.socket.recv_multipart(copy=False)
-        identity, payload = frames[0].bytes, frames[1:]
-        call = Call(self, identity, -1)
+        routing_id, payload = frames[0].bytes, frames[1:]
+        call = Call(self, routing_id, -1)
         try:
             message = protocol.decode([f.buffer for f in payload])
             call.msg_id, call.frames = message.id, message.frames
@@ -123,7 +123,7 @@ class ClientEndpoint:
             body_type, handler = route
             result = handler(call, body_type.from_wire(message.body))
         except (protocol.ProtocolError, RequestError) as exc:
-            log.warning("refused a message from %s: %s", identity.hex(), exc.message)
+            log.warning("refused a message from %s: %s", routing_id.hex(), exc.message)
             call.fail(exc.code, exc.message, exc.hint, **getattr(exc, "context", {}))
             return
         except Exception as exc:  # keep serving whatever one handler did
@@ -143,12 +143,12 @@ class ClientEndpoint:
             f"daemon at this socket was restarted (now incarnation {self.incarnation!r}, "
             f"pid {os.getpid()})", "saves that daemon held were lost; save them again")
 
-    def send(self, identity: bytes, msg_type: str, msg_id: int, body: dict) -> None:
+    def send(self, routing_id: bytes, msg_type: str, msg_id: int, body: dict) -> None:
         """Send one message to a client; a client that is gone is not an error."""
         try:
-            self.socket.send_multipart([identity, *protocol.encode(msg_type, msg_id, body)])
+            self.socket.send_multipart([routing_id, *protocol.encode(msg_type, msg_id, body)])
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that client is gone
-            log.info("could not reply to %s (message %d): %s", identity.hex(), msg_id, exc)
+            log.info("could not reply to %s (message %d): %s", routing_id.hex(), msg_id, exc)
 
     def close(self) -> None:
         """Close the socket."""

@@ -47,9 +47,9 @@ from ckptd.storage.roots import AllowedRoots
 log = logging.getLogger(__name__)
 
 
-def network_identity() -> str:
+def network_namespace_id() -> str:
     """Which host and network namespace this process runs in (two daemons with the same
-    identity reach each other's loopback addresses; others cannot)."""
+    id reach each other's loopback addresses; others cannot)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             machine = f.read().strip()
@@ -170,11 +170,11 @@ class LocalService:
                 "bulk_address": replicator.bulk_address if replicator else None,
                 "encryption": replicator.protection if replicator else None,
                 "local_dir": self.daemon.config.local_dir, "host": host_name(),
-                "network": network_identity(), "pid": os.getpid()}
+                "network": network_namespace_id(), "pid": os.getpid()}
 
     def on_local_session(self, call: Call, body: LocalSession) -> dict:
         """Register a session's root, its peer table and cliques."""
-        rank = self.daemon.ranks.of(call.identity)
+        rank = self.daemon.ranks.of(call.routing_id)
         if any(len(c) > 1 for c in body.cliques) and self.replicator is None:
             raise RequestError(ErrorCode.NOT_CONFIGURED,
                                f"rank {rank.rank}: replication needs peer daemons, but this "
@@ -208,7 +208,7 @@ class LocalService:
         """Every rank's save of an iteration is durable: mark it and drop older iterations
         before answering, so that when the trainer's save returns the older files are gone
         (what users of the reference API check)."""
-        rank = self.daemon.ranks.of(call.identity)
+        rank = self.daemon.ranks.of(call.routing_id)
         session = self._session(body.session)
         older = self.store.commit(session, body.iteration)
         self.resident.committed(session.session_id, body.iteration)
@@ -218,7 +218,7 @@ class LocalService:
 
     def on_local_fetch(self, call: Call, body: LocalFetch):
         """Fetch a part this node lacks from the holders, in the order the client gave."""
-        rank = self.daemon.ranks.of(call.identity)
+        rank = self.daemon.ranks.of(call.routing_id)
         session = self._session(body.session)
         if self.replicator is None:
             raise RequestError(ErrorCode.NOT_CONFIGURED,
@@ -247,7 +247,7 @@ class LocalService:
                      event.holder)
             call.reply({"path": event.path, "holder": event.holder, "tried": event.tried,
                         "moved_aside": moved_aside,
-                        "identity": self.store.verified_identity(event.path)})
+                        "identity": self.store.verified_file_identity(event.path)})
             return
         tried = "; ".join(f"{t['holder']}: {t['error']}" for t in event.tried) or "none"
         message = (f"rank {body.owner}'s part of iteration {body.iteration} (session "

@@ -20,7 +20,7 @@ from ckptd.server.endpoint import RequestError
 class RankInfo:
     """One trainer process registered with the daemon."""
 
-    identity: bytes
+    routing_id: bytes
     rank: int
     pid: int
     world_size: int
@@ -32,30 +32,30 @@ class RankInfo:
 
 
 class RankRegistry:
-    """Connections that said hello, by ROUTER identity."""
+    """Connections that said hello, by ROUTER routing id."""
 
     def __init__(self) -> None:
         self._ranks: dict[bytes, RankInfo] = {}
 
-    def register(self, identity: bytes, hello: Hello) -> RankInfo:
-        """Record (or replace) the rank behind ``identity``."""
-        rank = RankInfo(identity, hello.rank, hello.pid, hello.world_size)
-        self._ranks[identity] = rank
+    def register(self, routing_id: bytes, hello: Hello) -> RankInfo:
+        """Record (or replace) the rank behind ``routing_id``."""
+        rank = RankInfo(routing_id, hello.rank, hello.pid, hello.world_size)
+        self._ranks[routing_id] = rank
         return rank
 
-    def remove(self, identity: bytes) -> RankInfo | None:
+    def remove(self, routing_id: bytes) -> RankInfo | None:
         """Forget a connection; returns what was known of it."""
-        return self._ranks.pop(identity, None)
+        return self._ranks.pop(routing_id, None)
 
-    def of(self, identity: bytes) -> RankInfo:
-        """The rank behind ``identity``.
+    def of(self, routing_id: bytes) -> RankInfo:
+        """The rank behind ``routing_id``.
 
         Raises
         ------
         RequestError
             If that connection never said hello.
         """
-        rank = self._ranks.get(identity)
+        rank = self._ranks.get(routing_id)
         if rank is None:
             raise RequestError(ErrorCode.NOT_REGISTERED, "this connection has not said hello",
                                "call ckpt_client.connect() before saving")
@@ -69,7 +69,7 @@ class RankRegistry:
         return len(self._ranks)
 
     def describe(self, in_flight_of) -> list[dict]:
-        """Status entries, by rank; ``in_flight_of(identity)`` counts unfinished saves."""
+        """Status entries, by rank; ``in_flight_of(routing_id)`` counts unfinished saves."""
         return [{"rank": r.rank, "pid": r.pid, "alive": r.is_alive(), "world_size": r.world_size,
-                 "registered_at": r.registered_at, "requests_in_flight": in_flight_of(r.identity)}
+                 "registered_at": r.registered_at, "requests_in_flight": in_flight_of(r.routing_id)}
                 for r in sorted(self._ranks.values(), key=lambda r: r.rank)]

@@ -75,7 +75,7 @@ class SaveRequest:
 
     id: int
     rank: int
-    identity: bytes
+    routing_id: bytes
     format: str
     path: str
     buffers: list  # [dtype, shape, nbytes] in staging order
@@ -223,9 +223,9 @@ class RequestTable:
         return [r for r in (*self.requests.values(), *self._retiring.values())
                 if r.extent is not None]
 
-    def of_connection(self, identity: bytes) -> list[SaveRequest]:
+    def of_connection(self, routing_id: bytes) -> list[SaveRequest]:
         """Unfinished requests of one client connection."""
-        return [r for r in self.in_flight() if r.identity == identity]
+        return [r for r in self.in_flight() if r.routing_id == routing_id]
 
     def record_outcome(self, request: SaveRequest) -> None:
         """Count a finished request and remember its failure, if any."""

@@ -73,7 +73,7 @@ class SaveService:
         try:
             request = self._admit(call, body)
         except RequestError:
-            self.device.release_unopened(body.cuda, call.identity)
+            self.device.release_unopened(body.cuda, call.routing_id)
             raise
         if request.phase == Phase.WAITING_FOR_POOL:
             request.pending_reply = call
@@ -84,7 +84,7 @@ class SaveService:
         return self._extent_reply(request)
 
     def _admit(self, call: Call, body: Stage) -> SaveRequest:
-        rank = self.ranks.of(call.identity)
+        rank = self.ranks.of(call.routing_id)
         if self.daemon.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
                                "the save was not started; retry once a daemon is running")
@@ -121,7 +121,7 @@ class SaveService:
             raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
         offsets, length = protocol.layout_extent([b[2] for b in body.buffers])
         return SaveRequest(
-            id=self.table.new_id(), rank=rank.rank, identity=rank.identity, format=body.format,
+            id=self.table.new_id(), rank=rank.rank, routing_id=rank.routing_id, format=body.format,
             path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
             skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
             cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
@@ -133,9 +133,9 @@ class SaveService:
         return {"request_id": request.id, "offset": request.extent.offset,
                 "length": request.extent.length, "phase": request.phase}
 
-    def _own_request(self, identity: bytes, request_id) -> SaveRequest:
+    def _own_request(self, routing_id: bytes, request_id) -> SaveRequest:
         request = self.table.get(request_id)
-        if request is None or request.identity != identity:
+        if request is None or request.routing_id != routing_id:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST,
                                f"no request {request_id!r} of this connection is known",
                                "was the daemon restarted? save again")
@@ -144,7 +144,7 @@ class SaveService:
     def on_staged(self, call: Call, body: Staged):
         """The trainer copied its buffers in; answered once every byte is staged (a device
         copy of the same request may still be running), or the save failed."""
-        request = self._own_request(call.identity, body.request_id)
+        request = self._own_request(call.routing_id, body.request_id)
         if request.finished:  # e.g. its device copy failed before our STAGED arrived
             raise RequestError(request.failure_code,
                                request.error or f"request {request.id} was {request.phase}",
@@ -168,12 +168,12 @@ class SaveService:
 
     def on_poll(self, call: Call, body: Poll) -> dict:
         """Phase and results of this connection's requests."""
-        return {"requests": {rid: self._poll_entry(call.identity, rid)
+        return {"requests": {rid: self._poll_entry(call.routing_id, rid)
                              for rid in body.request_ids}}
 
-    def _poll_entry(self, identity: bytes, request_id: int) -> dict:
+    def _poll_entry(self, routing_id: bytes, request_id: int) -> dict:
         request = self.table.get(request_id)
-        if request is None or request.identity != identity:  # never another client's
+        if request is None or request.routing_id != routing_id:  # never another client's
             return {"phase": "unknown", "error": f"ckptd (pid {os.getpid()}) has no request "
                     f"{request_id}; the daemon that took it is gone"}
         return request.poll_entry()
@@ -183,7 +183,7 @@ class SaveService:
         forgotten = []
         for request_id in body.request_ids:
             request = self.table.get(request_id)
-            if request is None or request.identity != call.identity or not request.finished:
+            if request is None or request.routing_id != call.routing_id or not request.finished:
                 continue
             if body.delete_files:
                 self.remove_outputs(request)
@@ -193,9 +193,9 @@ class SaveService:
 
     def on_abort(self, call: Call, body: Abort) -> dict:
         """Drop in-flight requests of this connection."""
-        self.ranks.of(call.identity)
+        self.ranks.of(call.routing_id)
         aborted = []
-        for request in self.table.of_connection(call.identity):
+        for request in self.table.of_connection(call.routing_id):
             if body.request_ids is None or request.id in body.request_ids:
                 self.lifecycle.abort(request, "aborted by the trainer (close(abort=True))")
                 aborted.append(request.id)
@@ -203,7 +203,7 @@ class SaveService:
 
     def on_commit_file(self, call: Call, body: CommitFile):
         """Write one small file atomically; answer once it is durable."""
-        rank = self.ranks.of(call.identity)
+        rank = self.ranks.of(call.routing_id)
         try:
             path = self.roots.check(body.path)
         except PathRefusedError as exc:
@@ -226,9 +226,9 @@ class SaveService:
         return DEFERRED
 
     # ------------------------------------------------------------------ ranks that leave
-    def abort_connection(self, identity: bytes, reason: str, only_unstaged: bool = False) -> None:
+    def abort_connection(self, routing_id: bytes, reason: str, only_unstaged: bool = False) -> None:
         """Abort a connection's in-flight saves (all, or those not staged yet)."""
-        for request in self.table.of_connection(identity):
+        for request in self.table.of_connection(routing_id):
             if not only_unstaged or request.phase in (Phase.STAGING, Phase.WAITING_FOR_POOL):
                 self.lifecycle.abort(request, reason)
 
@@ -330,14 +330,14 @@ class DeviceCopies:
                                f"rank {rank}: this daemon has no CUDA device",
                                "send CPU copies through the staging pool instead")
 
-    def release_unopened(self, specs: list | None, identity: bytes) -> None:
+    def release_unopened(self, specs: list | None, routing_id: bytes) -> None:
         """Handles of a refused request: handed over, never to be opened."""
         if specs and self.cuda is not None:
-            self.cuda.release(specs, self._pid(identity))
+            self.cuda.release(specs, self._pid(routing_id))
 
-    def _pid(self, identity: bytes) -> int | None:
+    def _pid(self, routing_id: bytes) -> int | None:
         try:
-            return self.ranks.of(identity).pid
+            return self.ranks.of(routing_id).pid
         except RequestError:  # never registered: nothing of it can be held open
             return None
 
@@ -347,7 +347,7 @@ class DeviceCopies:
             return
         from ckptd.staging.cuda import CudaJob
 
-        rank = self.ranks.of(request.identity)
+        rank = self.ranks.of(request.routing_id)
         self.cuda.submit(CudaJob(request.id, request.extent.offset, request.offsets,
                                  request.buffers, request.cuda_specs, rank.pid))
 
@@ -356,7 +356,7 @@ class DeviceCopies:
         if self.cuda is None:
             return
         if request.lease is None:  # still queued for space: its copy never started
-            self.cuda.release(request.cuda_specs, self._pid(request.identity))
+            self.cuda.release(request.cuda_specs, self._pid(request.routing_id))
         else:
             self.cuda.cancel(request.id)
 

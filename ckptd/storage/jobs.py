@@ -1,16 +1,18 @@
 """The writer channel's vocabulary: what the daemon asks a writer process, and its answer.
 
-One message type per kind of file, each a typed :class:`ckptd.protocol.Body` checked on
-arrival; framed like every other ckptd message (msgpack header + raw frames) over a
-ZeroMQ PAIR socket per writer. A job names byte ranges of the staging pool as
-``[offset, nbytes, dtype, shape]`` items; ``dtype == "bytes"`` means raw bytes.
+One message type per kind of file, each a typed :class:`ckptd.protocol.body.Body`: the
+sender builds it and the receiver checks it on arrival (:data:`JOB_TYPES` in the writer,
+:data:`REPLY_TYPES` in the daemon); framed like every other ckptd message (msgpack
+header + raw frames) over a ZeroMQ PAIR socket per writer. A job names byte ranges of the
+staging pool as ``[offset, nbytes, dtype, shape]`` items; ``dtype == "bytes"`` means raw
+bytes. It must not hold handlers: each end keeps its own table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ckptd.protocol import Body
+from ckptd.protocol.body import Body
 
 #: A writer's reply to a job.
 RESULT = "result"
@@ -70,7 +72,8 @@ class WriteResult(Body, message=RESULT):
     seconds: float = 0.0
 
 
-#: Jobs a writer executes, by message type.
+#: Jobs a writer executes, by message type (besides them the daemon sends only
+#: :class:`StopWriter`).
 JOB_TYPES = {cls.message_type: cls for cls in (WriteTorch, WriteItems, WriteBytes)}
 #: What a writer may send back, by message type.
 REPLY_TYPES = {cls.message_type: cls for cls in (WriterReady, WriteResult)}

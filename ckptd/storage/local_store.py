@@ -174,7 +174,7 @@ class LocalStore:
         """Whether every rank agreed this iteration's save succeeded (marker present)."""
         return os.path.exists(os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER))
 
-    def _identity_and_cache(self, path: str) -> tuple[tuple | None, tuple | None]:
+    def _file_identity_and_cache(self, path: str) -> tuple[tuple | None, tuple | None]:
         """The file's current ``(size, mtime_ns, inode)`` (None if absent) and its cached
         verification entry."""
         try:
@@ -187,7 +187,7 @@ class LocalStore:
 
     def verify(self, path: str, use_cache: bool = True) -> bool:
         """Whether ``path`` matches its checksum record (cached per size/mtime/inode)."""
-        key, cached = self._identity_and_cache(path)
+        key, cached = self._file_identity_and_cache(path)
         if key is None:
             return False
         if use_cache and cached is not None and cached[:3] == key:
@@ -204,26 +204,26 @@ class LocalStore:
 
     def note_verified(self, path: str, ok: bool = True) -> None:
         """Record a verification done elsewhere (a part just written, received, or served)."""
-        key, _ = self._identity_and_cache(path)
+        key, _ = self._file_identity_and_cache(path)
         if key is not None:
             with self._lock:
                 self._verified[path] = (*key, ok)
 
     def cached_verification(self, path: str) -> bool | None:
         """The last verification result of ``path`` if still current, else ``None``."""
-        key, cached = self._identity_and_cache(path)
+        key, cached = self._file_identity_and_cache(path)
         return cached[3] if key is not None and cached is not None and cached[:3] == key else None
 
-    def verified_identity(self, path: str) -> list | None:
+    def verified_file_identity(self, path: str) -> list | None:
         """``[size, mtime_ns, inode]`` of ``path`` as it was verified intact (still
         current), else ``None``: a reader whose open file has this identity reads the
         very bytes that were verified."""
-        key, cached = self._identity_and_cache(path)
+        key, cached = self._file_identity_and_cache(path)
         return list(key) if key is not None and cached == (*key, True) else None
 
     def inventory(self, session: LocalSession, verify: bool = True) -> list[dict]:
         """Every clean part held for ``session``: iteration, owner, size, verified, committed;
-        with ``verify`` also its ``identity`` (see :meth:`verified_identity`).
+        with ``verify`` also its ``identity`` (see :meth:`verified_file_identity`).
 
         With ``verify=False`` (status), ``verified`` is the cached result or ``None``.
         """
@@ -233,7 +233,7 @@ class LocalStore:
             for owner in self.parts_of(session, iteration):
                 path = session.part_path(iteration, owner)
                 verified = self.verify(path) if verify else self.cached_verification(path)
-                key, cached = self._identity_and_cache(path)
+                key, cached = self._file_identity_and_cache(path)
                 if key is None:
                     continue
                 held.append({"session": session.session_id, "iteration": iteration,

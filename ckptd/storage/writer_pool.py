@@ -66,6 +66,8 @@ class WriterPool:
         self.pool_path, self.pool_size, self.log_level = pool_path, pool_size, log_level
         priority.check(knobs.WRITER_SCHED.get(), knobs.WRITER_IO_CLASS.get())
         self.journal = journal
+        #: The writer channel's handler table on this end: reply type -> handler.
+        self._reply_handlers = {WriterReady: self._on_ready, WriteResult: self._on_result}
         self._next_job_id = 1
         self._backlog: deque[WriteJob] = deque()
         self.slots: list[_WriterSlot] = []
@@ -160,13 +162,20 @@ class WriterPool:
         """Read one message from a writer's socket and complete its job."""
         slot = next(s for s in self.slots if s.socket is sock)
         msg = protocol.decode(sock.recv_multipart())
-        reply = REPLY_TYPES[msg.type].from_wire(msg.body) if msg.type in REPLY_TYPES else None
-        if isinstance(reply, WriterReady):
-            slot.ready = True
-            self._dispatch()
+        if msg.type not in REPLY_TYPES:
+            log.warning("writer %d sent a %r message, which is not a writer reply",
+                        slot.index, msg.type)
             return
-        job = slot.jobs.pop(msg.id, None)
-        if job is not None and isinstance(reply, WriteResult):
+        reply = REPLY_TYPES[msg.type].from_wire(msg.body)
+        self._reply_handlers[type(reply)](slot, msg.id, reply)
+
+    def _on_ready(self, slot: _WriterSlot, msg_id: int, reply: WriterReady) -> None:
+        slot.ready = True
+        self._dispatch()
+
+    def _on_result(self, slot: _WriterSlot, msg_id: int, reply: WriteResult) -> None:
+        job = slot.jobs.pop(msg_id, None)
+        if job is not None:
             job.on_done(job, reply)
             self._dispatch()  # a job waiting for this path (or a free writer) may go now
 
@@ -201,8 +210,9 @@ class WriterPool:
         """Ask writers to exit; kill those that do not, and remove their leftovers."""
         for slot in self.slots:
             try:
-                slot.socket.send_multipart(protocol.encode(StopWriter.message_type, 0),
-                                           flags=zmq.NOBLOCK)
+                slot.socket.send_multipart(
+                    protocol.encode(StopWriter.message_type, 0, StopWriter().to_wire()),
+                    flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         deadline = time.monotonic() + timeout

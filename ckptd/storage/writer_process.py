@@ -55,6 +55,7 @@ class Writer:
             self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        #: The writer channel's handler table: job type -> what writes its file.
         self.handlers = {WriteTorch: self.write_torch, WriteItems: self.write_items,
                          WriteBytes: self.write_bytes}
 
@@ -114,6 +115,8 @@ class Writer:
         path = msg.body.get("path") if isinstance(msg.body.get("path"), str) else None
         started = time.monotonic()
         try:
+            if msg.type not in JOB_TYPES:
+                raise ValueError(f"{msg.type!r} is not a writer job")
             job = JOB_TYPES[msg.type].from_wire(msg.body)
             done = self.handlers[type(job)](job, msg.frames)
             result = WriteResult(ok=True, path=done["path"], size=done["size"],

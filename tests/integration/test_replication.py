@@ -23,7 +23,7 @@ import peerclient
 from peerclient import register_session
 
 from ckptd import protocol
-from ckptd.replication.channel import Kind
+from ckptd.replication.bulk_wire import Abort, Ready, send_control
 from ckptd.replication.wire import PartGet, PeerPing, PeerPong
 
 
@@ -241,8 +241,8 @@ def test_unknown_key_cannot_push_or_fetch(make_nodes, tmp_path, zmq_context):
     assert protocol.decode(sock2.recv_multipart()).type == PeerPong.message_type
     channel = peerclient.dial_bulk(info, *stranger)
     try:
-        assert peerclient.push_begin(channel, 1, SESSION, 5, 9, 4) == {"ok": True}
-        channel.send(Kind.ABORT, 1, payload={"error": "test"})
+        assert peerclient.push_begin(channel, 1, SESSION, 5, 9, 4) == Ready(ok=True)
+        send_control(channel, 1, Abort("test"))
     finally:
         channel.close()
 

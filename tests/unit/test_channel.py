@@ -18,11 +18,11 @@ def test_threads_sharing_a_channel_each_get_their_own_reply():
         pending = []
         while not stop.is_set():
             if server.poll(20):
-                identity, *frames = server.recv_multipart()
-                pending.append((identity, protocol.decode(frames)))
+                routing_id, *frames = server.recv_multipart()
+                pending.append((routing_id, protocol.decode(frames)))
             elif pending:
-                for identity, msg in reversed(pending):
-                    server.send_multipart([identity, *protocol.encode(
+                for routing_id, msg in reversed(pending):
+                    server.send_multipart([routing_id, *protocol.encode(
                         "reply", msg.id, {"echo": msg.body["n"]})])
                 pending.clear()
 

@@ -46,13 +46,13 @@ class Ledger:
         self.table.record_outcome(request)
 
     def snapshot(self, **fields) -> dict:
-        in_flight = lambda identity: len(self.table.of_connection(identity))
+        in_flight = lambda routing_id: len(self.table.of_connection(routing_id))
         return self.table.snapshot(self.ranks.describe(in_flight), **fields)
 
 
 def request(ledger: Ledger, phase: str, nbytes: int, written: int = 0, rank: int = 0,
             created: float = 1000.0, duration: float | None = None) -> SaveRequest:
-    r = SaveRequest(id=ledger.table.new_id(), rank=rank, identity=b"id%d" % rank,
+    r = SaveRequest(id=ledger.table.new_id(), rank=rank, routing_id=b"id%d" % rank,
                     format="torch", path=f"/ckpt/{rank}.pt", buffers=[["uint8", [nbytes], nbytes]],
                     offsets=[0], extent_length=nbytes, phase=phase, bytes_written=written,
                     created_at=created)

@@ -19,9 +19,10 @@ import zmq
 from ckptd import knobs
 from ckptd.checksum import read_sidecar
 from ckptd.protocol import PART_FRAME_BYTES
+from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError
 from ckptd.replication.bulk_receive import BulkListener, Target, Targets
 from ckptd.replication.bulk_send import BulkSender, SendJob
-from ckptd.replication.channel import Channel, ChannelError
+from ckptd.replication.bulk_wire import Begin
 from ckptd.replication.commands import Received, Sent
 from ckptd.replication.sealing import raw_key
 from ckptd.replication.transport import PeerStats
@@ -32,7 +33,7 @@ from conftest import wait_for
 TIMEOUT = 60.0
 
 
-def identity(protection="aes-256-gcm"):
+def credentials(protection="aes-256-gcm"):
     public, secret = zmq.curve_keypair()
     return raw_key(secret), raw_key(public), protection
 
@@ -75,7 +76,7 @@ class Events:
 
 @pytest.fixture(params=["aes-256-gcm", "none"])
 def pair(request, tmp_path):
-    a, b = identity(request.param), identity(request.param)
+    a, b = credentials(request.param), credentials(request.param)
     store = LocalStore(AllowedRoots.of([str(tmp_path)]))
     session = store.register("s", str(tmp_path / "b"))
     events = Events()
@@ -90,8 +91,7 @@ def pair(request, tmp_path):
 
 
 def push(sender, listener, b, source, xfer=1, owner=0, iteration=3):
-    job = SendJob(xfer, "push", "node-b", source, {"session": "s", "owner": owner,
-                                                  "iteration": iteration}, PeerStats())
+    job = SendJob(xfer, "push", "node-b", source, Begin("s", owner, iteration), PeerStats())
     sender.send(f"127.0.0.1:{listener.port}", b[1], "node-b", job)
     return job
 
@@ -132,7 +132,7 @@ def test_a_holder_whose_copy_changed_never_completes_it(pair):
     path = session.part_path(4, 1)
     targets.expect(Target(9, "fetch", path, a[1], "node-a", 1, 4))
     job = SendJob(9, "serve", "node-b", BytesSource(data),
-                  {"session": "s", "owner": 1, "iteration": 4, "crc": 1234}, PeerStats(),
+                  Begin("s", 1, 4, 1234), PeerStats(),
                   expected_crc=1234)
     sender.send(f"127.0.0.1:{listener.port}", b[1], "node-b", job)
     sent, received = events.next(Sent), events.next(Received)
@@ -148,7 +148,7 @@ def test_a_fetched_part_is_checked_against_the_holders_record(pair):
     targets.expect(Target(11, "fetch", path, a[1], "node-a", 2, 5))
     # the holder's bytes were damaged where it did not look: its record says otherwise
     job = SendJob(11, "serve", "node-b", BytesSource(data),
-                  {"session": "s", "owner": 2, "iteration": 5, "crc": zlib.crc32(data) ^ 1},
+                  Begin("s", 2, 5, zlib.crc32(data) ^ 1),
                   PeerStats())
     sender.send(f"127.0.0.1:{listener.port}", b[1], "node-b", job)
     received = events.next(Received)
@@ -157,13 +157,13 @@ def test_a_fetched_part_is_checked_against_the_holders_record(pair):
 
 def test_unknown_keys_and_impostors_get_no_answer(pair):
     a, b, session, events, targets, listener, sender = pair
-    stranger = identity(a[2])
+    stranger = credentials(a[2])
     address = ("127.0.0.1", listener.port)
-    with pytest.raises(ChannelError, match="closed after 0"):  # not a byte of answer
-        Channel.dial(address, stranger[0], stranger[1], b[1], a[2], 10.0)
+    with pytest.raises(BulkConnectionError, match="closed after 0"):  # not a byte of answer
+        BulkConnection.dial(address, stranger[0], stranger[1], b[1], a[2], 10.0)
     # an impostor naming A's (public) key cannot derive the connection keys ...
-    with pytest.raises(ChannelError, match="could not prove"):
-        Channel.dial(address, stranger[0], a[1], b[1], a[2], 10.0)
+    with pytest.raises(BulkConnectionError, match="could not prove"):
+        BulkConnection.dial(address, stranger[0], a[1], b[1], a[2], 10.0)
     # ... and a made-up proof gets it disconnected before any frame is read
     import socket
     import struct
@@ -178,9 +178,9 @@ def test_unknown_keys_and_impostors_get_no_answer(pair):
         except ConnectionResetError:
             pass
     other = "none" if a[2] != "none" else "aes-256-gcm"
-    with pytest.raises(ChannelError):  # the job's key, but another protection choice
-        Channel.dial(address, a[0], a[1], b[1], other, 10.0)
-    Channel.dial(address, a[0], a[1], b[1], a[2], 10.0).close()
+    with pytest.raises(BulkConnectionError):  # the job's key, but another protection choice
+        BulkConnection.dial(address, a[0], a[1], b[1], other, 10.0)
+    BulkConnection.dial(address, a[0], a[1], b[1], a[2], 10.0).close()
 
 
 def test_a_receiver_without_progress_gives_up_but_a_slow_sender_is_progress(pair):

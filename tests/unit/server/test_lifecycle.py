@@ -87,7 +87,7 @@ def pool(tmp_path):
 
 
 def make(table: RequestTable, nbytes: int = UNIT) -> SaveRequest:
-    return SaveRequest(id=table.new_id(), rank=0, identity=b"c", format="dcp", path="/ckpt/x",
+    return SaveRequest(id=table.new_id(), rank=0, routing_id=b"c", format="dcp", path="/ckpt/x",
                        buffers=[["uint8", [nbytes], nbytes]], offsets=[0], extent_length=nbytes)
 
 

@@ -15,7 +15,7 @@ from test_lifecycle import UNIT, Effects, pool  # noqa: F401 (fixture)
 
 
 def local(table: RequestTable, iteration: int, nbytes: int = UNIT, rank: int = 0) -> SaveRequest:
-    return SaveRequest(id=table.new_id(), rank=rank, identity=b"c", format="local",
+    return SaveRequest(id=table.new_id(), rank=rank, routing_id=b"c", format="local",
                        path=f"/l/iter_{iteration}/rank_{rank}.part",
                        buffers=[["bytes", [64], 64], ["uint8", [nbytes - 128], nbytes - 128]],
                        offsets=[0, 64], extent_length=nbytes, session="s", iteration=iteration)
@@ -76,7 +76,7 @@ def test_failed_saves_never_stay_and_the_tier_can_be_switched_off(pool):
         off = local(table, 2)
         save(life, off)
     assert off.lease.released and resident.describe()["parts"] == 0
-    dcp = SaveRequest(id=table.new_id(), rank=0, identity=b"c", format="dcp", path="/x",
+    dcp = SaveRequest(id=table.new_id(), rank=0, routing_id=b"c", format="dcp", path="/x",
                       buffers=[["uint8", [UNIT], UNIT]], offsets=[0], extent_length=UNIT)
     save(life, dcp)
     assert dcp.lease.released, "only local parts are kept"

@@ -61,6 +61,13 @@ def test_a_malformed_job_is_a_failed_result_not_a_dead_writer(writer):
     assert not result.ok and "needs 'name'" in result.error
 
 
+def test_a_message_that_is_no_job_is_a_failed_result(writer):
+    message = protocol.decode(protocol.encode("write_everything", 4, {"path": "/x"}))
+    result = writer.execute(message)
+    assert not result.ok and "'write_everything' is not a writer job" in result.error
+    assert result.path == "/x"
+
+
 def test_hostile_bytes_on_the_writer_channel_are_answered_not_fatal(writer, tmp_path):
     import threading
 

@@ -56,7 +56,7 @@ class Kind:
     ALL = CONTROL + (CHUNK, ACK)
 
 
-class ChannelError(Exception):
+class BulkConnectionError(Exception):
     """The connection broke, or the other end sent something this end refuses."""
 
 
@@ -75,15 +75,15 @@ class Frame:
 
         Raises
         ------
-        ChannelError
+        BulkConnectionError
             If it is not a map (a peer that sends garbage is disconnected).
         """
         try:
             value = protocol.unpack_value(bytes(self.payload))
         except Exception as exc:  # whatever msgpack raises for hostile bytes
-            raise ChannelError(f"undecodable frame payload: {exc}") from None
+            raise BulkConnectionError(f"undecodable frame payload: {exc}") from None
         if not isinstance(value, dict):
-            raise ChannelError("a control frame's payload must be a map")
+            raise BulkConnectionError("a control frame's payload must be a map")
         return value
 
 
@@ -92,7 +92,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, moved=None) -> None:
     while got < len(view):
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ChannelError(f"connection closed after {got} of {len(view)} bytes")
+            raise BulkConnectionError(f"connection closed after {got} of {len(view)} bytes")
         got += n
         if moved is not None:
             moved()
@@ -124,7 +124,7 @@ def _send_all(sock: socket.socket, buffers: list, moved=None) -> None:
                 sent = 0
 
 
-class Channel:
+class BulkConnection:
     """An authenticated bulk connection (see the module docstring).
 
     Use :meth:`dial` or :meth:`accept` to make one.
@@ -165,7 +165,7 @@ class Channel:
     # ------------------------------------------------------------ making one
     @classmethod
     def dial(cls, address: tuple, own_secret: bytes, own_public: bytes, peer_public: bytes,
-             protection: str, timeout: float, io_timeout: float | None = None) -> "Channel":
+             protection: str, timeout: float, io_timeout: float | None = None) -> "BulkConnection":
         """Connect to a peer's bulk listener and authenticate both ends.
 
         ``timeout`` bounds connecting and the handshake; afterwards the connection is
@@ -176,13 +176,13 @@ class Channel:
 
         Raises
         ------
-        ChannelError
+        BulkConnectionError
             If the peer cannot be reached or the handshake fails.
         """
         try:
             sock = socket.create_connection(address, timeout=timeout)
         except OSError as exc:
-            raise ChannelError(f"cannot reach {address[0]}:{address[1]}: {exc}") from None
+            raise BulkConnectionError(f"cannot reach {address[0]}:{address[1]}: {exc}") from None
         try:
             salt_c = new_salt()
             hello = _HELLO.pack(MAGIC, PROTECTIONS.index(protection), own_public, peer_public,
@@ -200,15 +200,15 @@ class Channel:
             _tune(sock, io_timeout)
             sock.settimeout(None)
             return channel
-        except (OSError, ChannelError, AuthenticationError) as exc:
+        except (OSError, BulkConnectionError, AuthenticationError) as exc:
             sock.close()
-            raise ChannelError(f"bulk handshake with {address[0]}:{address[1]} failed: "
+            raise BulkConnectionError(f"bulk handshake with {address[0]}:{address[1]} failed: "
                                f"{exc}") from None
 
     @classmethod
     def accept(cls, sock: socket.socket, own_secret: bytes, own_public: bytes,
                allowed, protection: str, timeout: float,
-               io_timeout: float | None = None) -> "Channel":
+               io_timeout: float | None = None) -> "BulkConnection":
         """Authenticate a connection a peer opened to this daemon's bulk listener.
 
         Parameters
@@ -218,7 +218,7 @@ class Channel:
 
         Raises
         ------
-        ChannelError
+        BulkConnectionError
             If the client is not one of this job's daemons (it gets no answer at all).
         """
         try:
@@ -227,16 +227,16 @@ class Channel:
             _recv_exact(sock, hello)
             magic, choice, client_public, server_public, salt_c = _HELLO.unpack(hello)
             if magic != MAGIC:
-                raise ChannelError("not a ckptd bulk connection")
+                raise BulkConnectionError("not a ckptd bulk connection")
             if choice >= len(PROTECTIONS) or PROTECTIONS[choice] != protection:
-                raise ChannelError(f"the peer protects bulk bytes with "
-                                   f"{PROTECTIONS[choice] if choice < len(PROTECTIONS) else choice!r}"
-                                   f", this daemon with {protection!r}: start every daemon of "
-                                   "the job with the same --peer-encryption")
+                theirs = PROTECTIONS[choice] if choice < len(PROTECTIONS) else choice
+                raise BulkConnectionError(f"the peer protects bulk bytes with {theirs!r}, this "
+                                          f"daemon with {protection!r}: start every daemon of "
+                                          "the job with the same --peer-encryption")
             if server_public != own_public:
-                raise ChannelError("the peer dialed another key (an earlier daemon here)")
+                raise BulkConnectionError("the peer dialed another key (an earlier daemon here)")
             if not allowed(client_public):
-                raise ChannelError("unknown key: not one of this job's daemons")
+                raise BulkConnectionError("unknown key: not one of this job's daemons")
             salt_s = new_salt()
             c2s, s2c = connection_keys(shared_secret(own_secret, client_public),
                                        salt_c + salt_s, client_public, own_public, protection)
@@ -251,7 +251,7 @@ class Channel:
             sock.settimeout(None)
             return channel
         except (OSError, AuthenticationError) as exc:
-            raise ChannelError(str(exc)) from None
+            raise BulkConnectionError(str(exc)) from None
 
     # ------------------------------------------------------------ frames
     def send(self, kind: int, xfer: int, offset: int = 0, extra: int = 0, payload=b"") -> None:
@@ -259,7 +259,7 @@ class Channel:
 
         Raises
         ------
-        ChannelError
+        BulkConnectionError
             If the connection broke.
         """
         if isinstance(payload, dict):
@@ -270,14 +270,14 @@ class Channel:
                 scratch = self._buffer("seal", len(payload) + TAG_BYTES)
                 _send_all(self.sock, self._out.seal(header, payload, scratch), self._moved)
         except OSError as exc:
-            raise ChannelError(f"sending failed: {exc}") from None
+            raise BulkConnectionError(f"sending failed: {exc}") from None
 
     def receive(self) -> Frame:
         """Receive and open the next frame (one reading thread per connection).
 
         Raises
         ------
-        ChannelError
+        BulkConnectionError
             If the connection broke, or a frame is malformed or fails authentication.
         """
         try:
@@ -285,14 +285,14 @@ class Channel:
             kind, _, _, length, xfer, offset, extra = _HEADER.unpack(self._head)
             limit = PART_FRAME_BYTES if kind == Kind.CHUNK else MAX_CONTROL_PAYLOAD
             if kind not in Kind.ALL or length > limit:
-                raise ChannelError(f"refused a frame of kind {kind} with {length} bytes")
+                raise BulkConnectionError(f"refused a frame of kind {kind} with {length} bytes")
             body = self._buffer("body", self._in.body_size(length))
             _recv_exact(self.sock, body, self._moved)
             payload = self._in.open(bytes(self._head), body, self._buffer("plain", length))
         except OSError as exc:
-            raise ChannelError(f"receiving failed: {exc}") from None
+            raise BulkConnectionError(f"receiving failed: {exc}") from None
         except AuthenticationError as exc:
-            raise ChannelError(str(exc)) from None
+            raise BulkConnectionError(str(exc)) from None
         return Frame(kind, xfer, offset, extra, payload)
 
     def close(self) -> None:
