@@ -193,9 +193,9 @@ class _DaemonRunner:
         for save in self.saves:
             save.forget(delete_files=failed)
 
-    def abort(self) -> None:
+    def abort(self, reason: str) -> None:
         for save in self.saves:
-            save.abort()
+            save.abort(reason)
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ class _ProcessRunner:
     def cleanup(self, failed: bool) -> None:
         self._receive.close()
 
-    def abort(self) -> None:
+    def abort(self, reason: str) -> None:
         if self.process.is_alive():
             self.process.terminate()  # SIGTERM first, as the reference: let it clean up
             self.process.join(self._sigterm_timeout)
@@ -296,7 +296,7 @@ class _NoopRunner:
     def cleanup(self, failed: bool) -> None:
         pass
 
-    def abort(self) -> None:
+    def abort(self, reason: str) -> None:
         pass
 
 
@@ -451,9 +451,13 @@ class AsyncCallsQueue:
         if not abort:
             self.maybe_finalize_async_calls(blocking=True)
             return
+        self._abort_all("the trainer called AsyncCallsQueue.close(abort=True)")
+
+    def _abort_all(self, reason: str) -> None:
+        """Drop every in-flight call; ``reason`` is what the daemon logs for each save."""
         while self._active:
             call = self._active.popleft()
-            call.runner.abort()
+            call.runner.abort(reason)
 
     def __del__(self) -> None:
         if getattr(self, "_active", None):
@@ -479,7 +483,7 @@ def abort_async_checkpoints() -> None:
     unlike the reference, nothing needs restarting afterwards (the daemon keeps running).
     """
     for queue in list(_live_queues):
-        queue.close(abort=True)
+        queue._abort_all("the trainer called abort_async_checkpoints()")
 
 
 #: The reference API's name for :func:`abort_async_checkpoints`.

@@ -199,7 +199,8 @@ class DaemonStorageWriter(_StorageWriterBase):
                                    zero_stall=zero_stall))
             except BaseException:
                 for earlier in saves:  # a save is whole or nothing: drop the chunks before
-                    earlier.abort()
+                    earlier.abort(f"chunk {len(saves) + 1} of {len(chunks)} of the same save "
+                                  "could not be staged (its error reaches the trainer)")
                 raise
             saves[-1].items = members  # plan item index of each staged buffer
         return tuple(saves)
@@ -403,18 +404,22 @@ class _EarlyStaging:
         if (final_plan.storage_data != self.plan.storage_data
                 or [i.index for i in final_plan.items] != [i.index for i in self.plan.items]):
             _plans_that_moved_items.add(self.key)
-            return self._abort()
+            return self._abort("early staging dropped: the global plan differs from the "
+                               "local one (items deduplicated or moved to another rank); "
+                               "the final plan is staged instead")
         if not zero_stall:
             try:
                 for save in self.saves:
                     save.wait_staged()
-            except CheckpointException:
-                return self._abort()  # staged again, to fail exactly as a direct save does
+            except CheckpointException as exc:
+                # staged again, to fail exactly as a direct save does
+                return self._abort(f"early staging failed ({exc}); the final plan is "
+                                   "staged again to report the failure as a direct save does")
         return self.saves
 
-    def _abort(self) -> None:
+    def _abort(self, reason: str) -> None:
         for save in self.saves:
-            save.abort()
+            save.abort(reason)
         return None
 
 

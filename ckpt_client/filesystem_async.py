@@ -183,9 +183,9 @@ class _DaemonWriteRunner:
     def cleanup(self, failed: bool) -> None:
         self.staged.save.forget(delete_files=bool(self._error))
 
-    def abort(self) -> None:
-        self.staged.save.abort()
-        self.results.put("the save was aborted (AsyncCallsQueue.close(abort=True))")
+    def abort(self, reason: str) -> None:
+        self.staged.save.abort(reason)
+        self.results.put(f"the save was aborted: {reason}")
 
 
 class _HelperWriteRunner:
@@ -211,9 +211,9 @@ class _HelperWriteRunner:
     def cleanup(self, failed: bool) -> None:
         self._inner.cleanup(failed)
 
-    def abort(self) -> None:
-        self._inner.abort()
-        self.results.put("the save was aborted (AsyncCallsQueue.close(abort=True))")
+    def abort(self, reason: str) -> None:
+        self._inner.abort(reason)
+        self.results.put(f"the save was aborted: {reason}")
 
 
 def write_files(open_file: Callable, buckets: list, rank: int) -> WriteResultList | str:
@@ -279,7 +279,7 @@ class _SaveFunction:
         if self.is_multiproc_io and options.daemonic:
             log.error("rank %d: %s", rank, INVALID_SETUP)
             if isinstance(staged, _StagedWrite):
-                staged.save.abort()
+                staged.save.abort(f"the save was set up wrongly: {INVALID_SETUP}")
             results.put(f"rank {rank}: {INVALID_SETUP}")
             return _NoopRunner()  # ended before it started: nothing to poll or stop
         if self.open_file is not None:

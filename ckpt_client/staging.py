@@ -156,8 +156,10 @@ class DaemonSave:
         except (DaemonUnavailableError, DaemonRequestError):
             pass  # a daemon that is gone keeps nothing to forget
 
-    def abort(self) -> None:
+    def abort(self, reason: str) -> None:
         """Drop the request at the daemon (in-flight writes are discarded).
+
+        ``reason`` (what made the trainer drop it) is what the daemon logs.
 
         Returns at once: a write already under way finishes, and the daemon removes its
         file; a later save of the same path is written only after that (the writer pool
@@ -167,8 +169,8 @@ class DaemonSave:
         self._cancelled = True
         if self.request_id is not None:
             try:
-                self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id]},
-                                     timeout=5.0)
+                self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id],
+                                                         "reason": reason}, timeout=5.0)
             except (DaemonUnavailableError, DaemonRequestError):
                 pass
         self.forget(delete_files=True)
@@ -195,7 +197,7 @@ class RefusedSave:
     def forget(self, delete_files: bool) -> None:
         """Nothing was staged: nothing to forget."""
 
-    def abort(self) -> None:
+    def abort(self, reason: str) -> None:
         """Nothing was staged: nothing to abort."""
 
 
@@ -308,8 +310,9 @@ class _StagingJob:
                 raise InterruptedError("the save was aborted while it was staged")
             offsets, _ = protocol.layout_extent([b[2] for b in buffers])
             _copier(connection).copy(reply["offset"], offsets, buffers, self.sources, ours)
-        except BaseException:
-            save.abort()
+        except BaseException as exc:
+            save.abort(f"the trainer's copy into the staging pool failed: "
+                       f"{type(exc).__name__}: {exc}")
             raise
         try:
             staged = connection.call(MessageType.STAGED, {"request_id": save.request_id},

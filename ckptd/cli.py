@@ -27,6 +27,16 @@ def parse_size(text: str) -> int:
         raise click.BadParameter(str(exc)) from None
 
 
+def knob_default(knob: knobs.Knob) -> str:
+    """What ``--help`` shows as the default of an option a knob backs.
+
+    The option's default is the knob's ``get`` (read when the command runs, so the
+    environment applies); click would print that bound method's repr, so the text is
+    given here: the built-in value and the variable that overrides it.
+    """
+    return f"{knob.default}, or ${knob.env}"
+
+
 @click.group()
 @click.version_option(__version__, prog_name="ckptd")
 def main() -> None:
@@ -42,10 +52,11 @@ def main() -> None:
                    "current directory).")
 @click.option("--local-dir", type=click.Path(), default=None,
               help="Node-local directory for local checkpoints and replicas.")
-@click.option("--pool-size", default=knobs.POOL_SIZE.get, show_default=knobs.POOL_SIZE.default,
+@click.option("--pool-size", default=knobs.POOL_SIZE.get,
+              show_default=knob_default(knobs.POOL_SIZE),
               help="Shared-memory staging pool size (e.g. 512M, 8G; env CKPTD_POOL_SIZE).")
 @click.option("--writers", type=click.IntRange(1, 64), default=knobs.WRITERS.get,
-              show_default=knobs.WRITERS.default, help="Number of writer processes.")
+              show_default=knob_default(knobs.WRITERS), help="Number of writer processes.")
 @click.option("--peer-listen", default=None,
               help="tcp address to listen for peer daemons on, e.g. tcp://10.0.0.5:7740 "
                    "(tcp://0.0.0.0:PORT: every interface, advertising an interface address).")
@@ -53,7 +64,7 @@ def main() -> None:
               help="Address other nodes reach this daemon at (default: the --peer-listen "
                    "host, or for 0.0.0.0 the first non-loopback interface address).")
 @click.option("--peer-encryption", type=click.Choice(["aes-256-gcm", "none"]),
-              default=knobs.PEER_ENCRYPTION.get, show_default=knobs.PEER_ENCRYPTION.default,
+              default=knobs.PEER_ENCRYPTION.get, show_default=knob_default(knobs.PEER_ENCRYPTION),
               help="Protection of part bytes between daemons: AES-256-GCM, or none (bytes in "
                    "clear, still authenticated per chunk). Same on every node of a job.")
 @click.option("--log-level", default="INFO", show_default=True,
@@ -63,7 +74,7 @@ def main() -> None:
 @click.option("--exit-when-idle", type=float, default=None,
               help="Exit after this many seconds with no trainers and no saves.")
 @click.option("--drain-timeout", type=float, default=knobs.DRAIN_TIMEOUT.get,
-              show_default=knobs.DRAIN_TIMEOUT.default,
+              show_default=knob_default(knobs.DRAIN_TIMEOUT),
               help="On SIGTERM, seconds to let in-flight writes finish before abandoning them.")
 @click.option("--metrics-textfile", type=click.Path(dir_okay=False), default=None,
               help="Keep Prometheus metrics in this file (node-exporter textfile collector; "

@@ -113,9 +113,16 @@ class Forget(Body, message="forget"):
 
 
 class Abort(Body, message="abort"):
-    """Drop in-flight requests of this connection (all of them when ``request_ids`` is None)."""
+    """Drop in-flight requests of this connection (all of them when ``request_ids`` is None).
+
+    ``reason`` says what made the trainer drop them (``close(abort=True)``, an early
+    staging the final plan did not match, a failed copy...): the daemon logs it, so an
+    operator reads the real cause, not a guess.
+    """
 
     request_ids: list[int] | None = None
+    reason: str = check(lambda r: 0 < len(r) <= 1000, "a non-empty reason of at most 1000 "
+                        "characters", "the trainer gave no reason (an older ckpt_client)")
 
 
 class CommitFile(Body, message="commit_file"):

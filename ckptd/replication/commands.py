@@ -58,6 +58,7 @@ class CancelPush:
     """Stop the pushes of an aborted save (each answers with a failed :class:`PushDone`)."""
 
     request_id: int
+    reason: str = "the save ended"  # why: each push's failure names it
 
 
 @dataclass(frozen=True)

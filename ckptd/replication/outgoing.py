@@ -85,7 +85,7 @@ class Outgoing:
     def cancel(self, command: CancelPush) -> None:
         """Stop the pushes of an aborted save (each still reports its outcome)."""
         self.sender.cancel(lambda job: job.kind == "push" and job.request_id == command.request_id,
-                           "the save was aborted")
+                           f"the save was stopped: {command.reason}")
 
     def on_sent(self, event: Sent) -> None:
         """A push or a served copy ended."""

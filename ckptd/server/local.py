@@ -310,7 +310,7 @@ class LocalService:
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop a save's pushes (they answer with failed outcomes)."""
         if self.replicator is not None:
-            self.replicator.command(CancelPush(request.id))
+            self.replicator.command(CancelPush(request.id, request.error or request.phase))
 
     # ------------------------------------------------------------------ status
     def status_sections(self) -> dict:

@@ -197,7 +197,7 @@ class SaveService:
         aborted = []
         for request in self.table.of_connection(call.routing_id):
             if body.request_ids is None or request.id in body.request_ids:
-                self.lifecycle.abort(request, "aborted by the trainer (close(abort=True))")
+                self.lifecycle.abort(request, f"dropped by the trainer: {body.reason}")
                 aborted.append(request.id)
         return {"aborted": aborted}
 

@@ -176,6 +176,11 @@ def test_early_staging_is_dropped_when_the_global_plan_moves_items_and_then_not_
                                       if r["path"] in mine)
     assert sorted(saves_per_rank_and_path.values()) == [1, 1, 1, 1, 1, 2], (
         "exactly one rank's first early staging is dropped, then no more")
+    # The daemon's log names the real cause of the drop, not a close() nobody called.
+    log = daemon.log()
+    assert "close(abort=True)" not in log, log
+    if any(r["phase"] == "aborted" for r in daemon.status()["requests"]):
+        assert "dropped by the trainer: early staging dropped: the global plan differs" in log
     for step in (1, 2, 3):
         directory = os.path.join(daemon.roots[0], f"r{step}")
         metadata = FileSystemReader(directory).read_metadata()
