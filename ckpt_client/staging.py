@@ -170,7 +170,7 @@ class DaemonSave:
         if self.request_id is not None:
             try:
                 self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id],
-                                                         "reason": reason}, timeout=5.0)
+                                                         "reason": reason[:1000]}, timeout=5.0)
             except (DaemonUnavailableError, DaemonRequestError):
                 pass
         self.forget(delete_files=True)
