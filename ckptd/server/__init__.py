@@ -1,7 +1,8 @@
 """The serve loop: the daemon process and everything that runs on its one thread.
 
-- ``daemon``     composition root: start, readiness, housekeeping, drain and stop; the
-                 process-level messages (hello, goodbye, ping, status);
+- ``daemon``     composition root: start, readiness, housekeeping, drain and stop;
+- ``process_messages`` the process-level messages (hello, goodbye, ping, status), the
+                 status document, and the saves of trainers that are gone;
 - ``config``     ``ckptd serve``'s options and their defaults;
 - ``loop``       the reactor that polls every socket of the daemon;
 - ``endpoint``   the client socket, its handler table, and the :class:`Call` handle that

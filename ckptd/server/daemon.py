@@ -4,9 +4,10 @@ Owns the process's life: it creates the socket directory, the staging pool, the 
 processes, the CUDA stager (when there is a GPU), the local-checkpoint service (and its
 replicator), binds the client endpoint, announces readiness, serves until SIGTERM (or the
 idle timeout), drains in-flight saves for at most ``--drain-timeout``, and cleans up.
-It answers the process-level messages itself (``hello``, ``goodbye``, ``ping``,
-``status``) and runs the housekeeping tick: dead writers are replaced, the saves of
-trainers that died are aborted, unclaimed results are dropped, metrics are exported.
+It routes every client message to the service that answers it (process-level messages:
+:mod:`ckptd.server.process_messages`; saves; local checkpoints) and runs the housekeeping
+tick: dead writers are replaced, the saves of trainers that died are aborted, unclaimed
+results are dropped, metrics are exported.
 
 Pattern: composition root. Everything that runs is registered on one
 :class:`~ckptd.server.loop.EventLoop`; the components own their state.
@@ -24,14 +25,15 @@ import zmq
 
 from ckptd import __version__, knobs, protocol
 from ckptd.metrics import MetricsExporter
-from ckptd.protocol import Empty, Hello, MessageType
+from ckptd.protocol import Empty, MessageType
 from ckptd.readiness import announce_ready, announce_stopping
 from ckptd.server.config import DaemonConfig
-from ckptd.server.endpoint import Call, ClientEndpoint
+from ckptd.server.endpoint import ClientEndpoint
 from ckptd.server.local import LocalService
 from ckptd.server.loop import EventLoop
+from ckptd.server.process_messages import ProcessMessages
 from ckptd.server.ranks import RankRegistry
-from ckptd.server.requests import RequestTable, host_name
+from ckptd.server.requests import RequestTable
 from ckptd.server.saves import SaveService
 from ckptd.staging import numa
 from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
@@ -68,6 +70,7 @@ class Daemon:
         self.incarnation = secrets.token_hex(8)
         self.stopping_since: float | None = None
         self.idle_since: float | None = time.monotonic()
+        self.process = ProcessMessages(self)
         self.saves = SaveService(self)
         self.local = LocalService(self)
         self.loop = EventLoop()
@@ -142,12 +145,9 @@ class Daemon:
 
     def _wire_endpoint(self) -> None:
         self.endpoint = ClientEndpoint(self.context, self.incarnation)
-        self.endpoint.route(Hello, self.on_hello)
-        for message_type, handler in ((MessageType.GOODBYE, self.on_goodbye),
-                                      (MessageType.PING, self.on_ping),
-                                      (MessageType.STATUS, self.on_status),
-                                      (MessageType.PEER_INFO, self.local.on_peer_info)):
-            self.endpoint.route(Empty, handler, message_type)
+        for message_type, (body_type, handler) in self.process.routes().items():
+            self.endpoint.route(body_type, handler, message_type)
+        self.endpoint.route(Empty, self.local.on_peer_info, MessageType.PEER_INFO)
         for routes in (self.saves.routes(), self.local.routes()):
             for body_type, handler in routes.items():
                 self.endpoint.route(body_type, handler)
@@ -221,37 +221,6 @@ class Daemon:
             pass
         log.info("stopped")
 
-    # ------------------------------------------------------------------ process-level messages
-    def on_hello(self, call: Call, body: Hello) -> dict:
-        """Register a trainer process."""
-        rank = self.ranks.register(call.routing_id, body)
-        log.info("rank %d registered (pid %d)", rank.rank, rank.pid)
-        return {"daemon_pid": os.getpid(), "incarnation": self.incarnation,
-                "version": __version__, "pool_path": self.pool.path,
-                "pool_size": self.pool.size, "writers": self.config.writers,
-                "host": host_name(), "cuda": self.cuda is not None,
-                "cuda_devices": sorted(self.cuda.devices) if self.cuda is not None else []}
-
-    def on_goodbye(self, call: Call, body: Empty) -> dict:
-        """A trainer disconnects: space reserved for copies that will never come is freed;
-        writes already under way finish."""
-        rank = self.ranks.remove(call.routing_id)
-        if rank is not None:
-            log.info("rank %d said goodbye", rank.rank)
-            self.saves.abort_connection(call.routing_id, "the trainer disconnected before "
-                                        "staging finished", only_unstaged=True)
-            if self.cuda is not None:
-                self.cuda.forget_process(rank.pid)
-        return {}
-
-    def on_ping(self, call: Call, body: Empty) -> dict:
-        """Liveness."""
-        return {"pid": os.getpid()}
-
-    def on_status(self, call: Call, body: Empty) -> dict:
-        """The status document."""
-        return self.status()
-
     def note_busy(self) -> None:
         """A save arrived: the idle timer restarts."""
         self.idle_since = None
@@ -260,19 +229,13 @@ class Daemon:
     def _tick(self) -> None:
         if self.stopping_since is None:
             self.writers.reap_dead()
-        for rank in self.ranks.gone():
-            log.warning("rank %d (pid %d) is gone; aborting its in-flight saves", rank.rank,
-                        rank.pid)
-            self.ranks.remove(rank.routing_id)
-            self.saves.abort_connection(rank.routing_id,
-                                        f"trainer process {rank.pid} exited during the save")
-            if self.cuda is not None:
-                self.cuda.forget_process(rank.pid)
+        self.process.drop_gone_trainers()
         self.table.forget_unclaimed(time.time())
         self._check_idle()
         if self.metrics is not None:
             self.metrics.tick([r.describe() for r in (*self.table.requests.values(),
-                                                      *self.table.recent)], self.status)
+                                                      *self.table.recent)],
+                              self.process.status)
 
     def _check_idle(self) -> None:
         if self.config.exit_when_idle is None:
@@ -286,21 +249,3 @@ class Daemon:
         elif now - self.idle_since > self.config.exit_when_idle:
             log.info("no trainers for %.0fs; exiting", self.config.exit_when_idle)
             self.request_stop()
-
-    def status(self) -> dict:
-        """The status document ``ckptd status --json`` prints."""
-        pool = self.pool
-        return self.table.snapshot(
-            self.ranks.describe(lambda routing_id: len(self.table.of_connection(routing_id))),
-            version=__version__, pid=os.getpid(), incarnation=self.incarnation,
-            host=host_name(), socket=self.socket_path,
-            started_at=self.started_at, uptime_s=time.time() - self.started_at,
-            state="draining" if self.stopping_since is not None else "serving",
-            roots=list(self.roots.roots),
-            pool={"path": pool.path, "size_bytes": pool.size, "used_bytes": pool.used_bytes,
-                  "free_bytes": pool.free_bytes, "waiting_requests": pool.waiting,
-                  "pinned": pool.registered_with_cuda,
-                  "numa_nodes": [r.node for r in pool.regions]},
-            writers=self.writers.describe(),
-            **self.local.status_sections(),
-        )

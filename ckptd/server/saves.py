@@ -3,7 +3,7 @@
 Handlers (registered on the client endpoint): ``stage`` (build a request, reserve or queue
 for staging space, or hand CUDA handles to the stager), ``staged`` (the trainer's copy is
 in), ``poll``, ``forget``, ``abort``, and ``commit_file`` (one small file made durable: DCP
-``.metadata``). It also implements :class:`ckptd.server.lifecycle.SaveEffects`: answering
+``.metadata``, by :class:`FileCommits`). It also implements :class:`ckptd.server.lifecycle.SaveEffects`: answering
 a queued STAGE, turning a staged request into writer jobs, removing what a failed save
 wrote, and feeding writer results and device-copy results back to the lifecycle.
 
@@ -47,6 +47,7 @@ class SaveService:
         self.roots: AllowedRoots = daemon.roots
         self.lifecycle: SaveLifecycle | None = None  # made once the pool exists (start)
         self.device: DeviceCopies | None = None
+        self.commits = FileCommits(daemon)
 
     def start(self) -> None:
         """Bind to the staging pool and the CUDA stager (created at daemon start)."""
@@ -60,7 +61,8 @@ class SaveService:
     def routes(self) -> dict:
         """Message body type -> handler, for the client endpoint."""
         return {Stage: self.on_stage, Staged: self.on_staged, Poll: self.on_poll,
-                Forget: self.on_forget, Abort: self.on_abort, CommitFile: self.on_commit_file}
+                Forget: self.on_forget, Abort: self.on_abort,
+                CommitFile: self.commits.on_commit_file}
 
     # ------------------------------------------------------------------ handlers
     def on_stage(self, call: Call, body: Stage):
@@ -201,30 +203,6 @@ class SaveService:
                 aborted.append(request.id)
         return {"aborted": aborted}
 
-    def on_commit_file(self, call: Call, body: CommitFile):
-        """Write one small file atomically; answer once it is durable."""
-        rank = self.ranks.of(call.routing_id)
-        try:
-            path = self.roots.check(body.path)
-        except PathRefusedError as exc:
-            raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
-        if len(call.frames) != 1:
-            raise RequestError(ErrorCode.BAD_REQUEST, "commit_file needs exactly one payload frame")
-
-        def answer_when_durable(job: WriteJob, result: WriteResult) -> None:
-            if result.ok:
-                log.info("committed %s for rank %d", path, rank.rank)
-                call.reply({"path": path, "size": result.size})
-            else:
-                call.fail(ErrorCode.WRITE_FAILED, f"could not write {path}: {result.error}",
-                          "check free space and permissions of the checkpoint directory",
-                          errno=result.errno, path=path)
-
-        data = bytes(call.frames[0])
-        job = WriteBytes(path, len(data), stock=body.stock_files)
-        self.daemon.writers.submit(WriteJob(job, answer_when_durable, frames=[data]))
-        return DEFERRED
-
     # ------------------------------------------------------------------ ranks that leave
     def abort_connection(self, routing_id: bytes, reason: str, only_unstaged: bool = False) -> None:
         """Abort a connection's in-flight saves (all, or those not staged yet)."""
@@ -284,6 +262,44 @@ class SaveService:
             self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
                                     job.nbytes, result.error, result.errno)
         return on_done
+
+
+class FileCommits:
+    """``commit_file``: one small file (DCP ``.metadata``) written atomically by a writer,
+    answered once it is durable. No save request, extent or phase is involved.
+
+    Parameters
+    ----------
+    daemon : ckptd.server.daemon.Daemon
+        For the ranks, the allowed roots and the writers.
+    """
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+
+    def on_commit_file(self, call: Call, body: CommitFile):
+        """Write one small file atomically; answer once it is durable."""
+        rank = self.daemon.ranks.of(call.routing_id)
+        try:
+            path = self.daemon.roots.check(body.path)
+        except PathRefusedError as exc:
+            raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
+        if len(call.frames) != 1:
+            raise RequestError(ErrorCode.BAD_REQUEST, "commit_file needs exactly one payload frame")
+
+        def answer_when_durable(job: WriteJob, result: WriteResult) -> None:
+            if result.ok:
+                log.info("committed %s for rank %d", path, rank.rank)
+                call.reply({"path": path, "size": result.size})
+            else:
+                call.fail(ErrorCode.WRITE_FAILED, f"could not write {path}: {result.error}",
+                          "check free space and permissions of the checkpoint directory",
+                          errno=result.errno, path=path)
+
+        data = bytes(call.frames[0])
+        job = WriteBytes(path, len(data), stock=body.stock_files)
+        self.daemon.writers.submit(WriteJob(job, answer_when_durable, frames=[data]))
+        return DEFERRED
 
 
 def jobs_for(request: SaveRequest, on_done):

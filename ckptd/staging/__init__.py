@@ -2,8 +2,11 @@
 
 - ``pool``  the shared-memory staging pool (allocated once, page-locked when a GPU is
             present) and its extent allocator with FIFO back-pressure;
+- ``numa``  which NUMA node a GPU or a rank is on, and binding memory to it;
 - ``cuda``  the daemon's CUDA side: opening trainers' IPC handles and copying
-            device-to-host into the pool on a stager thread.
+            device-to-host into the pool, one stager thread per device;
+- ``exports`` which trainers' CUDA exports a stager holds open, and paying each
+            export's IPC reference counter exactly once (pure, no torch).
 
 Runs in the daemon process; the stager thread hands results to the serve loop through a
 :class:`ckptd.mailbox.Mailbox`. Knows nothing of requests' phases or files.

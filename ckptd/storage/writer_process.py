@@ -10,7 +10,7 @@ kills the writer; the writer exits when its daemon is gone, since nobody wants i
 any more.
 
 Must not import torch: every writer would carry ~150 MB of it for nothing, since the bytes
-are already in the pool and only torch's file format is needed (issue 11).
+are already in the pool and only torch's file format is needed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """CUDA IPC reference counters are paid exactly once per export, whatever happens.
 
 The trainer's :class:`ckpt_client.cuda_export.ExportCache` and the daemon's
-:class:`ckptd.staging.cuda.OpenExports` / :class:`SaveMappings` run for real; torch's
+:class:`ckptd.staging.exports.OpenExports` / :class:`SaveMappings` run for real; torch's
 side of the bargain (``reduce_tensor`` sets a new counter to 1; ``rebuild_cuda_tensor``
 opens a storage whose deleter pays, or pays at once when the storage is already open)
 is played by :class:`TorchCounters`, written from torch 2.13's ``reductions.py`` and
@@ -19,7 +19,7 @@ import weakref
 import pytest
 
 from ckpt_client.cuda_export import ExportCache, IpcPlan
-from ckptd.staging.cuda import OpenExports, export_id, stage_part, storage_key
+from ckptd.staging.exports import OpenExports, export_id, stage_part, storage_key
 
 
 class Storage:

@@ -1,0 +1,106 @@
+"""The process-level messages: trainers arriving and leaving, ping, and the status document.
+
+Owns the answers to ``hello`` (register a trainer process), ``goodbye`` (it leaves: the
+space reserved for copies that will never come is freed), ``ping`` and ``status``, the
+status document ``ckptd status --json`` prints, and what happens to the saves of a trainer
+that is gone. It must not start or stop components: :class:`ckptd.server.daemon.Daemon`,
+the composition root, does that and routes these messages here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from ckptd import __version__
+from ckptd.protocol import Empty, Hello, MessageType
+from ckptd.server.endpoint import Call
+from ckptd.server.ranks import RankInfo
+from ckptd.server.requests import host_name
+
+log = logging.getLogger(__name__)
+
+
+class ProcessMessages:
+    """Answers the process-level messages of one daemon.
+
+    Parameters
+    ----------
+    daemon : Daemon
+        Its components (ranks, request table, pool, writers, CUDA stager, local service).
+    """
+
+    def __init__(self, daemon) -> None:
+        self.daemon = daemon
+
+    def routes(self) -> dict:
+        """Message type -> ``(body type, handler)`` for the daemon's handler table."""
+        return {MessageType.HELLO: (Hello, self.on_hello),
+                MessageType.GOODBYE: (Empty, self.on_goodbye),
+                MessageType.PING: (Empty, self.on_ping),
+                MessageType.STATUS: (Empty, self.on_status)}
+
+    def on_hello(self, call: Call, body: Hello) -> dict:
+        """Register a trainer process."""
+        daemon = self.daemon
+        rank = daemon.ranks.register(call.routing_id, body)
+        log.info("rank %d registered (pid %d)", rank.rank, rank.pid)
+        return {"daemon_pid": os.getpid(), "incarnation": daemon.incarnation,
+                "version": __version__, "pool_path": daemon.pool.path,
+                "pool_size": daemon.pool.size, "writers": daemon.config.writers,
+                "host": host_name(), "cuda": daemon.cuda is not None,
+                "cuda_devices": sorted(daemon.cuda.devices) if daemon.cuda is not None else []}
+
+    def on_goodbye(self, call: Call, body: Empty) -> dict:
+        """A trainer disconnects: space reserved for copies that will never come is freed;
+        writes already under way finish."""
+        rank = self.daemon.ranks.remove(call.routing_id)
+        if rank is not None:
+            log.info("rank %d said goodbye", rank.rank)
+            self._abandon(rank, "the trainer disconnected before staging finished",
+                          only_unstaged=True)
+        return {}
+
+    def drop_gone_trainers(self) -> None:
+        """Forget trainer processes that exited, and abort their in-flight saves."""
+        for rank in self.daemon.ranks.gone():
+            log.warning("rank %d (pid %d) is gone; aborting its in-flight saves", rank.rank,
+                        rank.pid)
+            self.daemon.ranks.remove(rank.routing_id)
+            self._abandon(rank, f"trainer process {rank.pid} exited during the save")
+
+    def _abandon(self, rank: RankInfo, reason: str, only_unstaged: bool = False) -> None:
+        """Abort a forgotten trainer's saves (``only_unstaged``: those still waiting for
+        its copies) and drop what the CUDA stager holds open for it."""
+        daemon = self.daemon
+        daemon.saves.abort_connection(rank.routing_id, reason, only_unstaged=only_unstaged)
+        if daemon.cuda is not None:
+            daemon.cuda.forget_process(rank.pid)
+
+    def on_ping(self, call: Call, body: Empty) -> dict:
+        """Liveness."""
+        return {"pid": os.getpid()}
+
+    def on_status(self, call: Call, body: Empty) -> dict:
+        """The status document."""
+        return self.status()
+
+    def status(self) -> dict:
+        """The status document ``ckptd status --json`` prints."""
+        daemon = self.daemon
+        pool, table = daemon.pool, daemon.table
+        return table.snapshot(
+            daemon.ranks.describe(lambda routing_id: len(table.of_connection(routing_id))),
+            version=__version__, pid=os.getpid(), incarnation=daemon.incarnation,
+            host=host_name(), socket=daemon.socket_path,
+            started_at=daemon.started_at, uptime_s=time.time() - daemon.started_at,
+            state="draining" if daemon.stopping_since is not None else "serving",
+            roots=list(daemon.roots.roots),
+            pool={"path": pool.path, "size_bytes": pool.size, "used_bytes": pool.used_bytes,
+                  "free_bytes": pool.free_bytes, "waiting_requests": pool.waiting,
+                  "pinned": pool.registered_with_cuda,
+                  "numa_nodes": [r.node for r in pool.regions]},
+            writers=daemon.writers.describe(),
+            **daemon.local.status_sections(),
+        )
