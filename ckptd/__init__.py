@@ -15,13 +15,15 @@ The tree follows the execution boundaries (where each piece of code runs):
 
 and, at the top, what several of them (or the client) share:
 
-- ``protocol``  the wire contract with ``ckpt_client``: framing, typed bodies, limits,
-                shared rules (with ``checksum`` and ``knobs``, the only modules the client
-                may import; each declares ``__all__``)
+- ``protocol/`` the wire contract with ``ckpt_client``, one concern a module (names,
+                errors, framing, typed bodies, extent layout, part header, shared rules,
+                IPC counters, discovery, liveness, the request channel) behind a face
+                that re-exports them (with ``checksum`` and ``knobs``, the only modules
+                the client may import; each declares ``__all__``)
 - ``checksum``  checksum records beside every file, and their verification
 - ``knobs``     every tunable and its environment override, read at call time
 - ``mailbox``   typed hand-over between the serve loop and worker threads
-- ``metrics``   Prometheus families, textfile and loopback endpoint
+- ``metrics/``  Prometheus families, save statistics, textfile and loopback endpoint
 - ``readiness`` ready line, ready file, sd_notify
 - ``status``    the ``ckptd status`` client (must not import torch)
 - ``cli``       the ``ckptd`` command
