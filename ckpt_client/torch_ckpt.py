@@ -15,11 +15,11 @@ from typing import IO, Any
 import torch
 
 from ckptd.protocol import SaveFormat
-from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest, wait_for_daemon_saves
-from ckpt_client.connection import DaemonConnection, connect
-from ckpt_client.flatten import flatten_state_dict
-from ckpt_client.gcpause import collector_paused
-from ckpt_client.staging import stage
+from ckpt_client.queue.calls_queue import AsyncCallsQueue, AsyncRequest, wait_for_daemon_saves
+from ckpt_client.transport.connection import DaemonConnection, connect
+from ckpt_client.transport.flatten import flatten_state_dict
+from ckpt_client.queue.gcpause import collector_paused
+from ckpt_client.transport.handover import stage
 
 
 @collector_paused

@@ -82,7 +82,7 @@ def test_reference_keywords_set_how_helper_processes_run(tmp_path, is_daemon):
 
 
 def test_keywords_without_meaning_for_the_daemon_are_logged_once(caplog):
-    with caplog.at_level(logging.INFO, logger="ckpt_client.async_queue"):
+    with caplog.at_level(logging.INFO, logger="ckpt_client.queue.calls_queue"):
         AsyncCallsQueue(io_priority=3, cpu_shm_mode=True)
         AsyncCallsQueue(io_priority=2, cpu_shm_mode=True)
     io_lines = [r for r in caplog.records if "io_priority" in r.getMessage()]

@@ -106,7 +106,7 @@ def ipc_counter(export: tuple) -> int:
 
 
 def test_each_storage_is_exported_twice_and_its_counter_paid_once(daemon, monkeypatch):
-    from ckpt_client.cuda_export import export_cache
+    from ckpt_client.transport.cuda_exports import export_cache
 
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()
@@ -216,7 +216,7 @@ def test_a_daemon_the_kernel_denies_our_memory_gets_it_through_shm(start_daemon,
     import warnings
 
     import seccomp
-    from ckpt_client.cuda_export import ipc_blocked_reason
+    from ckpt_client.transport.cuda_exports import ipc_blocked_reason
 
     daemon = start_daemon(preexec_fn=seccomp.deny(seccomp.PIDFD_GETFD))
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)

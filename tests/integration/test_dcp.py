@@ -254,13 +254,13 @@ def reused_plan_saves(rank, world_size, root, zero_stall):
     from ckpt_client import dcp as client_dcp
 
     planned = []
-    plan_locally = client_dcp._local_plan
+    plan_locally = client_dcp.writer._local_plan
 
     def counting(*args, **kwargs):
         planned.append(1)
         return plan_locally(*args, **kwargs)
 
-    client_dcp._local_plan = counting
+    client_dcp.writer._local_plan = counting
     queue = AsyncCallsQueue()
     steps = {1: 8, 2: 8, 3: 8, 4: 12}  # step 4 changes a shape: planned again
     for step, rows in steps.items():
@@ -290,7 +290,7 @@ def test_enable_cache_reuses_the_local_plan_and_saves_the_current_values(daemon,
 
 
 def test_the_plan_signature_sees_every_change_that_changes_the_plan():
-    from ckpt_client.dcp_reuse import planner_allows_reuse, structure_of
+    from ckpt_client.dcp.plan_reuse import planner_allows_reuse, structure_of
 
     base = training_like_state(0, 1)
     assert structure_of(base) == structure_of(training_like_state(0, 2)), "values only"

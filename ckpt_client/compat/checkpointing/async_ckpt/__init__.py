@@ -1,6 +1,6 @@
 """``nvidia_resiliency_ext.checkpointing.async_ckpt``, served by ckpt_client (re-exports)."""
 
-from ckpt_client.async_queue import (AsyncCallsQueue, AsyncRequest, abort_async_checkpoints,
+from ckpt_client.queue.calls_queue import (AsyncCallsQueue, AsyncRequest, abort_async_checkpoints,
                                      abort_nvrx_checkpoint)
 from ckpt_client.torch_ckpt import TorchAsyncCheckpoint
 

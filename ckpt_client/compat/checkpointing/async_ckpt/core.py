@@ -1,7 +1,7 @@
 """``...checkpointing.async_ckpt.core``: the async request queue (see
-:mod:`ckpt_client.async_queue`)."""
+:mod:`ckpt_client.queue.calls_queue`)."""
 
-from ckpt_client.async_queue import (AsyncCallsQueue, AsyncRequest, abort_async_checkpoints,
+from ckpt_client.queue.calls_queue import (AsyncCallsQueue, AsyncRequest, abort_async_checkpoints,
                                      abort_nvrx_checkpoint)
 from ckpt_client.errors import CheckpointException
 

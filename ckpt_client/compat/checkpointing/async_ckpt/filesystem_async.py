@@ -1,6 +1,6 @@
 """``...checkpointing.async_ckpt.filesystem_async``: the asynchronous DCP writer (see
-:mod:`ckpt_client.filesystem_async`)."""
+:mod:`ckpt_client.megatron.writer`)."""
 
-from ckpt_client.filesystem_async import FileSystemWriterAsync, WorkerFailure
+from ckpt_client.megatron.writer import FileSystemWriterAsync, WorkerFailure
 
 __all__ = ["FileSystemWriterAsync", "WorkerFailure"]

@@ -1,5 +1,5 @@
-"""``...checkpointing.local.base_state_dict`` (see :mod:`ckpt_client.tensor_aware`)."""
+"""``...checkpointing.local.base_state_dict`` (see :mod:`ckpt_client.local.tensor_aware`)."""
 
-from ckpt_client.tensor_aware import TensorAwareStateDict
+from ckpt_client.local.tensor_aware import TensorAwareStateDict
 
 __all__ = ["TensorAwareStateDict"]

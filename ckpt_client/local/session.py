@@ -20,7 +20,7 @@ from typing import Callable
 from ckptd import protocol
 from ckptd.protocol import MessageType
 from ckpt_client.collectives import all_gather, any_rank, raise_if_any_failed, rank_and_world
-from ckpt_client.connection import DaemonConnection
+from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)

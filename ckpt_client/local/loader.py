@@ -24,7 +24,7 @@ from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError
 from ckptd.protocol import MessageType
 from ckpt_client.errors import DaemonUnavailableError
-from ckpt_client.parts import read_part, read_resident
+from ckpt_client.local.part_file import read_part, read_resident
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ import torch
 
 from ckptd import knobs, protocol
 from ckptd.protocol import ErrorCode, MessageType, Phase
-from ckpt_client.connection import DaemonConnection
+from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
-from ckpt_client.flatten import describe
+from ckpt_client.transport.flatten import describe
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ class _StagingJob:
     save: DaemonSave
     body: dict
     sources: list
-    plan: object | None   # ckpt_client.cuda_export.IpcPlan, or None: every buffer via shm
+    plan: object | None   # ckpt_client.transport.cuda_exports.IpcPlan, or None: every buffer via shm
     events: list = field(default_factory=list)  # producer events, alive until staged
 
     @property
@@ -450,7 +450,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     DaemonUnavailableError
         If the daemon is gone (likewise).
     """
-    from ckpt_client.cuda_export import plan_ipc
+    from ckpt_client.transport.cuda_exports import plan_ipc
 
     buffers = [describe(s) for s in sources]
     # Saves reach the daemon in the order they were planned: a CUDA export may be re-sent

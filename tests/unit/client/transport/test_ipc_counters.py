@@ -1,6 +1,6 @@
 """CUDA IPC reference counters are paid exactly once per export, whatever happens.
 
-The trainer's :class:`ckpt_client.cuda_export.ExportCache` and the daemon's
+The trainer's :class:`ckpt_client.transport.cuda_exports.ExportCache` and the daemon's
 :class:`ckptd.staging.exports.OpenExports` / :class:`SaveMappings` run for real; torch's
 side of the bargain (``reduce_tensor`` sets a new counter to 1; ``rebuild_cuda_tensor``
 opens a storage whose deleter pays, or pays at once when the storage is already open)
@@ -18,7 +18,7 @@ import weakref
 
 import pytest
 
-from ckpt_client.cuda_export import ExportCache, IpcPlan
+from ckpt_client.transport.cuda_exports import ExportCache, IpcPlan
 from ckptd.staging.exports import OpenExports, export_id, stage_part, storage_key
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ckptd import protocol
-from ckpt_client.flatten import flatten_state_dict
+from ckpt_client.transport.flatten import flatten_state_dict
 
 
 def test_structure_and_plain_values_survive_and_tensors_are_referenced():

@@ -39,13 +39,13 @@ from torch.futures import Future
 from ckptd import protocol
 from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncRequest, wait_for_daemon_saves
+from ckpt_client.queue.calls_queue import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.collectives import Group
-from ckpt_client.connection import DaemonConnection, connect
-from ckpt_client.dcp_reuse import ReusablePlan, planner_allows_reuse, structure_of
+from ckpt_client.transport.connection import DaemonConnection, connect
+from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
-from ckpt_client.gcpause import collector_paused
-from ckpt_client.staging import DaemonSave, RefusedSave, stage
+from ckpt_client.queue.gcpause import collector_paused
+from ckpt_client.transport.handover import DaemonSave, RefusedSave, stage
 
 METADATA_NAME = ".metadata"
 DCP_SUFFIX = ".distcp"

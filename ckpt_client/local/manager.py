@@ -15,17 +15,17 @@ Collectives (all over the trainers' default process group, so every rank must ca
 - the key exchange, on first use and whenever a daemon restarted: each rank asks its
   daemon for (peer and bulk addresses, CURVE public key), the table is all-gathered, and
   each rank hands it to its daemon together with the cliques; daemons accept no other
-  keys, on either path (:mod:`ckpt_client.local_session`);
+  keys, on either path (:mod:`ckpt_client.local.session`);
 - completion of a save: one all-reduce agrees every rank's part is durable, then each
   rank's daemon marks the iteration committed and drops older ones;
 - ``find_latest``: each node's inventory (parts held, own or replica, verified against
   their checksums) is all-gathered; the newest committed iteration whose every part is
   somewhere wins. ``load`` then takes the part from the daemon's memory, this node's disk,
-  or has the daemon fetch it from the holders first (:mod:`ckpt_client.local_load`).
+  or has the daemon fetch it from the holders first (:mod:`ckpt_client.local.loader`).
 
 Part files hold a msgpack header and raw tensor bytes (no pickle); only a
 ``TensorAwareStateDict`` subclass other than the basic one is stored pickled, as the
-reference stores it (see :mod:`ckpt_client.tensor_aware`).
+reference stores it (see :mod:`ckpt_client.local.tensor_aware`).
 """
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ from pathlib import Path
 
 from ckptd import knobs, protocol
 from ckptd.protocol import MessageType, SaveFormat
-from ckpt_client.async_queue import AsyncCallsQueue, AsyncRequest
+from ckpt_client.queue.calls_queue import AsyncCallsQueue, AsyncRequest
 from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
-from ckpt_client.connection import DaemonConnection, connect
+from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
-from ckpt_client.local_session import SessionRegistration
-from ckpt_client.local_load import Latest, PartLoader, choose_latest
-from ckpt_client.flatten import describe, flatten_state_dict
-from ckpt_client.staging import RefusedSave, stage
-from ckpt_client.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
+from ckpt_client.local.session import SessionRegistration
+from ckpt_client.local.loader import Latest, PartLoader, choose_latest
+from ckpt_client.transport.flatten import describe, flatten_state_dict
+from ckpt_client.transport.handover import RefusedSave, stage
+from ckpt_client.local.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
                                       part_state_dict, restore_from_part)
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class LocalCheckpointManager:
         ta_state_dict : TensorAwareStateDict
             The state to save: a ``BasicTensorAwareStateDict`` is stored as plain values
             and raw tensors; any other subclass as the reference stores it (see
-            :mod:`ckpt_client.tensor_aware`).
+            :mod:`ckpt_client.local.tensor_aware`).
         iteration : int
             Training iteration (>= 0); ``find_latest`` returns the highest complete one.
         is_async : bool

@@ -149,7 +149,7 @@ class DaemonConnection:
             except BufferError:
                 pass
         _connections.pop(self.socket_path, None)
-        exports = sys.modules.get("ckpt_client.cuda_export")
+        exports = sys.modules.get("ckpt_client.transport.cuda_exports")
         if exports is not None and not process_alive(self.daemon_pid):
             exports.daemon_died(self)  # its CUDA IPC releases are ours to pay now
 

@@ -1,0 +1,1 @@
+"""Async requests and the queue that finalizes them in order on every rank."""

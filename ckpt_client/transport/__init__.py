@@ -1,0 +1,1 @@
+"""The transport between a trainer process and its node's daemon."""
