@@ -76,6 +76,11 @@ def main() -> None:
 @click.option("--drain-timeout", type=float, default=knobs.DRAIN_TIMEOUT.get,
               show_default=knob_default(knobs.DRAIN_TIMEOUT),
               help="On SIGTERM, seconds to let in-flight writes finish before abandoning them.")
+@click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=knobs.STALL_TIMEOUT.get, show_default=f"{knobs.STALL_TIMEOUT.default:g}",
+              metavar="SECONDS",
+              help="A file write or fsync that makes no progress for this long fails its save "
+                   "on every rank, naming rank, file and phase (env CKPTD_STALL_TIMEOUT).")
 @click.option("--metrics-textfile", type=click.Path(dir_okay=False), default=None,
               help="Keep Prometheus metrics in this file (node-exporter textfile collector; "
                    "rewritten atomically every few seconds).")
@@ -88,7 +93,7 @@ def main() -> None:
               help="Label added to every metric, e.g. slurm_job_id=42 (repeatable).")
 def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_advertise,
           peer_encryption, log_level, ready_file, exit_when_idle, drain_timeout,
-          metrics_textfile, metrics_listen, metrics_allow_remote, metrics_labels) -> None:
+          stall_timeout, metrics_textfile, metrics_listen, metrics_allow_remote, metrics_labels) -> None:
     """Run the daemon in the foreground until SIGTERM."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s ckptd[%(process)d] %(levelname)s %(name)s: %(message)s")
@@ -102,6 +107,7 @@ def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_a
         local_dir=local_dir, peer_listen=peer_listen, peer_advertise=peer_advertise,
         peer_encryption=peer_encryption, log_level=log_level.upper(),
         exit_when_idle=exit_when_idle, drain_timeout=drain_timeout, ready_file=ready_file,
+        stall_timeout=stall_timeout,
         metrics_textfile=metrics_textfile and os.path.abspath(metrics_textfile),
         metrics_listen=listen, metrics_labels=labels)
     daemon = Daemon(config)

@@ -28,7 +28,7 @@ __all__ = [
     "PEER_IO_THREADS", "REPLICATOR_TICK", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
     "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
-    "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT",
+    "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT", "STUCK_AFTER",
 ]
 
 
@@ -196,6 +196,15 @@ CUDA_REGISTER_CHUNK_BYTES = _knob(
 NUMA_PLACEMENT = _knob(
     "NUMA_PLACEMENT", True, parse_bool,
     "Cut the staging pool into one region per NUMA node; stage near each GPU or rank")
+# A write or fsync that makes no progress for this long is not slow storage but a hung one
+# (a starved Lustre OST, a dead NFS server): its save fails on every rank, naming the file.
+# Generous, because a slow save that succeeds is worth far more than a failed one.
+STALL_TIMEOUT = _knob(
+    "STALL_TIMEOUT", 600.0, float,
+    "Seconds a file write or fsync may make no progress before its save fails (--stall-timeout)")
+# Status flags a save as stuck long before its deadline, so an operator sees it coming.
+STUCK_AFTER = _knob(
+    "STUCK_AFTER", 60.0, float, "Seconds without progress before status flags a save as stuck")
 METRICS_INTERVAL = _knob(
     "METRICS_INTERVAL", 2.0, float, "Seconds between two renders of the Prometheus metrics")
 

@@ -143,6 +143,7 @@ def render(doc: dict) -> str:
         f"{_numa(pool.get('numa_nodes'))}  {pool['waiting_requests']} waiting",
         f"writers {sum(w['alive'] for w in doc['writers'])}/{len(doc['writers'])} alive, "
         f"{sum(w['jobs'] for w in doc['writers'])} job(s) in flight",
+        *_deadlines_line(doc),
         f"totals  {doc['totals']['saves_done']} saves done, {doc['totals']['saves_failed']} failed, "
         f"{_size(doc['totals']['bytes_written'])} written",
         "",
@@ -162,6 +163,14 @@ def render(doc: dict) -> str:
         lines += [f"  {time.strftime('%H:%M:%S', time.localtime(e['time'] or 0))} "
                   f"request {e['request']}: {e['error']}" for e in doc["recent_errors"]]
     return "\n".join(lines)
+
+
+def _deadlines_line(doc: dict) -> list[str]:
+    deadlines = doc.get("deadlines")  # absent from older daemons
+    if not deadlines:
+        return []
+    return [f"limits  a write or fsync fails after {deadlines['stall_timeout_s']:g}s without "
+            f"progress; a save is flagged stuck after {deadlines['stuck_after_s']:g}s"]
 
 
 def _render_local(doc: dict) -> list[str]:

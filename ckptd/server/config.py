@@ -45,3 +45,4 @@ class DaemonConfig:
     metrics_listen: tuple | None = None  # (host, port), checked by metrics.parse_listen_address
     metrics_labels: dict = field(default_factory=dict)  # added to every metric sample
     writer_start_timeout: float = field(default_factory=knobs.WRITER_START_TIMEOUT.get)
+    stall_timeout: float = field(default_factory=knobs.STALL_TIMEOUT.get)  # --stall-timeout

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 
-from ckptd import __version__
+from ckptd import __version__, knobs
 from ckptd.protocol import Empty, Hello, MessageType
 from ckptd.server.endpoint import Call
 from ckptd.server.ranks import RankInfo
@@ -102,5 +102,7 @@ class ProcessMessages:
                   "pinned": pool.registered_with_cuda,
                   "numa_nodes": [r.node for r in pool.regions]},
             writers=daemon.writers.describe(),
+            deadlines={"stall_timeout_s": daemon.config.stall_timeout,
+                       "stuck_after_s": knobs.STUCK_AFTER.get()},
             **daemon.local.status_sections(),
         )
