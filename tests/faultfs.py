@@ -142,13 +142,7 @@ class FaultFS:
             sock.settimeout(timeout)
             sock.connect(self.control)
             sock.sendall(json.dumps(command).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-        answer = json.loads(data)
+            answer = json.loads(_read_line(sock))
         if "refused" in answer:
             raise ValueError(answer["refused"])
         return answer
@@ -216,6 +210,17 @@ class FaultFS:
             os.unlink(self.control)
         except FileNotFoundError:
             pass
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    """One newline-terminated message (the control channel's framing)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 # ---------------------------------------------------------------------- the server process
@@ -449,14 +454,8 @@ def _serve_control(path: str, faults: _Faults) -> None:
     while True:
         conn, _ = server.accept()
         with conn:
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
             try:
-                command = json.loads(data)
+                command = json.loads(_read_line(conn))
                 if command.get("op") == "clear":
                     faults.clear()
                 elif command.get("op") == "set":
