@@ -77,10 +77,10 @@ def main() -> None:
               show_default=knob_default(knobs.DRAIN_TIMEOUT),
               help="On SIGTERM, seconds to let in-flight writes finish before abandoning them.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0, min_open=True),
-              default=knobs.STALL_TIMEOUT.get, show_default=f"{knobs.STALL_TIMEOUT.default:g}",
+              default=knobs.STALL_TIMEOUT.get, show_default=knob_default(knobs.STALL_TIMEOUT),
               metavar="SECONDS",
               help="A file write or fsync that makes no progress for this long fails its save "
-                   "on every rank, naming rank, file and phase (env CKPTD_STALL_TIMEOUT).")
+                   "on every rank, naming rank, file and phase.")
 @click.option("--metrics-textfile", type=click.Path(dir_okay=False), default=None,
               help="Keep Prometheus metrics in this file (node-exporter textfile collector; "
                    "rewritten atomically every few seconds).")
