@@ -39,5 +39,5 @@ def test_help_shows_the_stall_timeout_default():
     result = subprocess.run([sys.executable, "-m", "ckptd", "serve", "--help"],
                             capture_output=True, text=True, timeout=120)
     assert "--stall-timeout SECONDS" in result.stdout
-    stall_help = result.stdout.split("--stall-timeout")[1].split("--metrics")[0]
+    stall_help = " ".join(result.stdout.split("--stall-timeout")[1].split("--metrics")[0].split())
     assert "default: (600.0, or $CKPTD_STALL_TIMEOUT)" in stall_help and "bound method" not in stall_help
