@@ -1,7 +1,9 @@
-"""The request channel from several threads at once: each thread gets its own reply."""
+"""The request channel: replies matched to requests from several threads at once, error
+replies, timeouts, and giving up early."""
 
 import threading
 
+import pytest
 import zmq
 
 from ckptd import protocol
@@ -49,3 +51,36 @@ def test_threads_sharing_a_channel_each_get_their_own_reply():
     context.term()
     assert not errors
     assert results == {(n, k): n * 100 + k for n in range(4) for k in range(20)}
+
+
+def test_an_error_reply_raises_with_its_body_and_silence_times_out():
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    server.bind("inproc://channel-errors")
+    channel = protocol.Channel("inproc://channel-errors", context)
+    try:
+        msg_id = channel.send("stage", {"n": 1})
+        assert server.poll(10_000)
+        routing_id, *frames = server.recv_multipart()
+        assert protocol.decode(frames).id == msg_id
+        server.send_multipart([routing_id, *protocol.encode(
+            protocol.MessageType.ERROR, msg_id,
+            protocol.error_body("bad_request", "stage: 'path' is missing", "send a path", rank=3))])
+        with pytest.raises(protocol.ErrorReply, match="'path' is missing") as info:
+            channel.wait(msg_id, timeout=10)
+        assert info.value.code == "bad_request" and info.value.body["rank"] == 3
+        with pytest.raises(protocol.ReplyTimeout, match="no reply from inproc://channel-errors"):
+            channel.call("ping", timeout=0.2)  # the server never answers this one
+
+        class DaemonGone(Exception):
+            pass
+
+        def give_up():
+            raise DaemonGone()
+
+        with pytest.raises(DaemonGone):
+            channel.call("ping", timeout=60, still_worth_waiting=give_up)
+    finally:
+        channel.close()
+        server.close(linger=0)
+        context.term()
