@@ -61,7 +61,7 @@ def health_line(doc: dict) -> str:
     When saves failed recently, the line ends with ``last_error="..."`` (the reason of the
     newest failure, JSON-quoted so it stays one line).
     """
-    active = [r for r in doc["requests"] if r["phase"] not in protocol.Phase.FINISHED]
+    active = in_flight_requests(doc)
     pool = doc["pool"]
     line = (f"ckptd {doc['state']} pid={doc['pid']} ranks={len(doc['ranks'])} "
             f"in_flight={len(active)} pool={pool['used_bytes'] * 100 // max(pool['size_bytes'], 1)}% "
@@ -71,6 +71,11 @@ def health_line(doc: dict) -> str:
     return line
 
 
+def in_flight_requests(doc: dict) -> list[dict]:
+    """The status document's requests that have not finished."""
+    return [r for r in doc["requests"] if r["phase"] not in protocol.Phase.FINISHED]
+
+
 def daemon_time(doc: dict) -> float:
     """The daemon's clock when it built ``doc`` (unix seconds)."""
     return doc["started_at"] + doc["uptime_s"]
@@ -78,7 +83,7 @@ def daemon_time(doc: dict) -> float:
 
 def bytes_written_so_far(doc: dict) -> int:
     """Bytes made durable since the daemon started, in-flight saves' progress included."""
-    in_flight = [r for r in doc["requests"] if r["phase"] not in protocol.Phase.FINISHED]
+    in_flight = in_flight_requests(doc)
     return doc["totals"]["bytes_written"] + sum(r["bytes_written"] for r in in_flight)
 
 
@@ -99,7 +104,7 @@ def progress_line(previous: dict | None, doc: dict) -> str:
         One line, e.g. ``progress  2 in flight: 1.0 GiB staged, 0 B waiting to stage;
         written 3.0 GiB since start; write 812.0 MiB/s, stage 1.1 GiB/s``.
     """
-    in_flight = [r for r in doc["requests"] if r["phase"] not in protocol.Phase.FINISHED]
+    in_flight = in_flight_requests(doc)
     staged = sum(r["bytes_total"] for r in in_flight if r["staged_at"] is not None)
     waiting = sum(r["bytes_total"] for r in in_flight if r["staged_at"] is None)
     line = (f"progress  {len(in_flight)} in flight: {_size(staged)} staged, "

@@ -92,6 +92,24 @@ class SendJob:
         """Bytes of the chunk at ``offset``."""
         return min(PART_FRAME_BYTES, self.size - offset)
 
+    def acknowledge(self, offset: int) -> None:
+        """The receiver wrote the chunk at ``offset``."""
+        length = self.chunk_length(offset)
+        self.acked.add(offset)
+        self.acked_bytes += length
+        self.last_progress = time.monotonic()
+        self.stats.add(sent=length)
+
+    def corruption(self) -> str | None:
+        """Why the bytes read do not match the recorded crc32 (serving), else ``None``."""
+        if self.expected_crc is None:
+            return None
+        checksum = combine_pieces((o, n, c) for o, (n, c) in self.crcs.items())
+        if checksum.value == self.expected_crc:
+            return None
+        return (f"this daemon's copy is corrupted: crc32 {checksum.value:08x} read, "
+                f"{self.expected_crc:08x} recorded; not sent")
+
 
 class _Connection:
     """One connection of a lane and what it has in flight (guarded by the lane's lock)."""
@@ -218,8 +236,7 @@ class Lane:
             try:
                 self._write(connection, channel)
             except BulkConnectionError as exc:
-                with self.lock:
-                    connection.broken = connection.broken or str(exc)
+                self._broke(connection, exc)
             finally:
                 channel.close()
                 reader.join()
@@ -299,9 +316,14 @@ class Lane:
                 with self.lock:
                     self._answer(connection, frame)
         except BulkConnectionError as exc:
-            with self.lock:
-                connection.broken = connection.broken or str(exc)
-                self.lock.notify_all()
+            self._broke(connection, exc)
+
+    def _broke(self, connection: _Connection, exc: BulkConnectionError) -> None:
+        """Note the first reason a connection broke (its threads both see it) and wake
+        whoever waits on the lane."""
+        with self.lock:
+            connection.broken = connection.broken or str(exc)
+            self.lock.notify_all()
 
     def _answer(self, connection: _Connection, frame: Frame) -> None:
         """A receiver's answer (lock held)."""
@@ -314,7 +336,8 @@ class Lane:
     def _on_ack(self, connection: _Connection, frame: Frame, job: SendJob | None) -> None:
         connection.inflight.pop((frame.xfer, frame.offset), None)
         if job is not None and frame.offset not in job.acked:
-            self._acknowledged(job, frame.offset)
+            job.acknowledge(frame.offset)
+            self._maybe_end(job)
 
     def _on_ready(self, connection: _Connection, frame: Frame, job: SendJob | None) -> None:
         connection.inflight.pop((frame.xfer, BEGIN), None)
@@ -335,24 +358,13 @@ class Lane:
             ok = isinstance(outcome, Done) and outcome.ok
             self.end_job(job, ok, None if ok else f"{self.peer}: {outcome.error}")
 
-    def _acknowledged(self, job: SendJob, offset: int) -> None:
-        length = job.chunk_length(offset)
-        job.acked.add(offset)
-        job.acked_bytes += length
-        job.last_progress = time.monotonic()
-        job.stats.add(sent=length)
-        self._maybe_end(job)
-
     def _maybe_end(self, job: SendJob) -> None:
         if job.end_queued or job.acked_bytes < job.size:
             return
-        if job.expected_crc is not None:
-            checksum = combine_pieces((o, n, c) for o, (n, c) in job.crcs.items())
-            if checksum.value != job.expected_crc:
-                self.end_job(job, False, f"this daemon's copy is corrupted: crc32 "
-                             f"{checksum.value:08x} read, {job.expected_crc:08x} recorded; "
-                             "not sent", notify_peer=True, corrupted=True)
-                return
+        corruption = job.corruption()
+        if corruption is not None:
+            self.end_job(job, False, corruption, notify_peer=True, corrupted=True)
+            return
         job.end_queued = True
         self.queue.append((job, END))
 

@@ -218,8 +218,7 @@ class LocalStore:
         """``[size, mtime_ns, inode]`` of ``path`` as it was verified intact (still
         current), else ``None``: a reader whose open file has this identity reads the
         very bytes that were verified."""
-        key, cached = self._file_identity_and_cache(path)
-        return list(key) if key is not None and cached == (*key, True) else None
+        return _verified_identity(*self._file_identity_and_cache(path))
 
     def inventory(self, session: LocalSession, verify: bool = True) -> list[dict]:
         """Every clean part held for ``session``: iteration, owner, size, verified, committed;
@@ -240,7 +239,7 @@ class LocalStore:
                              "owner": owner, "size": key[0], "verified": verified,
                              "committed": committed, "path": path})
                 if verify:
-                    held[-1]["identity"] = list(key) if cached == (*key, True) else None
+                    held[-1]["identity"] = _verified_identity(key, cached)
         return held
 
     def begin_iteration(self, session: LocalSession, iteration: int) -> None:
@@ -401,3 +400,9 @@ class PartReceiver:
             self._closed = True
             self._lock.wait_for(lambda: self._writing == 0)
         self._file.discard()
+
+
+def _verified_identity(key: tuple | None, cached: tuple | None) -> list | None:
+    """A file's identity ``key`` if its cached verification (``cached``) found it intact
+    and is still current, else ``None``."""
+    return list(key) if key is not None and cached == (*key, True) else None
