@@ -43,6 +43,7 @@ from ckpt_client.queue.calls_queue import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.collectives import Group
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
+from ckpt_client.dcp.stager import take_ticket
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.queue.gcpause import collector_paused
 from ckpt_client.transport.handover import DaemonSave, RefusedSave, stage
@@ -221,8 +222,20 @@ class DaemonStorageWriter(_StorageWriterBase):
         return results
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        """Stage, wait until durable, and return the write results (stock ``dcp.save``)."""
-        saves = self.stage(plan, planner)
+        """Stage, wait until durable, and return the write results (stock ``dcp.save``).
+
+        When the state dict came from a :class:`Stager` (stock ``dcp.async_save``), the
+        trainer is released as soon as the items are staged, before they are durable.
+        """
+        ticket = take_ticket()
+        try:
+            saves = self.stage(plan, planner)
+        except BaseException as exc:
+            if ticket is not None:
+                ticket.punch(exc)
+            raise
+        if ticket is not None:
+            ticket.punch()
         try:
             wait_for_daemon_saves(saves)  # not execute_sync: no collective inside write_data
         except CheckpointException as exc:
