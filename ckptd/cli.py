@@ -91,9 +91,21 @@ def main() -> None:
               help="Allow a non-loopback --metrics-listen address (the endpoint has no auth).")
 @click.option("--metrics-label", "metrics_labels", multiple=True, metavar="NAME=VALUE",
               help="Label added to every metric, e.g. slurm_job_id=42 (repeatable).")
+@click.option("--stage-dir", type=click.Path(file_okay=False), default=None,
+              help="Node-local directory (disk or tmpfs) every checkpoint-root save is made "
+                   "durable in first; the daemon then flushes it to its target in the "
+                   "background, and commits it there only when whole.")
+@click.option("--stage-budget", default=None, metavar="SIZE",
+              help="Bytes the stage directory may hold (e.g. 200G; default: 90%% of its "
+                   "filesystem's free space at start).")
+@click.option("--stage-policy", type=click.Choice(["wait", "refuse"]),
+              default=knobs.STAGE_POLICY.get, show_default=knobs.STAGE_POLICY.default,
+              help="A save that does not fit the stage budget waits for flushes to free it, "
+                   "or is refused at once (training goes on).")
 def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_advertise,
           peer_encryption, log_level, ready_file, exit_when_idle, drain_timeout,
-          stall_timeout, metrics_textfile, metrics_listen, metrics_allow_remote, metrics_labels) -> None:
+          stall_timeout, metrics_textfile, metrics_listen, metrics_allow_remote, metrics_labels,
+          stage_dir, stage_budget, stage_policy) -> None:
     """Run the daemon in the foreground until SIGTERM."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s ckptd[%(process)d] %(levelname)s %(name)s: %(message)s")
@@ -109,7 +121,10 @@ def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_a
         exit_when_idle=exit_when_idle, drain_timeout=drain_timeout, ready_file=ready_file,
         stall_timeout=stall_timeout,
         metrics_textfile=metrics_textfile and os.path.abspath(metrics_textfile),
-        metrics_listen=listen, metrics_labels=labels)
+        metrics_listen=listen, metrics_labels=labels,
+        stage_dir=stage_dir and os.path.abspath(stage_dir),
+        stage_budget=parse_size(stage_budget) if stage_budget else None,
+        stage_policy=stage_policy)
     daemon = Daemon(config)
     try:
         daemon.start()

@@ -29,6 +29,8 @@ __all__ = [
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
     "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
     "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT", "STUCK_AFTER",
+    "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
+    "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
 ]
 
 
@@ -244,6 +246,34 @@ REPLICATOR_TICK = _knob(
 # one is committed or a save needs the space: a restarted trainer loads it from memory.
 MEMORY_TIER = _knob(
     "MEMORY_TIER", True, parse_bool, "Keep the latest committed local parts in the staging pool")
+
+# ---------------------------------------------------------------- tiers (--stage-dir)
+# (A flush copy without progress for STALL_TIMEOUT is abandoned and retried on a fresh
+# temporary name, not failed: only the flush deadline or a fail-fast errno fail it.)
+FLUSH_PARALLELISM = _knob(
+    "FLUSH_PARALLELISM", 4, int, "Files copied to the target at once (tiered saves)")
+# Shared storage that fails usually fails for minutes (a server restarting, a target
+# rebalancing): start the backoff slowly enough not to hammer it, cap it so a target that
+# comes back is used within minutes.
+FLUSH_RETRY_START = _knob(
+    "FLUSH_RETRY_START", 10.0, float, "Seconds before the first retry of a failed flush copy")
+FLUSH_RETRY_CAP = _knob(
+    "FLUSH_RETRY_CAP", 600.0, float, "Longest wait between two retries of a flush copy")
+FLUSH_DEADLINE = _knob(
+    "FLUSH_DEADLINE", 4 * 3600.0, float,
+    "Seconds a tiered save may take to reach its target before it fails")
+FLUSH_COMMIT_POLL = _knob(
+    "FLUSH_COMMIT_POLL", 1.0, float,
+    "Seconds between checks that a DCP commit's files (from every node) reached the target")
+FLUSH_CHUNK_BYTES = _knob(
+    "FLUSH_CHUNK_BYTES", 8 << 20, int, "Bytes per read/write of a flush copy")
+STAGE_POLICY = _knob(
+    "STAGE_POLICY", "wait", str,
+    "A save that does not fit the stage budget: wait (for flushes to free it) or refuse "
+    "(--stage-policy)")
+STAGE_BUDGET_FRACTION = _knob(
+    "STAGE_BUDGET_FRACTION", 0.9, float,
+    "Default --stage-budget: this fraction of the stage filesystem's free space at start")
 
 # ---------------------------------------------------------------- the client (ckpt_client)
 AUTO_START = _knob(

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptd import protocol
+from ckptd import knobs, protocol
 from ckptd.checksum import verify_file
 from ckptd.protocol import MessageType, SaveFormat
 from ckpt_client.queue.calls_queue import AsyncRequest, wait_for_daemon_saves
@@ -47,6 +47,7 @@ from ckpt_client.dcp.stager import take_ticket
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.queue.gcpause import collector_paused
 from ckpt_client.transport.handover import DaemonSave, RefusedSave, stage
+from ckpt_client.dcp.commit_handover import hand_over
 
 METADATA_NAME = ".metadata"
 DCP_SUFFIX = ".distcp"
@@ -207,13 +208,16 @@ class DaemonStorageWriter(_StorageWriterBase):
         return tuple(saves)
 
     @staticmethod
-    def write_results(saves, plan: SavePlan) -> list[WriteResult]:
-        """DCP write results of finished saves (offsets as the daemon wrote them)."""
+    def write_results(saves, plan: SavePlan, predicted: bool = False) -> list[WriteResult]:
+        """DCP write results of finished saves (offsets as the daemon wrote them), or with
+        ``predicted``, of staged tiered saves (offsets as the daemon will write them)."""
         results = []
         for save in (saves if isinstance(saves, (list, tuple)) else (saves,)):
             file_items = {entry[0]: entry[1] for entry in save.files}
             plan_index = getattr(save, "items", None) or list(range(len(plan.items)))
-            for written in save.last.get("written", []):
+            written_files = ([{"name": n, "items": p} for n, p in save.placements.items()]
+                             if predicted else save.last.get("written", []))
+            for written in written_files:
                 for index, (offset, length) in zip(file_items[written["name"]], written["items"]):
                     item = plan.items[plan_index[index]]
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
@@ -245,15 +249,22 @@ class DaemonStorageWriter(_StorageWriterBase):
         future.set_result(self.write_results(saves, plan))
         return future
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit ``.metadata`` through the daemon (temp file, fsync, rename)."""
+    def metadata_bytes(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
+        """The ``.metadata`` file of this save, from every rank's write results."""
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {r.index: r.storage_data for rank_results in results
                                  for r in rank_results}
         metadata.storage_meta = self.storage_meta()
+        return pickle.dumps(metadata)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit ``.metadata`` through the daemon (temp file, fsync, rename); a tiered
+        daemon answers once every file it names is durable at the target."""
         self.connection.call(MessageType.COMMIT_FILE,
                              {"path": os.path.join(self.path, METADATA_NAME)},
-                             frames=[pickle.dumps(metadata)])
+                             frames=[self.metadata_bytes(metadata, results)],
+                             timeout=knobs.FLUSH_DEADLINE.get() if self.connection.tiered
+                             else None)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -510,5 +521,7 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
         # The other ranks are about to wait in the completion collective: report the
         # refusal there, as a failure every rank raises, instead of raising alone.
         saves = (RefusedSave(group.rank, str(exc)),)
+    if writer.connection.tiered and not zero_stall:
+        hand_over(writer, saves, final_plan, metadata, group)
     return AsyncRequest(daemon_saves=saves,
                         finalize_fns=[partial(_finalize, writer, saves, final_plan, metadata, group)])

@@ -69,6 +69,8 @@ class DaemonConnection:
         self.ipc_denied: str | None = None
         self.writers = int(hello.get("writers", 1))
         self.host = hello.get("host")
+        #: The daemon stages saves on node-local disk first (``--stage-dir``).
+        self.tiered = bool(hello.get("tiered"))
         self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
 

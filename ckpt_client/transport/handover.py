@@ -67,6 +67,7 @@ class DaemonSave:
     last: dict = field(default_factory=dict)
     transport_bytes: dict = field(default_factory=dict)
     items: list | None = None  # DCP chunks: the plan item of each staged buffer
+    placements: dict | None = None  # tiered DCP: {file: [[start, length]]}, from the daemon
     _staged: threading.Event = field(default_factory=threading.Event, repr=False)
     _staging_error: str | None = None
     _cancelled: bool = False
@@ -303,6 +304,7 @@ class _StagingJob:
             return None
         reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
         save.request_id = reply["request_id"]
+        save.placements = reply.get("placements")
         buffers = self.body["buffers"]
         ours = [i for i in range(len(buffers)) if self.specs is None or self.specs[i] is None]
         try:

@@ -42,7 +42,7 @@ __all__ = [
     "pack_value", "unpack_value", "fill_skeleton",
     # typed bodies of the client channel
     "Body", "Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile",
-    "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Empty",
+    "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Empty",
     # staging layout and local parts
     "align_up", "layout_extent", "encode_part_header", "decode_part_header",
     "read_part_header", "PART_FRAME_BYTES",

@@ -16,7 +16,7 @@ from ckptd.protocol.errors import ProtocolError
 from ckptd.protocol.names import BUFFER_DTYPES, ErrorCode, SaveFormat
 
 __all__ = ["Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile", "LocalSession",
-           "LocalInventory", "LocalFetch", "LocalCommit"]
+           "LocalInventory", "LocalFetch", "LocalCommit", "Handover"]
 
 
 def _non_negative(value: Any) -> bool:
@@ -163,3 +163,18 @@ class LocalCommit(Body, message="local_commit"):
 
     iteration: int = check(lambda v: v >= 0, "an iteration >= 0")
     session: str = ""
+
+
+class Handover(Body, message="handover"):
+    """A tiered DCP save's commit, given to the coordinator's daemon at staging time.
+
+    The one frame is the ``.metadata`` file's bytes; the daemon writes it at ``path`` once
+    every file in ``files`` (names inside the checkpoint directory, written by any rank of
+    the save) is durable at the target with its checksum record, even if every trainer is
+    gone by then.
+    """
+
+    path: str
+    files: list = check(lambda v: all(_plain_file_name(n) for n in v),
+                        "a list of plain file names", [])
+    stock_files: bool = False

@@ -34,6 +34,7 @@ class MessageType:
     LOCAL_INVENTORY = "local_inventory"  # parts held for a session, verified
     LOCAL_FETCH = "local_fetch"          # get a missing part from peer daemons
     LOCAL_COMMIT = "local_commit"        # all ranks agreed: mark committed, drop older
+    HANDOVER = "handover"                # tiered DCP save: the commit its daemon will make
     # (daemon <-> daemon messages are the peer channel's: ckptd.replication.wire)
 
 
@@ -51,6 +52,7 @@ class Phase:
     STAGING = "staging"
     WRITING = "writing"
     REPLICATING = "replicating"  # local checkpoints: written here, still streaming to peers
+    FLUSHING = "flushing"        # tiered saves: durable in the stage dir, copying to the target
     DONE = "done"
     FAILED = "failed"
     ABORTED = "aborted"
@@ -94,4 +96,5 @@ class ErrorCode:
     ABORTED = "aborted"                    # the save was aborted before it was staged
     DAEMON_RESTARTED = "daemon_restarted"  # the request names an earlier daemon incarnation
     IPC_DENIED = "ipc_denied"              # the OS refused the daemon the trainer's CUDA memory
+    STAGE_FULL = "stage_full"              # --stage-policy refuse: the stage budget is full
     INTERNAL = "internal"

@@ -46,3 +46,6 @@ class DaemonConfig:
     metrics_labels: dict = field(default_factory=dict)  # added to every metric sample
     writer_start_timeout: float = field(default_factory=knobs.WRITER_START_TIMEOUT.get)
     stall_timeout: float = field(default_factory=knobs.STALL_TIMEOUT.get)  # --stall-timeout
+    stage_dir: str | None = None         # tiered saves: node-local first (--stage-dir)
+    stage_budget: int | None = None      # bytes; None: a fraction of the free space at start
+    stage_policy: str = field(default_factory=knobs.STAGE_POLICY.get)

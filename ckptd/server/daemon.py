@@ -82,6 +82,7 @@ class Daemon:
         self.cuda = None
         self.placement = numa.Placement([0])  # one node until start() reads the machine
         self.metrics: MetricsExporter | None = None
+        self.tier = None  # ckptd.tiers.service.TierService with --stage-dir
 
     @property
     def stopping(self) -> bool:
@@ -119,6 +120,7 @@ class Daemon:
         self.placement = numa.Placement([r.node for r in self.pool.regions] or [0],
                                         self.cuda.device_nodes if self.cuda else {})
         self.saves.start()
+        self._start_tier()
         self.local.start()  # node-local store; peer socket and replicator with --peer-listen
         self._wire_endpoint()
         self.endpoint.bind(endpoint)
@@ -135,6 +137,18 @@ class Daemon:
         log.info("serving %s: pool %d MiB at %s, %d writers, roots %s", self.socket_path,
                  self.pool.size >> 20, self.pool.path, self.config.writers,
                  ", ".join(self.roots.roots))
+
+    def _start_tier(self) -> None:
+        if not self.config.stage_dir:
+            return
+        from ckptd.tiers.service import TierService
+        from ckptd.tiers.stage import StageDir
+
+        stage = StageDir(self.config.stage_dir, self.config.stage_budget)
+        self.tier = TierService(self, stage, self.config.stage_policy)
+        self.tier.start(self.context)
+        log.info("tiered saves: stage directory %s, budget %d MiB, policy %s", stage.path,
+                 stage.budget >> 20, self.config.stage_policy)
 
     def _start_cuda_stager(self):
         try:
@@ -162,6 +176,9 @@ class Daemon:
         if self.local.replicator is not None:
             events = self.local.replicator.events
             self.loop.watch(events.doorbell, lambda: events.drain(self.local.on_event))
+        if self.tier is not None:
+            results = self.tier.flusher.results
+            self.loop.watch(results.doorbell, lambda: results.drain(self.tier.flusher.on_result))
         self.loop.every(knobs.SERVE_TICK.get, self._tick)
 
     def request_stop(self, *_: object) -> None:
@@ -199,6 +216,8 @@ class Daemon:
         announce_stopping(self.ready_file)
         if self.metrics is not None:
             self.metrics.close()  # publishes ckptd_up 0
+        if self.tier is not None:
+            self.tier.close()
         if self.writers is not None:
             self.writers.stop()
         for request in list(self.table.requests.values()):
@@ -231,6 +250,8 @@ class Daemon:
             self.writers.reap_dead()
         self.process.drop_gone_trainers()
         self.table.forget_unclaimed(time.time())
+        if self.tier is not None:
+            self.tier.flusher.tick()
         self._check_idle()
         if self.metrics is not None:
             self.metrics.tick([r.describe() for r in (*self.table.requests.values(),

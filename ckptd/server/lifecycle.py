@@ -10,8 +10,11 @@ Two owners, one per piece of state:
   the holders finish in, so staged bytes are never overwritten while someone reads them.
 - :class:`SaveLifecycle` owns ``request.phase``::
 
-      waiting_for_pool -> staging -> writing -> [replicating] -> done
-                  \\__________\\__________\\____________\\________-> failed | aborted
+      waiting_for_pool -> staging -> writing -> [replicating | flushing] -> done
+                  \\__________\\__________\\______________________\\________-> failed | aborted
+
+  (``flushing``: a tiered save, durable in the stage directory, its extent given back,
+  copying to its target.)
 
   It reacts to events (space granted, bytes staged, a writer's result, a replica's
   outcome, a failure or an abort), decides the outcome, and asks its
@@ -117,6 +120,10 @@ class SaveEffects(Protocol):
 
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote."""
+
+    def flush(self, request: SaveRequest) -> None:
+        """A tiered save is durable locally: copy it to its target (reports
+        :meth:`SaveLifecycle.flush_done`)."""
 
 
 class SaveLifecycle:
@@ -256,6 +263,9 @@ class SaveLifecycle:
     def _writers_finished(self, request: SaveRequest) -> None:
         if request.finished:  # stopped while writing: only now is every file renamed
             self.effects.remove_outputs(request)
+        elif request.tiered and not request.errors:
+            request.phase = Phase.FLUSHING
+            self.effects.flush(request)
         elif request.replicas is not None and request.replicas.sending:
             request.phase = Phase.REPLICATING
             log.info("request %d (rank %d) written locally; replicating to %s", request.id,
@@ -275,6 +285,22 @@ class SaveLifecycle:
             log.info("request %d (rank %d) durable: %d bytes in %.3fs after staging",
                      request.id, request.rank, request.bytes_written,
                      request.finished_at - request.staged_at)
+
+    def flush_done(self, request: SaveRequest, failure) -> None:
+        """A tiered save's flush ended: every file durable at its target, or ``failure``
+        (a :class:`ckptd.tiers.flusher.FlushFailure`: message, path, errno)."""
+        if request.finished:
+            return
+        if failure is None:
+            self._finish(request, Phase.DONE)
+            log.info("request %d (rank %d) durable at its target %s: %d bytes in %.3fs after "
+                     "staging", request.id, request.rank, request.path, request.bytes_total,
+                     request.finished_at - (request.staged_at or request.created_at))
+            return
+        request.add_error(failure.message, failure.path, failure.errno)
+        self.effects.remove_outputs(request)
+        self._finish(request, Phase.FAILED)
+        log.error("request %d (rank %d) failed: %s", request.id, request.rank, request.error)
 
     # ------------------------------------------------------------------ endings
     def fail(self, request: SaveRequest, reason: str) -> None:

@@ -50,7 +50,8 @@ class ProcessMessages:
                 "version": __version__, "pool_path": daemon.pool.path,
                 "pool_size": daemon.pool.size, "writers": daemon.config.writers,
                 "host": host_name(), "cuda": daemon.cuda is not None,
-                "cuda_devices": sorted(daemon.cuda.devices) if daemon.cuda is not None else []}
+                "cuda_devices": sorted(daemon.cuda.devices) if daemon.cuda is not None else [],
+                "tiered": daemon.tier is not None}
 
     def on_goodbye(self, call: Call, body: Empty) -> dict:
         """A trainer disconnects: space reserved for copies that will never come is freed;
@@ -105,4 +106,5 @@ class ProcessMessages:
             deadlines={"stall_timeout_s": daemon.config.stall_timeout,
                        "stuck_after_s": knobs.STUCK_AFTER.get()},
             **daemon.local.status_sections(),
+            tier=daemon.tier.describe() if daemon.tier is not None else None,
         )

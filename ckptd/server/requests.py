@@ -98,6 +98,9 @@ class SaveRequest:
     written: list = field(default_factory=list)  # results of finished jobs
     errors: list = field(default_factory=list)
     replicas: ReplicaSet | None = None
+    placements: dict | None = None  # tiered DCP: where the writers will put each item
+    stage_key: str | None = None   # tiered saves: its name in the stage directory
+    flush: object | None = None    # tiered saves: its ckptd.tiers.flusher.FlushJob
     created_at: float = field(default_factory=time.time)
     staged_at: float | None = None
     finished_at: float | None = None
@@ -118,6 +121,11 @@ class SaveRequest:
         """How the bytes travel, for log lines."""
         moved = self.transport_bytes
         return ", ".join(f"{k} {v} bytes" for k, v in moved.items() if v) or "empty"
+
+    @property
+    def tiered(self) -> bool:
+        """Whether this save goes through the stage directory."""
+        return self.stage_key is not None
 
     @property
     def error(self) -> str | None:
@@ -164,7 +172,17 @@ class SaveRequest:
             "staged_at": self.staged_at, "finished_at": self.finished_at,
             "error": self.error, "transport_bytes": self.transport_bytes,
             "replication": self.replicas.to_wire() if self.replicas is not None else None,
+            "flush": self.flush_progress(),
         }
+
+    def flush_progress(self) -> dict | None:
+        """``attempt``, ``next_retry_at``, ``bytes_done``, ``bytes_total``, ``target`` of
+        a flushing save; None in every other phase."""
+        if self.phase != Phase.FLUSHING or self.flush is None:
+            return None
+        progress = self.flush.progress()
+        progress["target"] = self.path
+        return progress
 
     def poll_entry(self) -> dict:
         """What ``poll`` answers about this request."""
@@ -175,6 +193,8 @@ class SaveRequest:
             entry["written"] = self.written
         if self.replicas is not None:
             entry["replication"] = self.replicas.to_wire()
+        if self.tiered:
+            entry["flush"] = self.flush_progress()
         return entry
 
 
@@ -192,6 +212,11 @@ class RequestTable:
         # Forgotten requests whose extent is still held (a device copy, a writer job or a
         # push still answers): out of sight, but their holders' reports find them here.
         self._retiring: dict[int, SaveRequest] = {}
+
+    @property
+    def next_id(self) -> int:
+        """The id :meth:`new_id` gives next."""
+        return self._next_id
 
     def new_id(self) -> int:
         """A request id unique for this daemon's life."""

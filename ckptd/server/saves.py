@@ -2,8 +2,9 @@
 
 Handlers (registered on the client endpoint): ``stage`` (build a request, reserve or queue
 for staging space, or hand CUDA handles to the stager), ``staged`` (the trainer's copy is
-in), ``poll``, ``forget``, ``abort``, and ``commit_file`` (one small file made durable: DCP
-``.metadata``, by :class:`FileCommits`). It also implements :class:`ckptd.server.lifecycle.SaveEffects`: answering
+in), ``poll``, ``forget``, ``abort``, and ``commit_file`` / ``handover`` (a checkpoint's
+commit, by :class:`ckptd.server.file_commits.FileCommits`). It also implements
+:class:`ckptd.server.lifecycle.SaveEffects`: answering
 a queued STAGE, turning a staged request into writer jobs, removing what a failed save
 wrote, and feeding writer results and device-copy results back to the lifecycle.
 
@@ -17,15 +18,17 @@ import logging
 import os
 
 from ckptd import protocol
-from ckptd.protocol import (Abort, CommitFile, ErrorCode, Forget, Phase, Poll, SaveFormat,
-                            Stage, Staged)
+from ckptd.protocol import (Abort, CommitFile, ErrorCode, Forget, Handover, Phase, Poll,
+                            SaveFormat, Stage, Staged)
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
+from ckptd.server.file_commits import FileCommits
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
 from ckptd.server.ranks import RankInfo, RankRegistry
 from ckptd.server.requests import RequestTable, SaveRequest
 from ckptd.staging.pool import PoolTooSmallError
 from ckptd.storage.durable import remove_written
-from ckptd.storage.jobs import WriteBytes, WriteItems, WriteJob, WriteResult, WriteTorch
+from ckptd.storage.layout import check_prediction, predict_placements
+from ckptd.storage.jobs import WriteItems, WriteJob, WriteResult, WriteTorch
 from ckptd.storage.roots import AllowedRoots, PathRefusedError
 
 log = logging.getLogger(__name__)
@@ -62,7 +65,7 @@ class SaveService:
         """Message body type -> handler, for the client endpoint."""
         return {Stage: self.on_stage, Staged: self.on_staged, Poll: self.on_poll,
                 Forget: self.on_forget, Abort: self.on_abort,
-                CommitFile: self.commits.on_commit_file}
+                CommitFile: self.commits.on_commit_file, Handover: self.commits.on_handover}
 
     # ------------------------------------------------------------------ handlers
     def on_stage(self, call: Call, body: Stage):
@@ -70,8 +73,16 @@ class SaveService:
 
         The trainer copies its CPU buffers into the extent it is answered with; buffers
         described by a CUDA IPC spec are copied by the daemon's stager (mixed transport:
-        one request, both copiers), starting as soon as the extent is leased.
+        one request, both copiers), starting as soon as the extent is leased. A tiered
+        save first gets room in the stage directory's budget (or waits, or is refused).
         """
+        tier = self.daemon.tier
+        if tier is not None and tier.wants(body.format):
+            self.ranks.of(call.routing_id)  # an unregistered caller is refused before it waits
+            return tier.admit(call, body, self._stage_now)
+        return self._stage_now(call, body)
+
+    def _stage_now(self, call: Call, body: Stage):
         try:
             request = self._admit(call, body)
         except RequestError:
@@ -122,18 +133,29 @@ class SaveService:
         except PathRefusedError as exc:
             raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
         offsets, length = protocol.layout_extent([b[2] for b in body.buffers])
-        return SaveRequest(
-            id=self.table.new_id(), rank=rank.rank, routing_id=rank.routing_id, format=body.format,
+        request_id = self.table.new_id()
+        tier = self.daemon.tier
+        tiered = tier is not None and tier.wants(body.format)
+        request = SaveRequest(
+            id=request_id, stage_key=tier.key_for(request_id) if tiered else None,
+            rank=rank.rank, routing_id=rank.routing_id, format=body.format,
             path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
             skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
             cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
             stock_files=body.format == SaveFormat.DCP and body.stock_files,
             near=self.daemon.placement.near(body.cuda, rank.pid))
+        if tiered and body.format == SaveFormat.DCP:
+            # Known now, so the coordinator can hand its commit over at staging time.
+            request.placements = predict_placements(body.buffers, body.files)
+        return request
 
     @staticmethod
     def _extent_reply(request: SaveRequest) -> dict:
-        return {"request_id": request.id, "offset": request.extent.offset,
-                "length": request.extent.length, "phase": request.phase}
+        reply = {"request_id": request.id, "offset": request.extent.offset,
+                 "length": request.extent.length, "phase": request.phase}
+        if request.placements is not None:
+            reply["placements"] = request.placements
+        return reply
 
     def _own_request(self, routing_id: bytes, request_id) -> SaveRequest:
         request = self.table.get(request_id)
@@ -205,14 +227,28 @@ class SaveService:
 
     # ------------------------------------------------------------------ ranks that leave
     def abort_connection(self, routing_id: bytes, reason: str, only_unstaged: bool = False) -> None:
-        """Abort a connection's in-flight saves (all, or those not staged yet)."""
+        """Abort a connection's in-flight saves (all, or those not staged yet).
+
+        A tiered save whose bytes are staged was handed over: the daemon finishes it and
+        its target sees it whole, trainer or no trainer.
+        """
         for request in self.table.of_connection(routing_id):
-            if not only_unstaged or request.phase in (Phase.STAGING, Phase.WAITING_FOR_POOL):
+            unstaged = request.phase in (Phase.STAGING, Phase.WAITING_FOR_POOL)
+            if request.tiered and not unstaged:
+                log.info("request %d (rank %d, %s) continues without its trainer: it was "
+                         "handed over", request.id, request.rank, request.path)
+                continue
+            if not only_unstaged or unstaged:
                 self.lifecycle.abort(request, reason)
 
     def abandon_all(self, reason: str) -> None:
         """Fail every in-flight save (shutdown after the drain timeout)."""
         for request in self.table.in_flight():
+            if request.phase == Phase.FLUSHING:  # its journal entry resumes it next start
+                log.warning("request %d (rank %d, %s) is left to the next daemon: its flush "
+                            "is in the stage directory's journal", request.id, request.rank,
+                            request.path)
+                continue
             log.warning("request %d (rank %d, %s) abandoned at shutdown in phase %s",
                         request.id, request.rank, request.path, request.phase)
             self.lifecycle.fail(request, reason)
@@ -232,8 +268,10 @@ class SaveService:
             call.reply(self._staged_reply(request))
 
     def write(self, request: SaveRequest) -> int:
-        """Submit a staged request's writer jobs; returns how many."""
-        jobs = list(jobs_for(request, self._job_done(request)))
+        """Submit a staged request's writer jobs; returns how many (a tiered save's files
+        are written into the stage directory)."""
+        place = self.daemon.tier.place(request) if request.tiered else None
+        jobs = list(jobs_for(request, self._job_done(request), place))
         for job in jobs:
             self.daemon.writers.submit(job)
         return len(jobs)
@@ -247,14 +285,40 @@ class SaveService:
         self.daemon.local.cancel_replication(request)
 
     def remove_outputs(self, request: SaveRequest) -> None:
-        """Delete what a failed or aborted save wrote."""
+        """Delete what a failed or aborted save wrote (for a tiered save: also at the
+        target, and the commits that needed it are abandoned)."""
+        if request.tiered:
+            self.daemon.tier.discard(request)
         for entry in request.written:
             remove_written(entry["path"], entry.get("file_id"))
         request.written = []
 
+    def flush(self, request: SaveRequest) -> None:
+        """A tiered save is durable locally: hand it to the flusher."""
+        self.daemon.tier.flush(request)
+
+    def resumed_request(self, key: str, entry: dict, files: list) -> SaveRequest:
+        """A tiered save a previous daemon left in the journal, flushing again."""
+        total = sum(f.size for f in files)
+        request = SaveRequest(
+            id=self.table.new_id(), rank=int(entry["rank"]), routing_id=b"",
+            format=str(entry["format"]), path=str(entry["target"]),
+            buffers=[["bytes", [total], total]], offsets=[0], extent_length=0,
+            phase=Phase.FLUSHING, stage_key=key)
+        request.written = [{"name": os.path.basename(f.target), "path": f.local,
+                            "size": f.size, "crc32": f.crc32} for f in files]
+        request.staged_at = request.created_at
+        self.table.add(request)
+        return request
+
     def _job_done(self, request: SaveRequest):
         def on_done(job: WriteJob, result: WriteResult) -> None:
             written = None
+            wrong = check_prediction(request.placements, getattr(job.body, "name", None),
+                                     result.items) if result.ok else None
+            if wrong is not None:
+                log.error("request %d (rank %d): %s", request.id, request.rank, wrong)
+                result = WriteResult(ok=False, path=result.path, error=wrong)
             if result.ok:
                 written = {"name": getattr(job.body, "name", None), "path": result.path,
                            "size": result.size, "crc32": result.crc32, "items": result.items,
@@ -264,47 +328,11 @@ class SaveService:
         return on_done
 
 
-class FileCommits:
-    """``commit_file``: one small file (DCP ``.metadata``) written atomically by a writer,
-    answered once it is durable. No save request, extent or phase is involved.
-
-    Parameters
-    ----------
-    daemon : ckptd.server.daemon.Daemon
-        For the ranks, the allowed roots and the writers.
-    """
-
-    def __init__(self, daemon) -> None:
-        self.daemon = daemon
-
-    def on_commit_file(self, call: Call, body: CommitFile):
-        """Write one small file atomically; answer once it is durable."""
-        rank = self.daemon.ranks.of(call.routing_id)
-        try:
-            path = self.daemon.roots.check(body.path)
-        except PathRefusedError as exc:
-            raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
-        if len(call.frames) != 1:
-            raise RequestError(ErrorCode.BAD_REQUEST, "commit_file needs exactly one payload frame")
-
-        def answer_when_durable(job: WriteJob, result: WriteResult) -> None:
-            if result.ok:
-                log.info("committed %s for rank %d", path, rank.rank)
-                call.reply({"path": path, "size": result.size})
-            else:
-                call.fail(ErrorCode.WRITE_FAILED, f"could not write {path}: {result.error}",
-                          "check free space and permissions of the checkpoint directory",
-                          errno=result.errno, path=path)
-
-        data = bytes(call.frames[0])
-        job = WriteBytes(path, len(data), stock=body.stock_files)
-        self.daemon.writers.submit(WriteJob(job, answer_when_durable, frames=[data]))
-        return DEFERRED
-
-
-def jobs_for(request: SaveRequest, on_done):
-    """The writer jobs of a staged request: what each save format writes, and where."""
+def jobs_for(request: SaveRequest, on_done, place=None):
+    """The writer jobs of a staged request: what each save format writes, and where
+    (``place(target path) -> path written``: a tiered save's local copy)."""
     base = request.extent.offset
+    place = place or (lambda path: path)
 
     def item(index: int) -> list:
         dtype, shape, nbytes = request.buffers[index]
@@ -316,12 +344,12 @@ def jobs_for(request: SaveRequest, on_done):
         yield WriteJob(WriteItems(request.path, os.path.basename(request.path), items,
                                   request.bytes_total), on_done)
     elif request.format == SaveFormat.TORCH:
-        yield WriteJob(WriteTorch(request.path, request.skeleton,
+        yield WriteJob(WriteTorch(place(request.path), request.skeleton,
                                   [item(i) for i in range(len(request.buffers))],
                                   request.bytes_total), on_done)
     else:
         for name, indices in request.files:
-            yield WriteJob(WriteItems(os.path.join(request.path, name), name,
+            yield WriteJob(WriteItems(place(os.path.join(request.path, name)), name,
                                       [item(i) for i in indices],
                                       sum(request.buffers[i][2] for i in indices),
                                       stock=request.stock_files), on_done)

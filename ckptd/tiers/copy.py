@@ -1,0 +1,209 @@
+"""One file copied from the stage directory to its target, on a worker thread.
+
+Owns :class:`FlushFile` (a local copy and where it goes) and :class:`CopyTask` (one
+attempt at copying it). An attempt streams the local file in chunks (never the whole
+file in memory) into a fresh hidden temporary at the target, checksumming what it writes;
+it commits (fsync, checksum record, rename, directory fsync) only when the bytes written
+match the checksum the local write recorded, so a local copy damaged after it was written
+never reaches the target's final name. Progress (bytes, time of the last completed write)
+is published for the flusher's stall watchdog; a task the flusher abandons stops at its
+next chunk and discards its temporary, and one stuck in a ``write`` or ``fsync`` that
+never returns is simply left behind (the retry uses another temporary name).
+
+Also owns the classification of copy errors: :data:`FAIL_FAST_ERRNOS` end the save at
+once (retrying cannot help), everything else is retried until the flush deadline.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from ckptd import knobs
+from ckptd.checksum import Checksum, ChecksumMismatchError, read_sidecar, sidecar_path
+from ckptd.storage.durable import DurableFile
+
+#: A full, over-quota, read-only or forbidden target does not heal by itself in minutes.
+FAIL_FAST_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EROFS,
+                              errno_mod.EACCES, errno_mod.EPERM})
+
+
+@dataclass
+class FlushFile:
+    """A durable local copy and the target it goes to.
+
+    Attributes
+    ----------
+    local : str
+        The file in the stage directory.
+    target : str
+        Its final name at the target.
+    size, crc32 : int
+        As the local write recorded them.
+    record : bool
+        Write a checksum record beside it at the target (not for torch's exact files).
+    """
+
+    local: str
+    target: str
+    size: int
+    crc32: int
+    record: bool = True
+
+    def to_json(self) -> dict:
+        """For the journal."""
+        return {"local": self.local, "target": self.target, "size": self.size,
+                "crc32": self.crc32, "record": self.record}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "FlushFile":
+        """From the journal."""
+        return cls(str(doc["local"]), str(doc["target"]), int(doc["size"]),
+                   int(doc["crc32"]), bool(doc.get("record", True)))
+
+
+class CopyError(OSError):
+    """A copy failed; ``fail_fast`` says whether retrying is pointless."""
+
+    def __init__(self, errno: int | None, message: str, path: str, fail_fast: bool) -> None:
+        super().__init__(errno, message, path)
+        self.fail_fast = fail_fast
+
+
+class Abandoned(Exception):
+    """The flusher gave up on this attempt (a stall, or the save ended)."""
+
+
+class NotYet(Exception):
+    """A commit's files are not all durable at the target yet (other nodes still flush)."""
+
+
+def errno_name(number: int | None) -> str:
+    """``ENOSPC`` for 28; ``?`` when there is none."""
+    return errno_mod.errorcode.get(number or 0, "?")
+
+
+class CopyTask:
+    """One attempt at copying ``file`` to its target (run :meth:`run` on a worker thread).
+
+    Attributes written by the worker, read by the flusher: ``bytes_done``,
+    ``last_progress`` (monotonic time of the last completed write or step), ``done``.
+    ``abandoned`` is written by the flusher only.
+    """
+
+    def __init__(self, file: FlushFile, attempt: int, requires: list | None = None) -> None:
+        self.file = file
+        self.attempt = attempt
+        self.requires = requires or []  # (path, record): durable at the target first
+        self.bytes_done = 0
+        self.last_progress = time.monotonic()
+        self.abandoned = False
+        self.done = False
+        self.thread: threading.Thread | None = None
+
+    def start(self, on_finished) -> None:
+        """Run on a new daemon thread; ``on_finished(task, error)`` is called from it."""
+        def run() -> None:
+            error = None
+            try:
+                self.run()
+            except (CopyError, Abandoned, NotYet) as exc:
+                error = exc
+            except OSError as exc:
+                error = CopyError(exc.errno, exc.strerror or str(exc),
+                                  exc.filename or self.file.target,
+                                  exc.errno in FAIL_FAST_ERRNOS)
+            except Exception as exc:  # a bug must still end the attempt, as a retry
+                error = CopyError(None, f"{type(exc).__name__}: {exc}", self.file.target, False)
+            self.done = True
+            on_finished(self, error)
+
+        self.thread = threading.Thread(target=run, daemon=True,
+                                       name=f"ckptd-flush-{os.path.basename(self.file.target)}")
+        self.thread.start()
+
+    def _progress(self, nbytes: int = 0) -> None:
+        if self.abandoned:
+            raise Abandoned(self.file.target)
+        self.bytes_done += nbytes
+        self.last_progress = time.monotonic()
+
+    def run(self) -> None:
+        """Copy, verify, commit. Raises :class:`CopyError`, :class:`Abandoned` or
+        :class:`NotYet`."""
+        missing = [path for path, record in self.requires
+                   if not present_at_target(path, record)]
+        if missing:
+            raise NotYet(f"{len(missing)} file(s) not durable at the target yet, e.g. "
+                         f"{missing[0]}")
+        self._progress()
+        expected = self._expected()
+        chunk = bytearray(knobs.FLUSH_CHUNK_BYTES.get())
+        view = memoryview(chunk)
+        with open(self.file.local, "rb", buffering=0) as source:
+            with DurableFile(self.file.target, checksum=self.file.record) as durable:
+                self._progress()
+                while True:
+                    got = source.readinto(chunk)
+                    if not got:
+                        break
+                    durable.stream.write(view[:got])
+                    self._progress(got)
+                written = durable.stream.result()
+                if (written.value, written.size) != (expected.value, expected.size):
+                    raise CopyError(errno_mod.EIO, (
+                        f"local copy {self.file.local} is corrupt: it reads as crc32 "
+                        f"{written.value:08x}, {written.size} bytes, but was written as "
+                        f"{expected.value:08x}, {expected.size} bytes; not committed"),
+                        self.file.local, fail_fast=True)
+                # fsync before the rename, then look again: a copy abandoned while its
+                # fsync hung must not rename into place after its save was given up.
+                os.fsync(durable.stream.fileno())
+                self._progress()
+                durable.commit()
+
+    def _expected(self) -> Checksum:
+        """What the local write recorded (its checksum record, else the journal's)."""
+        if self.file.record:
+            try:
+                recorded = read_sidecar(self.file.local)
+            except ChecksumMismatchError as exc:
+                raise CopyError(errno_mod.EIO, f"{exc}; not committed", self.file.local,
+                                fail_fast=True) from None
+            if (recorded.value, recorded.size) != (self.file.crc32, self.file.size):
+                raise CopyError(errno_mod.EIO, f"the local copy's checksum record "
+                                f"{sidecar_path(self.file.local)} differs from the write's "
+                                f"result; not committed", self.file.local, fail_fast=True)
+        if not os.path.exists(self.file.local):
+            raise CopyError(errno_mod.ENOENT, f"the local copy {self.file.local} is missing; "
+                            "not committed", self.file.local, fail_fast=True)
+        return Checksum(self.file.crc32, self.file.size)
+
+
+def remove_at_target(paths: list[str]) -> None:
+    """Remove files (and their checksum records) a failed save put at its target; run on a
+    worker thread, since the target may hang."""
+    for path in paths:
+        for candidate in (path, sidecar_path(path)):
+            try:
+                os.unlink(candidate)
+            except OSError:
+                pass
+
+
+def present_at_target(path: str, record: bool) -> bool:
+    """Whether ``path`` is durable at the target: it exists and, with ``record``, its
+    checksum record exists and gives its size."""
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return False
+    if not record:
+        return True
+    try:
+        return read_sidecar(path).size == size
+    except (OSError, ChecksumMismatchError):
+        return False

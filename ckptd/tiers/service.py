@@ -1,0 +1,392 @@
+"""The serve loop's side of tiered saves: what is tiered, hand-over, commits, resuming.
+
+Owns, per daemon with ``--stage-dir``:
+
+- the decision that a save is tiered (a DCP or torch-format save to a checkpoint root;
+  local-checkpoint parts are local already) and where its files are written locally;
+- admission against the stage budget (``--stage-policy``: wait for flushes to free it,
+  or refuse at once with ``stage_full``);
+- each tiered request's flush, from the moment its local copy is durable (journal entry
+  first) to the moment every file is durable at the target; then the local copy goes;
+- :class:`PendingCommit`: the commit of a DCP checkpoint (its ``.metadata``), handed to
+  the coordinator's daemon at staging time (``handover``) or asked for at finalize
+  (``commit_file``). It is written at the target only once every file it names is durable
+  there with its checksum record, whichever node flushed it, and never after a save of
+  this daemon that it depends on has failed;
+- resuming the journal's unfinished flushes and commits when the daemon starts.
+
+The lifecycle still owns every request's phase: this service reports to it
+(:meth:`ckptd.server.lifecycle.SaveLifecycle.flush_done`). Nothing here blocks on the
+target; the flusher's workers do that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ckptd import knobs
+from ckptd.checksum import Checksum
+from ckptd.protocol import ErrorCode, Phase, SaveFormat
+from ckptd.server.endpoint import Call, RequestError
+from ckptd.storage.durable import write_small_file
+from ckptd.tiers.copy import FlushFile, remove_at_target
+from ckptd.tiers.flusher import Flusher, FlushFailure, FlushJob
+from ckptd.tiers.stage import StageDir, commit_key
+
+log = logging.getLogger(__name__)
+
+METADATA_NAME = ".metadata"
+#: Finished commits remembered, so a late ``commit_file`` learns their outcome.
+_RECENT_COMMITS = 64
+
+
+@dataclass
+class PendingCommit:
+    """A DCP checkpoint's ``.metadata``, waiting for the files it names."""
+
+    key: str
+    path: str             # the .metadata's final path at the target
+    files: list           # names inside the checkpoint directory
+    record: bool          # files carry checksum records (not torch's exact files)
+    local: str            # its bytes, durable in the stage directory
+    size: int
+    crc32: int
+    deadline: float
+    waiters: list = field(default_factory=list)  # commit_file calls owed an answer
+    outcome: str = "pending"                     # pending, committed, failed
+    error: str | None = None
+    errno: int | None = None
+
+    @property
+    def directory(self) -> str:
+        """The checkpoint directory."""
+        return os.path.dirname(self.path)
+
+    def answer(self) -> None:
+        """Answer every ``commit_file`` waiting for this commit."""
+        waiters, self.waiters = self.waiters, []
+        for call in waiters:
+            answer_commit(call, self)
+
+    def to_journal(self) -> dict:
+        """Its journal entry."""
+        return {"kind": "commit", "path": self.path, "files": self.files,
+                "record": self.record, "local": self.local, "size": self.size,
+                "crc32": self.crc32, "deadline": self.deadline}
+
+
+def answer_commit(call: Call, commit: PendingCommit) -> None:
+    """The reply ``commit_file`` gets for a finished commit."""
+    if commit.outcome == "committed":
+        call.reply({"path": commit.path, "size": commit.size})
+    else:
+        call.fail(ErrorCode.WRITE_FAILED, f"could not commit {commit.path}: {commit.error}",
+                  "the checkpoint is not committed; earlier checkpoints are intact",
+                  errno=commit.errno, path=commit.path)
+
+
+class TierService:
+    """Tiered saves of one daemon (see the module docstring).
+
+    Parameters
+    ----------
+    daemon : ckptd.server.daemon.Daemon
+        For the request table, the lifecycle, the roots and the incarnation.
+    stage : StageDir
+        The stage directory.
+    policy : str
+        ``wait`` or ``refuse``: what a save that does not fit the budget gets.
+    """
+
+    def __init__(self, daemon, stage: StageDir, policy: str) -> None:
+        if policy not in ("wait", "refuse"):
+            raise ValueError(f"--stage-policy must be wait or refuse, not {policy!r}")
+        self.daemon = daemon
+        self.stage = stage
+        self.policy = policy
+        self.flusher: Flusher | None = None
+        self.commits: dict[str, PendingCommit] = {}
+        self.recent_commits: OrderedDict[str, PendingCommit] = OrderedDict()
+        self.waiting: list[tuple] = []  # (call, body) of saves waiting for the budget
+        self.committed_total = 0
+
+    def start(self, context) -> None:
+        """Create the flusher and resume what the journal holds."""
+        self.flusher = Flusher(context, self.daemon.config.stall_timeout)
+        self._resume()
+
+    # ------------------------------------------------------------------ admission
+    def wants(self, fmt: str) -> bool:
+        """Whether a save of this format is tiered."""
+        return fmt in (SaveFormat.DCP, SaveFormat.TORCH)
+
+    def admit(self, call: Call, body, start) -> object:
+        """Reserve budget for a tiered STAGE, or park it (wait) or refuse it.
+
+        ``start(call, body)`` runs the ordinary admission once the budget is reserved and
+        returns the handler's answer (a reply body or DEFERRED).
+        """
+        need = StageDir.need(sum(b[2] for b in body.buffers), len(body.files), len(body.buffers))
+        if need > self.stage.budget:
+            raise RequestError(ErrorCode.STAGE_FULL, (
+                f"a save of {need} bytes can never fit the stage budget of "
+                f"{self.stage.budget} bytes in {self.stage.path}"),
+                "raise --stage-budget (or free the stage filesystem), or save less per rank")
+        if self.waiting or not self.stage.fits(need):
+            if self.policy == "refuse":
+                raise RequestError(ErrorCode.STAGE_FULL, (
+                    f"the stage directory {self.stage.path} is full: {self.stage.used_bytes} "
+                    f"of {self.stage.budget} bytes wait to reach their targets"),
+                    "the save was refused and training goes on; the target is slower than "
+                    "the save cadence (see ckptd status), so save less often, or raise "
+                    "--stage-budget")
+            log.info("a save of %d bytes waits for the stage budget (%d of %d bytes used)",
+                     need, self.stage.used_bytes, self.stage.budget)
+            self.waiting.append((call, body, need, start))
+            from ckptd.server.endpoint import DEFERRED
+            return DEFERRED
+        return self._start(call, body, need, start)
+
+    def _start(self, call: Call, body, need: int, start):
+        # The request the admission creates takes the table's next id, hence this key.
+        key = self.key_for(self.daemon.table.next_id)
+        self.stage.reserve(key, need)
+        try:
+            return start(call, body)
+        except BaseException:
+            self.stage.release(key)
+            raise
+
+    def key_for(self, request_id: int) -> str:
+        """The stage key of this daemon's request ``request_id``."""
+        return f"{self.daemon.incarnation}-{request_id}"
+
+    def _budget_freed(self) -> None:
+        while self.waiting:
+            call, body, need, start = self.waiting[0]
+            if not self.stage.fits(need):
+                return
+            self.waiting.pop(0)
+            try:
+                answer = self._start(call, body, need, start)
+            except RequestError as exc:
+                call.fail(exc.code, exc.message, exc.hint, **exc.context)
+                continue
+            from ckptd.server.endpoint import DEFERRED
+            if answer is not DEFERRED:
+                call.reply(answer)
+
+    def place(self, request):
+        """``target path -> local path`` for a tiered request's writer jobs."""
+        local_dir = self.stage.local_dir(request.stage_key)
+
+        def local_path(target: str) -> str:
+            relative = os.path.basename(target)
+            return os.path.join(local_dir, relative)
+        return local_path
+
+    # ------------------------------------------------------------------ flushing a save
+    def flush(self, request) -> None:
+        """``request``'s local copy is durable: journal it, then copy it to its target."""
+        key = request.stage_key
+        files = [FlushFile(w["path"], self._target_of(request, w), w["size"], w["crc32"],
+                           record=not request.stock_files) for w in request.written]
+        deadline = time.time() + knobs.FLUSH_DEADLINE.get()
+        self.stage.record(key, {"kind": "save", "rank": request.rank, "format": request.format,
+                                "target": request.path, "deadline": deadline,
+                                "files": [f.to_json() for f in files]})
+        request.flush = FlushJob(key, request.path, files, deadline,
+                                 lambda job, failure: self._flushed(request, job, failure))
+        log.info("request %d (rank %d) durable locally; flushing %d file(s), %d bytes to %s",
+                 request.id, request.rank, len(files), request.flush.bytes_total, request.path)
+        self.flusher.submit(request.flush)
+
+    @staticmethod
+    def _target_of(request, written: dict) -> str:
+        if request.format == SaveFormat.TORCH:
+            return request.path
+        return os.path.join(request.path, os.path.basename(written["path"]))
+
+    def _flushed(self, request, job: FlushJob, failure: FlushFailure | None) -> None:
+        if failure is None:
+            for entry, file in zip(request.written, job.files):
+                entry["path"] = file.target  # where the file is now, for the poll reply
+                entry["file_id"] = None
+            self.stage.remove_local(job.key)
+            self.stage.forget(job.key)
+            self._release(job.key)
+            self._check_commits(request.path)
+        self.daemon.saves.lifecycle.flush_done(request, failure)
+
+    def discard(self, request) -> None:
+        """A tiered save failed or was aborted: stop its flush, remove what it put at the
+        target and its local copy, and abandon a commit that needs its files."""
+        key = request.stage_key
+        self.flusher.cancel(key)
+        # A DCP file's name is this save's own; a torch file's final name may hold the
+        # previous checkpoint (a failed flush never renamed onto it): leave that alone.
+        targets = [self._target_of(request, w) for w in request.written] \
+            if request.format == SaveFormat.DCP else []
+        if targets:
+            threading.Thread(target=remove_at_target, args=(targets,), daemon=True,
+                             name="ckptd-flush-cleanup").start()
+        self.stage.remove_local(key)
+        self.stage.forget(key)
+        self._release(key)
+        names = {os.path.basename(t) for t in targets} | {n for n, _ in request.files}
+        for commit in list(self.commits.values()):
+            if commit.directory == (request.path if request.format == SaveFormat.DCP
+                                    else None) and names & set(commit.files):
+                self._end_commit(commit, f"a save it needs failed: {request.error}", None)
+
+    def _release(self, key: str) -> None:
+        if self.stage.release(key):
+            self._budget_freed()
+
+    # ------------------------------------------------------------------ commits
+    def on_handover(self, call: Call, body, path: str) -> dict:
+        """A coordinator hands over its checkpoint's commit (``handover``)."""
+        metadata_path = os.path.join(path, METADATA_NAME)
+        commit = self._new_commit(metadata_path, bytes(call.frames[0]), list(body.files),
+                                  not body.stock_files)
+        log.info("commit of %s handed over: %d file(s) to wait for", path, len(commit.files))
+        return {"path": metadata_path, "files": len(commit.files)}
+
+    def on_commit_file(self, call: Call, path: str, data: bytes, stock: bool):
+        """``commit_file`` on a tiered daemon: the handed-over commit's outcome, or a new
+        commit of files already flushed (stock ``dcp.save``, whose writes waited)."""
+        from ckptd.server.endpoint import DEFERRED
+
+        commit = self.commits.get(path) or self.recent_commits.get(path)
+        if commit is None:
+            commit = self._new_commit(path, data, [], not stock)
+        if commit.outcome == "pending":
+            commit.waiters.append(call)
+            return DEFERRED
+        answer_commit(call, commit)
+        return DEFERRED
+
+    def _new_commit(self, path: str, data: bytes, files: list, record: bool) -> PendingCommit:
+        previous = self.commits.get(path)
+        if previous is not None:  # a new save into the same directory: the old commit is void
+            self._end_commit(previous, "superseded by a newer save to the same path", None)
+        self.recent_commits.pop(path, None)
+        key = commit_key(path)
+        local = os.path.join(self.stage.local_dir(key), METADATA_NAME)
+        write_small_file(local, data, checksum=True)
+        checksum = Checksum.from_json(open(local + ".ckptd-sum").read())
+        commit = PendingCommit(key, path, files, record, local, checksum.size, checksum.value,
+                               time.time() + knobs.FLUSH_DEADLINE.get())
+        self.stage.record(key, commit.to_journal())
+        self._start_commit(commit)
+        return commit
+
+    def _start_commit(self, commit: PendingCommit) -> None:
+        self.commits[commit.path] = commit
+        requires = [(os.path.join(commit.directory, name), commit.record)
+                    for name in commit.files]
+        job = FlushJob(commit.key, commit.directory,
+                       [FlushFile(commit.local, commit.path, commit.size, commit.crc32,
+                                  commit.record)],
+                       commit.deadline, lambda job, failure: self._committed(commit, failure),
+                       requires=requires)
+        self.flusher.submit(job)
+
+    def _check_commits(self, directory: str) -> None:
+        """A file of ``directory`` reached its target: a commit may be complete now."""
+        for commit in self.commits.values():
+            if commit.directory == directory:
+                job = self.flusher.jobs.get(commit.key)
+                if job is not None:
+                    for state in job.states:
+                        if state.task is None and not state.done:
+                            state.retry_at = 0.0
+        self.flusher.tick()
+
+    def _committed(self, commit: PendingCommit, failure: FlushFailure | None) -> None:
+        if failure is None:
+            commit.outcome = "committed"
+            self.committed_total += 1
+            log.info("committed %s (%d file(s) durable at the target)", commit.path,
+                     len(commit.files))
+            self._forget_commit(commit)
+        else:
+            self._end_commit(commit, failure.message, failure.errno)
+
+    def _end_commit(self, commit: PendingCommit, reason: str, errno: int | None) -> None:
+        """Give a commit up: it will never be written."""
+        if commit.outcome != "pending":
+            return
+        self.flusher.cancel(commit.key)
+        commit.outcome, commit.error, commit.errno = "failed", reason, errno
+        log.error("commit of %s abandoned: %s", commit.path, reason)
+        self._forget_commit(commit)
+
+    def _forget_commit(self, commit: PendingCommit) -> None:
+        self.commits.pop(commit.path, None)
+        self.stage.remove_local(commit.key)
+        self.stage.forget(commit.key)
+        self.recent_commits[commit.path] = commit
+        while len(self.recent_commits) > _RECENT_COMMITS:
+            self.recent_commits.popitem(last=False)
+        commit.answer()
+
+    # ------------------------------------------------------------------ restart
+    def _resume(self) -> None:
+        entries = self.stage.entries()
+        self.stage.sweep(set(entries))
+        for key, entry in entries.items():
+            try:
+                if entry.get("kind") == "commit":
+                    self._resume_commit(key, entry)
+                else:
+                    self._resume_save(key, entry)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.error("journal entry %s is malformed (%s); not resumed", key, exc)
+                self.stage.remove_local(key)
+                self.stage.forget(key)
+
+    def _resume_commit(self, key: str, entry: dict) -> None:
+        commit = PendingCommit(key, entry["path"], list(entry["files"]), bool(entry["record"]),
+                               entry["local"], int(entry["size"]), int(entry["crc32"]),
+                               float(entry["deadline"]))
+        log.info("resuming the commit of %s from the journal", commit.path)
+        self._start_commit(commit)
+
+    def _resume_save(self, key: str, entry: dict) -> None:
+        files = [FlushFile.from_json(f) for f in entry["files"]]
+        request = self.daemon.saves.resumed_request(key, entry, files)
+        self.stage.reserve(key, sum(f.size for f in files))
+        request.flush = FlushJob(key, request.path, files, float(entry["deadline"]),
+                                 lambda job, failure: self._flushed(request, job, failure))
+        log.info("resuming the flush of %s (rank %d, %d file(s)) from the journal",
+                 request.path, request.rank, len(files))
+        self.flusher.submit(request.flush)
+
+    # ------------------------------------------------------------------ status
+    def describe(self) -> dict:
+        """The ``tier`` section of the status document."""
+        return {"stage_dir": self.stage.path, "budget_bytes": self.stage.budget,
+                "used_bytes": self.stage.used_bytes, "policy": self.policy,
+                "waiting_saves": len(self.waiting),
+                "flushes": len(self.flusher.jobs) if self.flusher else 0,
+                "copies_running": self.flusher.running() if self.flusher else 0,
+                "retries": self.flusher.retries if self.flusher else 0,
+                "stalls": self.flusher.stalls if self.flusher else 0,
+                "bytes_flushed": self.flusher.bytes_flushed if self.flusher else 0,
+                "commits_pending": [c.path for c in self.commits.values()],
+                "commits_done": self.committed_total}
+
+    def close(self) -> None:
+        """Stop copying (the journal keeps what is unfinished for the next daemon)."""
+        for call, *_ in self.waiting:
+            call.fail(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
+                      "the save was not started; retry once a daemon is running")
+        self.waiting = []
+        if self.flusher is not None:
+            self.flusher.close()
