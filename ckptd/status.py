@@ -162,6 +162,7 @@ def render(doc: dict) -> str:
                     [[r["id"], r["rank"], r["format"], r["phase"],
                       f"{_size(r['bytes_written'])}/{_size(r['bytes_total'])}", r["path"]]
                      for r in doc["requests"]]) if doc["requests"] else ["  (none)"]
+    lines += _render_tier(doc)
     lines += _render_local(doc)
     if doc["recent_errors"]:
         lines += ["", "RECENT ERRORS"]
@@ -176,6 +177,28 @@ def _deadlines_line(doc: dict) -> list[str]:
         return []
     return [f"limits  a write or fsync fails after {deadlines['stall_timeout_s']:g}s without "
             f"progress; a save is flagged stuck after {deadlines['stuck_after_s']:g}s"]
+
+
+def _render_tier(doc: dict) -> list[str]:
+    """The TIER section: the stage directory and every flush in flight (with ``--stage-dir``)."""
+    tier = doc.get("tier")
+    if not tier:
+        return []
+    lines = ["", f"TIER    stage {tier['stage_dir']}: {_size(tier['used_bytes'])} of "
+                 f"{_size(tier['budget_bytes'])} (policy {tier['policy']}, "
+                 f"{tier['waiting_saves']} waiting); {tier['retries']} retries, "
+                 f"{tier['stalls']} stalls, {len(tier['commits_pending'])} commit(s) pending"]
+    now = daemon_time(doc)
+    flushing = [r for r in doc["requests"] if r.get("flush")]
+    if flushing:
+        lines += _table(["id", "rank", "attempt", "flushed", "next retry", "target", "last error"],
+                        [[r["id"], r["rank"], r["flush"]["attempt"],
+                          f"{_size(r['flush']['bytes_done'])}/{_size(r['flush']['bytes_total'])}",
+                          "copying" if r["flush"]["next_retry_at"] is None
+                          else f"in {max(r['flush']['next_retry_at'] - now, 0):.0f}s",
+                          r["flush"]["target"], r["flush"].get("last_error") or ""]
+                         for r in flushing])
+    return lines
 
 
 def _render_local(doc: dict) -> list[str]:

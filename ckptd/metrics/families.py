@@ -14,11 +14,13 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 
 from ckptd.metrics.save_stats import SaveStats
 from ckptd.protocol.names import Phase
+from ckptd.tiers.metrics import tier_families
 
 __all__ = ["RESERVED_LABELS", "LatestFamilies", "families_of", "render"]
 
 #: In-flight phases always exported (0 when empty), so alert expressions find the series.
-_IN_FLIGHT_PHASES = (Phase.WAITING_FOR_POOL, Phase.STAGING, Phase.WRITING, Phase.REPLICATING)
+_IN_FLIGHT_PHASES = (Phase.WAITING_FOR_POOL, Phase.STAGING, Phase.WRITING, Phase.REPLICATING,
+                     Phase.FLUSHING)
 #: Label names our own series use; a ``--metrics-label`` may not reuse them.
 RESERVED_LABELS = frozenset({"le", "quantile", "outcome", "state", "phase", "peer", "kind",
                              "version", "host", "socket", "session", "owner"})
@@ -92,6 +94,7 @@ def families_of(doc: dict | None, stats: SaveStats | None = None,
         _pool(out, doc["pool"])
         _ranks_and_writers(out, doc)
         _replication(out, doc)
+        tier_families(out, doc)
     return out.families
 
 
