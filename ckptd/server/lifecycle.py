@@ -265,6 +265,7 @@ class SaveLifecycle:
             self.effects.remove_outputs(request)
         elif request.tiered and not request.errors:
             request.phase = Phase.FLUSHING
+            request.local_durable_at = time.time()
             self.effects.flush(request)
         elif request.replicas is not None and request.replicas.sending:
             request.phase = Phase.REPLICATING

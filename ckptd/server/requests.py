@@ -103,6 +103,7 @@ class SaveRequest:
     flush: object | None = None    # tiered saves: its ckptd.tiers.flusher.FlushJob
     created_at: float = field(default_factory=time.time)
     staged_at: float | None = None
+    local_durable_at: float | None = None  # tiered: when its stage-directory copy was durable
     finished_at: float | None = None
 
     @property
@@ -170,6 +171,7 @@ class SaveRequest:
             "phase": self.phase, "bytes_total": self.bytes_total,
             "bytes_written": self.bytes_written, "created_at": self.created_at,
             "staged_at": self.staged_at, "finished_at": self.finished_at,
+            "local_durable_at": self.local_durable_at,
             "error": self.error, "transport_bytes": self.transport_bytes,
             "replication": self.replicas.to_wire() if self.replicas is not None else None,
             "flush": self.flush_progress(),
