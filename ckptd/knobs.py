@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 __all__ = [
-    "Knob", "override", "all_knobs", "parse_bool", "parse_size",
+    "Knob", "override", "all_knobs", "parse_bool", "parse_choice", "parse_size",
     "POOL_SIZE", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES",
     "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
-    "PEER_IO_THREADS", "REPLICATOR_TICK", "METRICS_INTERVAL", "PEER_STREAMS",
+    "PEER_IO_THREADS", "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
     "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
     "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT", "STUCK_AFTER",
@@ -42,6 +42,14 @@ def parse_bool(text: str) -> bool:
     if lowered in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{text!r} is not a boolean (use 1/0, true/false, yes/no)")
+
+
+def parse_choice(text: str, choices: tuple) -> str:
+    """``text`` if it is one of ``choices`` (case-insensitive), else a ValueError naming them."""
+    lowered = text.strip().lower()
+    if lowered not in choices:
+        raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+    return lowered
 
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -241,6 +249,17 @@ PEER_IO_THREADS = _knob(
     "PEER_IO_THREADS", 2, int, "ZeroMQ I/O threads of the peer context (control messages)")
 REPLICATOR_TICK = _knob(
     "REPLICATOR_TICK", 0.1, float, "Seconds between the replicator's timer checks")
+# Replication only ever talks to a clique of 2-3 daemons, so a daemon keeps links (and
+# heartbeats) to its clique mates only and its cost does not grow with the job; "all"
+# is the former all-to-all mesh, kept so benchmarks can put both side by side.
+PEER_LINKS = _knob(
+    "PEER_LINKS", "clique", lambda text: parse_choice(text, ("clique", "all")),
+    "Peers a daemon keeps dialed and heartbeats: clique (its clique mates) or all (the job)")
+# A link to a daemon outside the clique (a fetch from a far holder after a re-shaped
+# restart) is dialed on demand; closed after this long unused, it costs nothing idle.
+PEER_IDLE_TIMEOUT = _knob(
+    "PEER_IDLE_TIMEOUT", 30.0, float,
+    "Seconds an on-demand link to a daemon outside the clique may stay unused")
 
 # The latest committed local part of each rank stays in the staging pool until a newer
 # one is committed or a save needs the space: a restarted trainer loads it from memory.

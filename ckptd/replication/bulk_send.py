@@ -155,6 +155,7 @@ class Lane:
         self._answer_handlers = {Kind.ACK: self._on_ack, Kind.READY: self._on_ready,
                                  Kind.DONE: self._on_outcome, Kind.ABORT: self._on_outcome}
         self.stopped = False
+        self.created = time.monotonic()
 
     # ------------------------------------------------------------ work (any thread)
     def add(self, job: SendJob) -> None:
@@ -426,6 +427,20 @@ class BulkSender:
                 with lane.lock:
                     self.log_end(job, reason)
                     lane.end_job(job, False, reason, notify_peer=True)
+
+    def drop_idle(self, now: float, idle: float, keep: set) -> None:
+        """Close the lanes of peers outside ``keep`` (control addresses) that have no job
+        and moved no byte for ``idle`` seconds: a copy served to a far fetcher must not
+        leave connections and threads behind."""
+        for (address, key), lane in list(self._lanes.items()):
+            if lane.peer in keep:
+                continue
+            with lane.lock:
+                busy = bool(lane.jobs) or lane.queue
+            if not busy and now - max(lane.last_activity(), lane.created) > idle:
+                log.info("closed the idle bulk connections to %s", lane.peer)
+                lane.stop()
+                del self._lanes[(address, key)]
 
     @staticmethod
     def log_end(job: SendJob, reason: str) -> None:

@@ -11,7 +11,7 @@ the trainers' table names it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -27,15 +27,17 @@ class PartRef:
 
 @dataclass(frozen=True)
 class SetPeers:
-    """The trainers' table: peer daemons (address, public key) and every key allowed in."""
+    """The trainers' table: peer daemons (address, public key), every key allowed in, and
+    the daemons this one replicates with (kept linked; any other is dialed on demand)."""
 
     peers: list          # [(address, key, bulk address)] of this session's daemons
     allowed_keys: list   # keys of every registered session's daemons
+    mates: list = field(default_factory=list)  # addresses of the clique mates' daemons
 
 
 @dataclass(frozen=True)
 class ConnectPeers:
-    """Dial every known peer now (every daemon has the key table by then)."""
+    """Dial the clique mates now (every daemon has the key table by then)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ connections of :mod:`.bulk_receive`) and each fetch's list of holders still to t
   owner's name through the local store, checksummed as it arrives (nothing to do here
   but count it);
 - *fetch*: a daemon whose rank lost its part asks the holders in order (``PART_GET`` on
-  the control link, asked again until the stream begins); the holder streams it to this
+  the control link, dialed for the fetch when the holder is not a clique mate, asked
+  again until the stream begins; the holder knows who asks from the link's CURVE key); the holder streams it to this
   daemon's bulk listener, where it is written, checksummed on the way, checked against
   the crc32 the holder recorded, and made durable once. A holder that refuses or fails
   means "next holder". The outcome goes back to the serve loop as a
@@ -89,8 +90,7 @@ class Incoming:
                                        part.owner, part.iteration))
             self.transport.link(address, key)
             fetch.holder = address
-            fetch.get = PartGet(xfer, part.session, part.owner, part.iteration,
-                                requester=self.transport.address)
+            fetch.get = PartGet(xfer, part.session, part.owner, part.iteration)
             self._fetches[xfer] = fetch
             log.info("fetching rank %d's part of iteration %d from %s", part.owner,
                      part.iteration, address)
@@ -125,6 +125,10 @@ class Incoming:
         if fetch is not None and self.targets.forget(body.xfer) is not None:
             del self._fetches[body.xfer]
             self._failed(fetch, body.error or "refused")
+
+    def peers_in_use(self) -> set[str]:
+        """Holders a fetch is waiting on now (their links stay open)."""
+        return {fetch.holder for fetch in self._fetches.values() if fetch.holder}
 
     # ------------------------------------------------------------ timers, status
     def tick(self, now: float) -> None:

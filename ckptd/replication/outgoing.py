@@ -7,7 +7,9 @@ connections of :mod:`.bulk_send`):
   to each clique mate's daemon while its writers write the local copy; each holder's
   outcome goes back to the serve loop as a :class:`~ckptd.replication.commands.PushDone`;
 - *serve*: asked with ``PART_GET`` (on the control link), a holder streams its copy to the
-  requester's bulk address, checksumming what it reads: a copy that no longer matches its
+  bulk address of the daemon whose CURVE key authenticated the request (never to a daemon
+  the request names: a peer cannot make a holder push onto a third daemon), checksumming
+  what it reads: a copy that no longer matches its
   record is never completed, and is marked unverified here.
 
 A stream without progress for :data:`ckptd.knobs.PEER_TIMEOUT` fails (reduced redundancy
@@ -102,12 +104,20 @@ class Outgoing:
 
     # ------------------------------------------------------------ serving a fetch
     def _on_get(self, body: PartGet, frames, send: Sender, from_router: bool, peer: str) -> None:
+        """``peer`` is the daemon whose CURVE key authenticated the request: the part goes
+        to that daemon's bulk listener and to no one else, whoever the body names."""
         if not from_router or body.xfer in self._serving:
             return  # a repeated request for a stream under way
-        key, bulk = self.transport.known.get(body.requester), self.transport.bulk.get(body.requester)
+        key, bulk = self.transport.known.get(peer), self.transport.bulk.get(peer)
         if key is None or bulk is None:
-            self._refuse(send, body, f"{self.transport.address} does not know {body.requester!r} "
-                                     "(not in the trainers' table of this session)")
+            self._refuse(send, body, peer, f"{self.transport.address} does not know the asking "
+                                           f"daemon ({peer}): its key is not in the trainers' "
+                                           "table of this session")
+            return
+        if body.requester and body.requester != peer:
+            self._refuse(send, body, peer, f"{peer} asked for a copy to go to "
+                                           f"{body.requester}: a holder sends a part only to "
+                                           "the daemon that asks for it")
             return
         path = None
         try:
@@ -117,23 +127,24 @@ class Outgoing:
             recorded = read_sidecar(path)
             source = FileSource(path)
         except FileNotFoundError:
-            self._refuse(send, body, f"{self.transport.address} holds no part of rank "
-                                     f"{body.owner} for iteration {body.iteration}")
+            self._refuse(send, body, peer, f"{self.transport.address} holds no part of rank "
+                                           f"{body.owner} for iteration {body.iteration}")
             return
         except (LocalStoreError, ChecksumMismatchError, OSError) as exc:
-            self._refuse(send, body, f"{self.transport.address}: {exc}")
+            self._refuse(send, body, peer, f"{self.transport.address}: {exc}")
             return
-        job = SendJob(body.xfer, "serve", body.requester, source,
+        job = SendJob(body.xfer, "serve", peer, source,
                       Begin(body.session, body.owner, body.iteration, recorded.value),
-                      self.transport.stats_of(body.requester), expected_crc=recorded.value,
+                      self.transport.stats_of(peer), expected_crc=recorded.value,
                       owner=body.owner, iteration=body.iteration)
         self._serving[body.xfer] = path
-        log.info("serving %s (%d bytes) to %s", path, source.size, body.requester)
-        self.sender.send(bulk, raw_key(key), body.requester, job)
+        log.info("serving %s (%d bytes) to %s", path, source.size, peer)
+        self.sender.send(bulk, raw_key(key), peer, job)
 
-    def _refuse(self, send: Sender, body: PartGet, error: str) -> None:
+    @staticmethod
+    def _refuse(send: Sender, body: PartGet, peer: str, error: str) -> None:
         log.warning("refused to serve rank %d's part of iteration %d to %s: %s", body.owner,
-                    body.iteration, body.requester, error)
+                    body.iteration, peer, error)
         send_quietly(send, PartRefused(body.xfer, error))
 
     # ------------------------------------------------------------ timers, status
@@ -145,6 +156,10 @@ class Outgoing:
         """End every stream and close the bulk connections (the daemon is stopping)."""
         self.sender.cancel(lambda job: True, reason)
         self.sender.close()
+
+    def peers_in_use(self) -> set[str]:
+        """Peers a push or a served copy is streaming to now (their links stay open)."""
+        return {job.peer for _, job in self.sender.jobs()}
 
     def lag_by_peer(self, now: float) -> dict[str, float]:
         """Age of the oldest push still streaming to each peer."""

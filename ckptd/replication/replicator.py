@@ -202,9 +202,13 @@ class Replicator:
             return
         frames = sock.recv_multipart(copy=False)
         if sock is self.transport.router:
+            # Who asks is the daemon whose key the authenticator admitted, whatever the
+            # message says: a keyed peer must not act in another daemon's name.
             routing_id = frames[0].bytes
+            sender = self.transport.sender_of(frames[1]) if len(frames) > 1 else None
             self._on_peer_message(frames[1:], self.transport.router_sender(routing_id),
-                                  from_router=True, peer=f"peer connection {routing_id.hex()}")
+                                  from_router=True,
+                                  peer=sender or f"unnamed peer connection {routing_id.hex()}")
             return
         link = self.transport.link_of(sock)
         if link is not None:
@@ -237,10 +241,14 @@ class Replicator:
         self.transport.allow(command.allowed_keys)
         for address, key, *bulk in command.peers:
             self.transport.learn(address, key, bulk[0] if bulk else None)
+        self.transport.mates = {address for address in command.mates
+                                if address != self.address}
 
     def _connect_peers(self, command: ConnectPeers) -> None:
-        for address, key in list(self.transport.known.items()):
-            self.transport.link(address, key)
+        # Only the pinned peers (the clique mates): anyone else is dialed when a fetch
+        # needs it, so a daemon's links and heartbeats do not grow with the job.
+        for address in sorted(self.transport.pinned()):
+            self.transport.link(address)
 
     def _stop_requested(self, command: StopReplicator) -> None:
         self._stopping = True
@@ -251,10 +259,15 @@ class Replicator:
         self.incoming.tick(now)
         for link in list(self.transport.links.values()):
             if link.health.ping_due(now):
-                send_quietly(self.transport.link_sender(link.address), PeerPing(time.time()))
+                send_quietly(self.transport.link_sender(link.address, keeps_open=False),
+                             PeerPing(time.time()))
             link.health.assess(now)
             if link.health.wants_redial(now):
                 self.transport.redial(link)
+        idle = knobs.PEER_IDLE_TIMEOUT.get()
+        busy = self.outgoing.peers_in_use() | self.incoming.peers_in_use()
+        self.transport.drop_idle(now, idle, busy)
+        self.outgoing.sender.drop_idle(now, idle, self.transport.pinned() | busy)
         self._publish(now)
 
     def _publish(self, now: float) -> None:

@@ -6,8 +6,12 @@ Owns:
 - a ROUTER bound on ``--peer-listen`` (tcp), a CURVE server whose ZAP authenticator
   admits only the public keys the trainers handed this daemon through their own process
   group; any other client fails the handshake and never reaches the replicator;
-- one DEALER per peer daemon (a :class:`PeerLink`, CURVE client pinned to that peer's
-  key), dialed on demand and redialed when the peer stopped answering;
+- one DEALER per peer daemon it talks to (a :class:`PeerLink`, CURVE client pinned to that
+  peer's key): kept open to the *pinned* peers (the clique mates, or every daemon of the
+  job with ``CKPTD_PEER_LINKS=all``), dialed on demand to any other and closed once unused
+  for :data:`ckptd.knobs.PEER_IDLE_TIMEOUT`; redialed when the peer stopped answering;
+- who a message on the listening socket comes from: the daemon whose CURVE key the
+  authenticator admitted (its ZAP User-Id), never what the message says;
 - non-blocking *senders*: ``send(body, frames) -> bool`` (``False``: would block, try
   later), raising :class:`PeerGone` when the peer is unreachable.
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import logging
 import socket as _socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -171,6 +176,8 @@ class PeerLink:
     socket: zmq.Socket
     health: PeerHealth
     stats: PeerStats = field(default_factory=PeerStats)
+    #: ``time.monotonic()`` of the last use other than a heartbeat (idle links are closed).
+    last_used: float = field(default_factory=time.monotonic)
 
 
 def _send_multipart(sock: zmq.Socket, prefix: list, body: Body, frames) -> bool:
@@ -237,6 +244,7 @@ class PeerTransport:
         self.links: dict[str, PeerLink] = {}
         self.known: dict[str, bytes] = {}  # peer address -> public key, from the trainers
         self.bulk: dict[str, str] = {}     # peer address -> its bulk address (host:port)
+        self.mates: set[str] = set()       # addresses of the clique mates (kept linked)
         self._stats: dict[str, PeerStats] = {}
 
     @property
@@ -258,6 +266,17 @@ class PeerTransport:
         key = z85.encode(raw_key)
         return next((a for a, k in list(self.known.items()) if k == key), key.decode())
 
+    def sender_of(self, frame: zmq.Frame) -> str | None:
+        """The control address of the daemon that sent ``frame`` to the listening socket:
+        the one whose CURVE key the authenticator admitted (the ZAP User-Id, the key in
+        z85), looked up in the trainers' table; ``None`` when the table has no such key."""
+        try:
+            user_id = frame.get("User-Id")
+        except zmq.ZMQError:  # no metadata: not a CURVE connection
+            return None
+        key = user_id.encode() if isinstance(user_id, str) else user_id
+        return next((a for a, k in list(self.known.items()) if k == key), None)
+
     def learn(self, address: str, key: str, bulk: str | None = None) -> None:
         """Remember a peer's key; a link to it with another key (it restarted) is dropped."""
         if address == self.address:
@@ -270,11 +289,18 @@ class PeerTransport:
             self.drop(link)
 
     # ------------------------------------------------------------ links
+    def pinned(self) -> set[str]:
+        """Peers whose links stay open: the clique mates, or (``CKPTD_PEER_LINKS=all``, the
+        former mesh) every daemon the trainers named."""
+        return set(self.known) if knobs.PEER_LINKS.get() == "all" else set(self.mates)
+
     def link(self, address: str, key: str | bytes | None = None) -> PeerLink:
-        """The link to ``address`` (dialed now if there is none, or the key changed)."""
+        """The link to ``address`` (dialed now if there is none, or the key changed); using
+        it keeps an on-demand link open."""
         key_bytes = key.encode() if isinstance(key, str) else (key or self.known[address])
         link = self.links.get(address)
         if link is not None and link.key == key_bytes:
+            link.last_used = time.monotonic()
             return link
         if link is not None:  # the peer restarted with a new key
             self.drop(link)
@@ -303,6 +329,18 @@ class PeerTransport:
         fresh.health = link.health.redialed()
         return fresh
 
+    def drop_idle(self, now: float, idle: float, busy: set) -> list[str]:
+        """Close links outside :meth:`pinned` unused for ``idle`` seconds and not ``busy``
+        (a stream with that peer in flight); returns their addresses."""
+        keep = self.pinned() | busy
+        dropped = [link for address, link in list(self.links.items())
+                   if address not in keep and now - link.last_used > idle]
+        for link in dropped:
+            log.info("closed the idle on-demand link to %s (unused for %.0fs)", link.address,
+                     now - link.last_used)
+            self.drop(link)
+        return [link.address for link in dropped]
+
     def link_of(self, sock: zmq.Socket) -> PeerLink | None:
         """The link that owns ``sock`` (None once it was dropped)."""
         return next((l for l in self.links.values() if l.socket is sock), None)
@@ -312,12 +350,16 @@ class PeerTransport:
         return self._stats.setdefault(address, PeerStats())
 
     # ------------------------------------------------------------ senders
-    def link_sender(self, address: str) -> Sender:
-        """Send to ``address`` over its current link (follows redials)."""
+    def link_sender(self, address: str, keeps_open: bool = True) -> Sender:
+        """Send to ``address`` over its current link (follows redials). A send marks the
+        link used unless ``keeps_open`` is False (heartbeats: a link kept alive only by
+        its own pings would never close)."""
         def send(body: Body, frames=()) -> bool:
             link = self.links.get(address)
             if link is None:
                 raise PeerGone(f"no link to {address}")
+            if keeps_open:
+                link.last_used = time.monotonic()
             return _send_multipart(link.socket, [], body, frames)
         return send
 

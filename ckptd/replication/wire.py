@@ -34,17 +34,19 @@ class PeerPong(Body, message="peer_pong"):
 
 
 class PartGet(Body, message="part_get"):
-    """Ask a holder to stream ``owner``'s part of ``iteration`` to ``requester`` (a fetch).
+    """Ask a holder to stream ``owner``'s part of ``iteration`` to the asking daemon.
 
-    Sent again until the stream begins (the holder ignores a transfer it already serves),
-    so a lost message costs a resend, not the fetch.
+    The holder sends it to the daemon whose CURVE key authenticated this request, and to no
+    one else; ``requester``, when given, must name that same daemon (a request naming
+    another one is refused). Sent again until the stream begins (the holder ignores a
+    transfer it already serves), so a lost message costs a resend, not the fetch.
     """
 
     xfer: int
     session: str
     owner: int = _non_negative()
     iteration: int = _non_negative()
-    requester: str = ""  # the requester's control address: the holder looks up its bulk address
+    requester: str = ""  # optional, checked against the authenticated sender; never trusted
 
 
 class PartRefused(Body, message="part_refused"):

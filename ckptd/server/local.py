@@ -5,7 +5,8 @@ Owns the daemon's half of ``ckpt_client.LocalCheckpointManager``:
 - ``PEER_INFO`` / ``LOCAL_SESSION``: the key exchange. Each rank asks its daemon for its
   peer address and CURVE public key, the trainers all-gather them over their own process
   group, and every rank hands its daemon the whole table (rank -> address, key) and the
-  replication cliques. Only keys in those tables may connect to the peer socket.
+  replication cliques. Only keys in those tables may connect to the peer socket; the
+  daemon keeps links only to its clique mates' daemons (any other is dialed on demand).
 - the replication step of a ``local`` save: once staged, :meth:`start_replication` has the
   replicator stream the extent to the daemons of the owner's clique mates (in the shared
   :func:`ckptd.protocol.holder_order`) while the writers write the local part; each
@@ -77,6 +78,16 @@ class SessionPeers:
     def clique_of(self, rank: int) -> list:
         """The clique ``rank`` belongs to (``[rank]`` without replication)."""
         return next((list(c) for c in self.cliques if rank in c), [rank])
+
+    def mates_of(self, address: str) -> set[str]:
+        """Addresses of the other daemons holding a rank of a clique that one of the ranks
+        of the daemon at ``address`` belongs to (whom that daemon replicates with)."""
+        mates: set[str] = set()
+        for clique in self.cliques:
+            entries = [e for rank in clique if (e := self.entry_of(rank))]
+            if any(e[0] == address for e in entries):
+                mates |= {e[0] for e in entries if e[0] != address}
+        return mates
 
     def entry_of(self, rank: int) -> list | None:
         """``[address, key]`` of ``rank``'s daemon, if known."""
@@ -187,8 +198,9 @@ class LocalService:
         self.sessions[session.session_id] = SessionPeers(body.peers, body.cliques)
         if self.replicator is not None:
             every = [p for sp in self.sessions.values() for p in sp.peers if p]
+            mates = set().union(*(sp.mates_of(self.address) for sp in self.sessions.values()))
             self.replicator.command(SetPeers(sorted({tuple(p) for p in body.peers if p}),
-                                             sorted({p[1] for p in every})))
+                                             sorted({p[1] for p in every}), sorted(mates)))
         return {"directory": session.directory, "address": self.address}
 
     def on_local_inventory(self, call: Call, body: LocalInventory) -> dict:

@@ -24,7 +24,7 @@ from peerclient import register_session
 
 from ckptd import protocol
 from ckptd.replication.bulk_wire import Abort, Ready, send_control
-from ckptd.replication.wire import PartGet, PeerPing, PeerPong
+from ckptd.replication.wire import PartGet, PartRefused, PeerPing, PeerPong
 
 
 def flip_byte(path: str) -> None:
@@ -268,3 +268,45 @@ def test_a_corrupted_own_part_is_set_aside_and_healed_from_a_verified_replica(ma
     run = subprocess.run([sys.executable, "-m", "ckptd", "verify", os.path.dirname(own)],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr  # the healed iteration verifies
+
+
+def _ask(sock, body) -> None:
+    sock.send_multipart(protocol.encode(body.message_type, 0, body.to_wire()))
+
+
+def test_a_keyed_peer_cannot_make_a_holder_push_a_part_onto_another_daemon(make_nodes,
+                                                                           tmp_path,
+                                                                           zmq_context):
+    nodes = make_nodes(2)  # rank 0 on node 0, rank 1 on node 1: each holds both parts
+    values(run_ranks(save_once, 2, nodes.sockets(1), tmp_path,
+                     args=(nodes.roots(1), 1, 2, 5), name="save"))
+    holder, victim = nodes.daemons[0], nodes.daemons[1]
+    # an intruder whose key the trainers of another session did name on the holder
+    intruder = peerclient.keypair()
+    intruder_address = "tcp://127.0.0.254:1"
+    info = register_session(holder.socket, "other-job", nodes.roots(1)[0] + "-other",
+                            [[intruder_address, intruder[0], "127.0.0.254:1"]])
+    sock, monitor = _client(zmq_context, info["address"], info["public_key"],
+                            tuple(k.encode() for k in intruder))
+    received_before = victim.log().count("receiving ")
+    # it asks for rank 0's part of iteration 5 to go to node 1's daemon
+    _ask(sock, PartGet(xfer=7, session=SESSION, owner=0, iteration=5,
+                       requester=nodes.addresses[1]))
+    assert _handshake_event(monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED  # real CURVE, admitted
+    assert sock.poll(30_000), "the holder did not answer the request"
+    answer = protocol.decode(sock.recv_multipart())
+    assert answer.type == PartRefused.message_type
+    refusal = PartRefused.from_wire(answer.body)
+    assert refusal.xfer == 7 and nodes.addresses[1] in refusal.error
+    assert "only to the daemon that asks" in refusal.error
+    assert f"to {intruder_address}: {intruder_address} asked for a copy to go to " \
+           f"{nodes.addresses[1]}" in holder.log()
+    assert "outgoing: serving " not in holder.log()
+    assert not [s for s in holder.status()["replication"]["streams"] if s["kind"] == "serve"]
+    # the same request naming no one is served to the intruder itself (its own table
+    # entry, where nothing listens), never to the victim
+    _ask(sock, PartGet(xfer=8, session=SESSION, owner=0, iteration=5))
+    wait_for(lambda: any("outgoing: serving " in line and line.endswith(f"to {intruder_address}")
+                         for line in holder.log().splitlines()),
+             30, "the holder to serve the intruder's own address")
+    assert victim.log().count("receiving ") == received_before
