@@ -22,7 +22,9 @@ __all__ = [
     "Knob", "override", "all_knobs", "parse_bool", "parse_choice", "parse_size",
     "POOL_SIZE", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS",
-    "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES",
+    "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
+    "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
+    "CHECKSUM",
     "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
     "PEER_IO_THREADS", "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
@@ -201,6 +203,25 @@ CHECKSUM_OVERLAP_MIN_BYTES = _knob(
     "CHECKSUM_OVERLAP_MIN_BYTES", 1 << 20, int, "Chunks checksummed beside their write from")
 WRITEBACK_EVERY_BYTES = _knob(
     "WRITEBACK_EVERY_BYTES", 64 << 20, int, "Start writeback (sync_file_range) every so many")
+# O_DIRECT from the staging pool: no copy into the page cache (the writers' largest CPU
+# cost when buffered) and no page cache filled with bytes nobody reads back. "buffered" is
+# the page-cache path (before O_DIRECT; also what filesystems that refuse it get, their
+# pages dropped after the fsync).
+WRITE_MODE = _knob(
+    "WRITE_MODE", "direct", str,
+    "How writers write checkpoint files: direct (O_DIRECT where the filesystem allows) or buffered")
+DIRECT_WRITE_THREADS = _knob(
+    "DIRECT_WRITE_THREADS", 2, int, "Threads per writer issuing (and checksumming) direct writes")
+DIRECT_CHUNK_BYTES = _knob(
+    "DIRECT_CHUNK_BYTES", 8 << 20, parse_size, "Bytes per direct write call")
+DIRECT_BOUNCE_BYTES = _knob(
+    "DIRECT_BOUNCE_BYTES", 1 << 20, parse_size,
+    "Aligned bounce buffer for headers, padding, small tensors and unaligned tails")
+DIRECT_MIN_BYTES = _knob(
+    "DIRECT_MIN_BYTES", 64 << 10, parse_size,
+    "Tensors written straight from the pool from this size (smaller ones via the bounce buffer)")
+CHECKSUM = _knob(
+    "CHECKSUM", "crc32", str, "Algorithm of new checksum records: crc32c or crc32")
 CUDA_REGISTER_CHUNK_BYTES = _knob(
     "CUDA_REGISTER_CHUNK_BYTES", 64 << 30, int, "Bytes page-locked per cudaHostRegister call")
 NUMA_PLACEMENT = _knob(

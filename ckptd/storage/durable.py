@@ -9,8 +9,9 @@ through :class:`DurableFile` or :func:`write_small_file`:
    pid (so leftovers of a dead writer can be attributed) and a random token (so nobody can
    plant a symlink at it in advance): a link at that name is never followed, an existing
    file is never reused;
-2. write, fsync the file, record its checksum beside it (``<file>.ckptd-sum``, written the
-   same way);
+2. write (checkpoint data with O_DIRECT straight from the staging pool where the
+   filesystem allows it, :mod:`ckptd.storage.direct_io`; other files buffered), fsync the
+   file, record its checksum beside it (``<file>.ckptd-sum``, written the same way);
 3. rename onto the final name (``rename`` replaces a link at the destination instead of
    following it) and fsync the directory.
 
@@ -29,12 +30,12 @@ import fcntl
 import os
 import secrets
 import stat
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ckptd import knobs
-from ckptd.checksum import TMP_MARKER, Checksum, ChecksumWriter, sidecar_path
+from ckptd.checksum import ALGORITHM, TMP_MARKER, Checksum, ChecksumWriter, sidecar_path
+from ckptd.storage.direct_io import DirectFileWriter, drop_cached_pages, write_mode_of
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _SYNC_FILE_RANGE_WRITE = 2
@@ -165,12 +166,12 @@ _crc_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-crc")
 
 
 class DurableFileStream(ChecksumWriter):
-    """The stream a file's bytes are written into: checksums large chunks on a helper
-    thread while the kernel copies them (zlib.crc32 and writes both release the GIL),
+    """The stream a buffered file's bytes are written into: checksums large chunks on a
+    helper thread while the kernel copies them (the CRCs and writes all release the GIL),
     and starts writeback early (``sync_file_range``) so the final fsync has little left."""
 
-    def __init__(self, raw) -> None:
-        super().__init__(raw)
+    def __init__(self, raw, algorithm: str = ALGORITHM) -> None:
+        super().__init__(raw, algorithm)
         self._fd = raw.fileno()
         self._written_back = 0
 
@@ -184,7 +185,7 @@ class DurableFileStream(ChecksumWriter):
         if view.nbytes < knobs.CHECKSUM_OVERLAP_MIN_BYTES.get():
             done = super().write(view)
         else:
-            checksum = _crc_thread.submit(zlib.crc32, view, self.crc)
+            checksum = _crc_thread.submit(self.algorithm.update, view, self.crc)
             try:
                 done = self._write_all(view)
             finally:
@@ -217,15 +218,20 @@ class DurableFile:
         False (checkpoint data): the directory is walked from ``/`` without following any
         link, and created durably where missing. True (a ready file, the metrics textfile:
         places the operator chose): it is opened as given and must exist.
+    direct : bool
+        Checkpoint data: written with O_DIRECT where the filesystem allows it and
+        ``CKPTD_WRITE_MODE`` is ``direct``; where it refuses, buffered and dropped from
+        the page cache after the fsync.
 
     Attributes
     ----------
-    stream : DurableFileStream
+    stream : DurableFileStream or DirectFileWriter
         Where the file's bytes go (checksummed as they pass).
     """
 
     def __init__(self, path: str, checksum: bool = True, mode: int = 0o644,
-                 operator_path: bool = False, dir_fd: int | None = None) -> None:
+                 operator_path: bool = False, dir_fd: int | None = None,
+                 direct: bool = False) -> None:
         self.path = path
         self.directory = os.path.dirname(path) or "."
         self.with_checksum = checksum
@@ -244,8 +250,21 @@ class DurableFile:
         # the writer is gone (ckptd.storage.leftovers), whatever its pid says.
         fcntl.flock(fd, fcntl.LOCK_EX)
         self._raw = open(fd, "wb", buffering=0, closefd=True)
-        self.stream = DurableFileStream(self._raw)
         self._done = False
+        algorithm = knobs.CHECKSUM.get() if checksum else ALGORITHM
+        wants_direct = direct and knobs.WRITE_MODE.get() == "direct"
+        use_direct = False
+        if wants_direct:
+            try:
+                use_direct = write_mode_of(fd, self.tmp_path).direct
+            except BaseException:
+                self.discard()
+                raise
+        # A filesystem that refuses O_DIRECT still keeps the page cache clean of checkpoints.
+        self._drop_pages = wants_direct and not use_direct
+        self.stream: DurableFileStream | DirectFileWriter = (
+            DirectFileWriter(fd, algorithm) if use_direct
+            else DurableFileStream(self._raw, algorithm))
 
     def _create_temporary(self, mode: int) -> tuple[str, int]:
         for _ in range(8):  # a collision of 48 random bits means someone is guessing
@@ -284,8 +303,12 @@ class DurableFile:
             Of the bytes written.
         """
         try:
+            if isinstance(self.stream, DirectFileWriter):
+                self.stream.finish()
             if fsync:
                 os.fsync(self._raw.fileno())
+            if self._drop_pages:
+                drop_cached_pages(self._raw.fileno())
             checksum = checksum or self.stream.result()
             if self.with_checksum:  # beside the file, through the same directory descriptor
                 with DurableFile(sidecar_path(self.path), checksum=False,
@@ -317,6 +340,8 @@ class DurableFile:
         """Remove the temporary (a write that failed or was abandoned)."""
         if self._done:
             return
+        if isinstance(getattr(self, "stream", None), DirectFileWriter):
+            self.stream.abort()  # no write may still target the descriptor closed below
         try:
             os.unlink(self.tmp_name, dir_fd=self._dir_fd)
         except OSError:
@@ -336,8 +361,9 @@ class DurableFile:
 
 
 def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any],
-                          checksum: bool = True) -> dict:
-    """Write ``path`` through ``write_body(stream)`` as a :class:`DurableFile`.
+                          checksum: bool = True, direct: bool = False) -> dict:
+    """Write ``path`` through ``write_body(stream)`` as a :class:`DurableFile`
+    (``direct``: checkpoint data, O_DIRECT where possible).
 
     Returns
     -------
@@ -345,7 +371,7 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
         ``{"path", "size", "crc32", "file_id"}`` of the committed file; ``file_id`` is its
         ``[st_dev, st_ino]``, which tells it apart from a later file at the same path.
     """
-    with DurableFile(path, checksum=checksum) as durable:
+    with DurableFile(path, checksum=checksum, direct=direct) as durable:
         try:
             write_body(durable.stream)
         except Exception as exc:
@@ -356,7 +382,7 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
         info = os.fstat(durable.stream.fileno())  # the same inode after the rename
         result = durable.commit()
     return {"path": path, "size": result.size, "crc32": result.value,
-            "file_id": [info.st_dev, info.st_ino]}
+            "algorithm": result.algorithm, "file_id": [info.st_dev, info.st_ino]}
 
 
 def write_small_file(path: str, data: bytes, *, checksum: bool = False, mode: int = 0o644,

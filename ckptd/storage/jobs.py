@@ -64,7 +64,8 @@ class WriteResult(Body, message=RESULT):
     ok: bool
     path: str | None = None
     size: int = 0
-    crc32: int = 0
+    crc32: int = 0              # the checksum's value, whatever its algorithm
+    algorithm: str = "crc32"    # of the checksum (ckptd.checksum.ALGORITHMS)
     items: list | None = None
     file_id: list | None = None  # [st_dev, st_ino]: tells it apart from a later file there
     errno: int | None = None

@@ -4,8 +4,10 @@ Started by :class:`ckptd.storage.writer_pool.WriterPool` as
 ``python -m ckptd.storage.writer_process``. It maps the staging pool, tells the daemon it
 is ready, then executes jobs (:mod:`ckptd.storage.jobs`) received over a ZeroMQ PAIR
 socket: tensors are read in place in the pool (no copy), written in torch's file format by
-:mod:`ckptd.storage.torch_format` into a :class:`ckptd.storage.durable.DurableFile`, and the
-result (size, crc32, item offsets, or the errno of the failure) goes back. A bad job never
+:mod:`ckptd.storage.torch_format` into a :class:`ckptd.storage.durable.DurableFile` (with
+O_DIRECT straight from the pool where the filesystem allows it: every tensor's bytes start
+on a 4 KiB boundary of the file, as of the pool), and the result (size, checksum, item
+offsets, or the errno of the failure) goes back. A bad job never
 kills the writer; the writer exits when its daemon is gone, since nobody wants its results
 any more.
 
@@ -32,8 +34,9 @@ from ckptd.storage.durable import write_file_atomically
 from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
                                 WriterReady, WriteResult, WriteTorch)
-from ckptd.storage.torch_format import (RawTensor, raw_tensor, write_tensor_file,
-                                        write_torch_file)
+from ckptd.storage.direct_io import PAGE
+from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT, RawTensor, raw_tensor,
+                                        write_tensor_file, write_torch_file)
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +79,18 @@ class Writer:
         skeleton = protocol.unpack_value(job.skeleton)
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
         return write_file_atomically(
-            job.path, lambda f: write_torch_file(f, skeleton, tensors, max_write=max_write))
+            job.path, lambda f: write_torch_file(f, skeleton, tensors, max_write=max_write,
+                                                 alignment=PAGE_ALIGNMENT), direct=True)
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
-        """Items back to back; records where each one landed.
+        """Items one after the other; records where each one landed.
 
         A tensor item is one complete torch archive, as DCP's ``FileSystemWriter`` writes
-        it (``torch.save(tensor, stream)``); with ``stock`` its zip records carry their
-        CRC-32, as torch computes them by default, so the file is torch's byte for byte.
+        it (``torch.save(tensor, stream)``). ckptd's own items each start on a 4 KiB
+        boundary of the file (zeros between), with a 4 KiB storage alignment and no zip
+        CRCs: every tensor's bytes can go to the disk straight from the pool. With
+        ``stock`` the items are back to back with torch's defaults (64-byte alignment,
+        zip CRC-32s), so the file is stock DCP's byte for byte.
         """
         placements: list = []
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
@@ -91,17 +98,23 @@ class Writer:
                   else self.tensor_at(offset, nbytes, dtype, shape))
                  for offset, nbytes, dtype, shape in job.items]
 
+        alignment = DEFAULT_ALIGNMENT if job.stock else PAGE_ALIGNMENT
+
         def write_items(stream: ChecksumWriter) -> None:
             for item in items:
+                if isinstance(item, RawTensor) and not job.stock and stream.tell() % PAGE:
+                    stream.write(bytes(-stream.tell() % PAGE))  # DCP reads by offset
                 start = stream.tell()
                 if isinstance(item, RawTensor):
-                    write_tensor_file(stream, item, crc32=job.stock, max_write=max_write)
+                    write_tensor_file(stream, item, crc32=job.stock, max_write=max_write,
+                                      alignment=alignment)
                 else:  # in slices, so writeback starts while a large part is written
                     for offset in range(0, item.nbytes, max_write):
                         stream.write(item[offset:offset + max_write])
                 placements.append([start, stream.tell() - start])
 
-        result = write_file_atomically(job.path, write_items, checksum=not job.stock)
+        result = write_file_atomically(job.path, write_items, checksum=not job.stock,
+                                       direct=not job.stock)
         result["items"] = placements
         return result
 
@@ -120,8 +133,8 @@ class Writer:
             job = JOB_TYPES[msg.type].from_wire(msg.body)
             done = self.handlers[type(job)](job, msg.frames)
             result = WriteResult(ok=True, path=done["path"], size=done["size"],
-                                 crc32=done["crc32"], items=done.get("items"),
-                                 file_id=done["file_id"])
+                                 crc32=done["crc32"], algorithm=done["algorithm"],
+                                 items=done.get("items"), file_id=done["file_id"])
         except OSError as exc:
             name = errno_mod.errorcode.get(exc.errno or 0, "?")
             result = WriteResult(ok=False, errno=exc.errno, path=exc.filename or path,

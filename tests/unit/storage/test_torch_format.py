@@ -1,6 +1,7 @@
 """torch's file format written without torch: stock torch.load and DCP read it, and the bytes
 are torch.save's own."""
 
+import dataclasses
 import io
 import math
 import mmap
@@ -21,7 +22,8 @@ from torch.utils.serialization import config as serialization_config
 from ckptd import protocol
 from ckptd.protocol import TensorRef
 from ckptd.storage.jobs import WriteItems
-from ckptd.storage.torch_format import (DTYPES, pickle_skeleton, raw_tensor, write_tensor_file,
+from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, DTYPES, PAGE_ALIGNMENT,
+                                        pickle_skeleton, raw_tensor, write_tensor_file,
                                         write_torch_file)
 from ckptd.storage.writer_process import Writer
 
@@ -83,17 +85,25 @@ def write(skeleton, tensors, **options) -> bytes:
     return bytes(stream.buffer)
 
 
-def torch_save(skeleton, tensors, crc32: bool) -> bytes:
-    """What torch.save writes for the same decoded skeleton (as the old writer called it)."""
+def torch_save(skeleton, tensors, crc32: bool, alignment: int = DEFAULT_ALIGNMENT) -> bytes:
+    """What torch.save writes for the same decoded skeleton (as the old writer called it),
+    with torch's serialization config set to ``crc32`` and ``alignment``."""
     decoded = protocol.unpack_value(protocol.pack_value(skeleton))
-    before = serialization_config.save.compute_crc32
+    before = (serialization_config.save.compute_crc32, serialization_config.save.storage_alignment)
     serialization_config.save.compute_crc32 = crc32
+    serialization_config.save.storage_alignment = alignment
     try:
         buffer = io.BytesIO()
         torch.save(protocol.fill_skeleton(decoded, tensors), buffer)
     finally:
-        serialization_config.save.compute_crc32 = before
+        (serialization_config.save.compute_crc32,
+         serialization_config.save.storage_alignment) = before
     return buffer.getvalue()
+
+
+#: (storage alignment, zip CRCs): ckptd's own files, and torch's defaults with CRCs off and on.
+FORMATS = [(PAGE_ALIGNMENT, False), (DEFAULT_ALIGNMENT, False), (DEFAULT_ALIGNMENT, True)]
+FORMAT_IDS = ["ckptd-4k-no-crc", "torch-64-no-crc", "torch-default"]
 
 
 # ---------------------------------------------------------------- stock torch.load reads it
@@ -193,11 +203,11 @@ def tensors_of_everything():
             random_tensor("uint64", [2, 2])]
 
 
-@pytest.mark.parametrize("crc32", [False, True], ids=["crc-off", "crc-on"])
-def test_bytes_equal_torch_saves_for_every_kind_of_value(crc32):
+@pytest.mark.parametrize("alignment,crc32", FORMATS, ids=FORMAT_IDS)
+def test_bytes_equal_torch_saves_for_every_kind_of_value(alignment, crc32):
     tensors = tensors_of_everything()
-    assert write(SKELETON_OF_EVERYTHING, tensors, crc32=crc32) == \
-        torch_save(SKELETON_OF_EVERYTHING, tensors, crc32=crc32)
+    assert write(SKELETON_OF_EVERYTHING, tensors, crc32=crc32, alignment=alignment) == \
+        torch_save(SKELETON_OF_EVERYTHING, tensors, crc32, alignment)
 
 
 @pytest.mark.parametrize("max_write", [None, 50_000], ids=["whole", "slices"])
@@ -205,9 +215,9 @@ def test_large_records_written_in_slices_equal_torch_saves(max_write):
     tensors = [random_tensor("float32", [300, 100]), random_tensor("int8", [3]),
                random_tensor("bfloat16", [70_000])]
     skeleton = {"big": TensorRef(0), "small": TensorRef(1), "other": TensorRef(2)}
-    for crc32 in (False, True):
-        assert write(skeleton, tensors, crc32=crc32, max_write=max_write) == \
-            torch_save(skeleton, tensors, crc32)
+    for alignment, crc32 in FORMATS:
+        assert write(skeleton, tensors, crc32=crc32, max_write=max_write,
+                     alignment=alignment) == torch_save(skeleton, tensors, crc32, alignment)
 
 
 # The serialization id combines the record names in std::unordered_set order, which changes
@@ -216,17 +226,18 @@ def test_large_records_written_in_slices_equal_torch_saves(max_write):
 def test_bytes_equal_torch_saves_across_storage_counts(storages):
     tensors = [random_tensor("float16", [storages % 7 + 1], seed) for seed in range(storages)]
     skeleton = {f"layers.{i}.weight": TensorRef(i) for i in range(storages)}
-    for crc32 in (False, True):
-        assert write(skeleton, tensors, crc32=crc32) == torch_save(skeleton, tensors, crc32)
+    for alignment, crc32 in FORMATS:
+        assert write(skeleton, tensors, crc32=crc32, alignment=alignment) == \
+            torch_save(skeleton, tensors, crc32, alignment)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_a_tensor_archive_equals_torch_save_of_the_tensor(dtype):
     tensor = random_tensor(dtype, [3, 7])
-    for crc32 in (False, True):
+    for alignment, crc32 in FORMATS:
         stream = WriteOnly()
-        write_tensor_file(stream, as_raw(tensor), crc32=crc32)
-        assert bytes(stream.buffer) == torch_save(TensorRef(0), [tensor], crc32)
+        write_tensor_file(stream, as_raw(tensor), crc32=crc32, alignment=alignment)
+        assert bytes(stream.buffer) == torch_save(TensorRef(0), [tensor], crc32, alignment)
 
 
 def test_the_pickle_is_the_c_picklers():
@@ -415,8 +426,17 @@ def test_a_distcp_file_from_items_loads_with_stock_dcp(tmp_path, writer, stock):
     result = writer.execute(protocol.decode(protocol.encode(job.message_type, 1,
                                                                  job.to_wire())))
     assert result.ok, result.error
-    # Same sizes with or without the zip CRCs: stock's metadata describes our file too.
-    os.link(stock_dir / ".metadata", our_dir / ".metadata")
+    metadata = FileSystemReader(stock_dir).read_metadata()
+    entries = sorted(metadata.storage_data.items(), key=lambda e: e[1].offset)
+    if stock:  # the same bytes: stock's metadata describes our file too
+        assert [list(p) for p in result.items] == [[i.offset, i.length] for _, i in entries]
+    else:  # each tensor archive on a page of the file: the placements go into .metadata
+        for (index, info), (start, length) in zip(entries, result.items):
+            metadata.storage_data[index] = dataclasses.replace(info, offset=start, length=length)
+            if isinstance(state.get(index.fqn), torch.Tensor):
+                assert start % 4096 == 0, index
+    with open(our_dir / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
     loaded = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else deepcopy(v))
               for k, v in dcp_state(0).items()}
     torch_dcp.load(loaded, storage_reader=FileSystemReader(our_dir))
@@ -426,10 +446,6 @@ def test_a_distcp_file_from_items_loads_with_stock_dcp(tmp_path, writer, stock):
         else:
             assert loaded[key] == value
     ours = (our_dir / file_name).read_bytes()
-    assert [list(p) for p in result.items] == \
-        [[info.offset, info.length] for _, info in sorted(
-            FileSystemReader(stock_dir).read_metadata().storage_data.items(),
-            key=lambda e: e[1].offset)]
     if stock:  # FileSystemWriterAsync's promise: torch's own bytes
         assert ours == (stock_dir / file_name).read_bytes()
         assert not os.path.exists(str(our_dir / file_name) + ".ckptd-sum")

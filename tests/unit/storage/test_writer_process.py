@@ -14,6 +14,8 @@ from pool_fixtures import pool_path, writer  # noqa: F401 (fixtures)
 
 def put(writer: Writer, offset: int, tensor: torch.Tensor) -> list:
     nbytes = tensor.numel() * tensor.element_size()
+    if not nbytes:  # an empty tensor has no bytes to put
+        return [offset, 0, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
     view = torch.frombuffer(writer.pool, dtype=torch.uint8, count=nbytes, offset=offset)
     view.copy_(tensor.view(-1).view(torch.uint8))
     return [offset, nbytes, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]

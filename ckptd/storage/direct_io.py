@@ -1,0 +1,324 @@
+"""Direct writes: file bytes go from the staging pool to the device, not via the page cache.
+
+Owns two things a writer needs to write with ``O_DIRECT``:
+
+- :func:`write_mode_of`: whether a filesystem takes direct writes, decided once per
+  filesystem (``statx``'s DIO alignment where the kernel reports it, else whether it
+  accepts ``O_DIRECT`` at all) and logged once. Where it does not (ramfs, some FUSE and
+  network mounts, or an alignment above a page), files are written buffered and their
+  pages dropped from the page cache after the fsync (``posix_fadvise(DONTNEED)``).
+- :class:`DirectFileWriter`: the stream a direct file's bytes are written into. A write
+  that starts on a page boundary of the file, from a page-aligned buffer of the pool,
+  goes to the disk as it is, in large chunks written by a few threads (``pwritev``
+  releases the GIL), each chunk checksummed by the thread that writes it; everything else
+  (zip headers, padding, small tensors, the unaligned tail of a large one) is gathered in
+  a small page-aligned bounce buffer written the same way. The file's last page is written
+  whole and the file truncated to its size.
+
+The file layouts cooperate: ckptd's torch files start every record's data on a 4 KiB
+boundary (torch's ``storage_alignment``), DCP items start on one, and the staging extent
+places large tensors on page boundaries (``ckptd.protocol.layout_extent``), so tensor
+bodies are never copied. Pattern: aligned bounce buffer + chunked positional writes.
+No torch; no sockets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as errno_mod
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckptd import knobs
+from ckptd.checksum import Checksum, algorithm_named, combine_pieces
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PAGE", "WriteMode", "write_mode_of", "probe_directory", "DirectFileWriter",
+           "drop_cached_pages"]
+
+#: The unit of a direct write: file offsets, lengths and buffer addresses are multiples.
+PAGE = 4096
+_AT_EMPTY_PATH = 0x1000
+_STATX_DIOALIGN = 0x2000
+_STATX_SIZE = 256
+_DIO_ALIGN_OFFSET = 152  # stx_dio_mem_align, stx_dio_offset_align (u32 each)
+
+
+@dataclass(frozen=True)
+class WriteMode:
+    """How files on one filesystem are written.
+
+    Attributes
+    ----------
+    mode : str
+        ``"direct"`` (O_DIRECT from the pool) or ``"buffered"`` (through the page cache).
+    reason : str
+        Why, in words (for the log and ``ckptd status``).
+    """
+
+    mode: str
+    reason: str
+
+    @property
+    def direct(self) -> bool:
+        """Whether files are written with O_DIRECT."""
+        return self.mode == "direct"
+
+
+def _dio_alignment(fd: int) -> tuple[int, int] | None:
+    """``(memory, offset)`` alignment the filesystem of ``fd`` reports for direct I/O:
+    None where the kernel does not say (then only trying tells), (0, 0) where it refuses."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        statx = libc.statx
+    except (OSError, AttributeError):
+        return None
+    buffer = ctypes.create_string_buffer(_STATX_SIZE)
+    if statx(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, buffer) != 0:
+        return None
+    if not struct.unpack_from("<I", buffer, 0)[0] & _STATX_DIOALIGN:
+        return None
+    return struct.unpack_from("<II", buffer, _DIO_ALIGN_OFFSET)
+
+
+def _decide(fd: int) -> WriteMode:
+    """The write mode of the filesystem of ``fd`` (a file opened for writing, or a
+    directory); may set O_DIRECT on ``fd`` to try."""
+    alignment = _dio_alignment(fd)
+    if alignment is not None:
+        memory, offset = alignment
+        if not memory or not offset:
+            return WriteMode("buffered", "the filesystem reports no direct I/O (statx)")
+        if memory > PAGE or offset > PAGE:
+            return WriteMode("buffered", f"direct I/O needs {offset}-byte offsets and "
+                             f"{memory}-byte buffers, more than a {PAGE}-byte page (statx)")
+        return WriteMode("direct", f"statx: {offset}-byte offsets, {memory}-byte buffers")
+    return WriteMode("direct", "the filesystem accepts O_DIRECT (no statx DIO alignment)")
+
+
+_modes: dict[int, WriteMode] = {}
+_modes_lock = threading.Lock()
+
+
+def write_mode_of(fd: int, where: str) -> WriteMode:
+    """The write mode of the filesystem holding ``fd`` (a file just created for writing),
+    decided and logged once per filesystem; sets ``O_DIRECT`` on ``fd`` when it is direct.
+
+    Parameters
+    ----------
+    fd : int
+        The new file.
+    where : str
+        Its path, for the one log line.
+    """
+    device = os.fstat(fd).st_dev
+    with _modes_lock:
+        known = _modes.get(device)
+    mode = known or _decide(fd)
+    if mode.direct:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError as exc:
+            name = errno_mod.errorcode.get(exc.errno or 0, str(exc.errno))
+            mode = WriteMode("buffered", f"the filesystem refuses O_DIRECT ({name})")
+    if mode != known:
+        with _modes_lock:
+            _modes[device] = mode
+        log.info("filesystem of %s (device %d:%d): files written %s, %s; buffered files "
+                 "leave the page cache after their fsync", os.path.dirname(where),
+                 os.major(device), os.minor(device), mode.mode, mode.reason)
+    return mode
+
+
+def probe_directory(directory: str) -> WriteMode:
+    """The write mode files under ``directory`` get (for ``ckptd status``): creates and
+    removes a hidden probe file there."""
+    name = os.path.join(directory, f".ckptd-probe.{os.getpid()}.{os.urandom(4).hex()}.ckptd-tmp")
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        return WriteMode("unknown", f"cannot create a file there: {exc.strerror}")
+    try:
+        os.unlink(name)
+        return write_mode_of(fd, name)
+    finally:
+        os.close(fd)
+
+
+def drop_cached_pages(fd: int) -> None:
+    """Drop a durable file's pages from the page cache: nobody reads them back soon, and
+    they would push out what the trainers use."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass  # advice only
+
+
+def _address(view: memoryview) -> int | None:
+    """Where ``view``'s bytes are in memory, or None for a read-only buffer (never
+    handed to the kernel directly: it may not be page-aligned or pinned for long)."""
+    if view.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+_executor: ThreadPoolExecutor | None = None
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=max(1, knobs.DIRECT_WRITE_THREADS.get()),
+                                       thread_name_prefix="ckptd-dio")
+    return _executor
+
+
+def _write_piece(fd: int, view: memoryview, offset: int, checked: int, update) -> tuple:
+    """Checksum the first ``checked`` bytes of ``view`` and write all of it at ``offset``."""
+    crc = update(view[:checked], 0)
+    done = 0
+    while done < view.nbytes:
+        written = os.pwritev(fd, [view[done:]], offset + done)
+        if not written:
+            raise OSError(errno_mod.EIO, "pwritev returned no progress")
+        done += written
+    return offset, checked, crc
+
+
+class DirectFileWriter:
+    """The stream of one file opened with ``O_DIRECT`` (see the module's docstring).
+
+    Has the interface of :class:`ckptd.checksum.ChecksumWriter` that ckptd's serializers
+    use (``write``, ``tell``, ``result``, ``error``) plus :meth:`finish`, which must run
+    before the fsync, and :meth:`abort`, which waits for writes in flight.
+
+    Parameters
+    ----------
+    fd : int
+        The file, opened with ``O_DIRECT``, empty.
+    algorithm : str
+        The checksum algorithm of the record (``crc32c``, ``crc32``).
+    """
+
+    def __init__(self, fd: int, algorithm: str) -> None:
+        self._fd = fd
+        self._update = algorithm_named(algorithm).update
+        self.algorithm = algorithm
+        self.size = 0
+        self.error: OSError | None = None
+        self._chunk = max(PAGE, knobs.DIRECT_CHUNK_BYTES.get() // PAGE * PAGE)
+        self._bounce_size = max(PAGE, knobs.DIRECT_BOUNCE_BYTES.get() // PAGE * PAGE)
+        self._in_flight_limit = max(2, 2 * knobs.DIRECT_WRITE_THREADS.get())
+        self._bounce: mmap.mmap | None = None
+        self._fill = 0          # bytes in the bounce buffer
+        self._bounce_at = 0     # file offset of the bounce buffer's first byte
+        self._spare: list[mmap.mmap] = []
+        self._buffers = 0
+        self._in_flight: deque[tuple[Future, mmap.mmap | None]] = deque()
+        self._pieces: list[tuple[int, int, int]] = []
+
+    def fileno(self) -> int:
+        """The file descriptor written to."""
+        return self._fd
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self.size
+
+    def write(self, data) -> int:
+        """Write all of ``data``: straight from its buffer when it starts on a page of the
+        file and of memory, else through the bounce buffer."""
+        view = memoryview(data).cast("B")
+        nbytes = view.nbytes
+        body = nbytes - nbytes % PAGE
+        if (body >= knobs.DIRECT_MIN_BYTES.get() and self._fill % PAGE == 0
+                and (_address(view) or 1) % PAGE == 0):
+            self._flush_bounce()
+            for start in range(0, body, self._chunk):
+                piece = view[start:min(start + self._chunk, body)]
+                self._submit(self._bounce_at + start, piece, piece.nbytes, None)
+            self._bounce_at += body
+            view = view[body:]
+        self._copy(view)
+        self.size += nbytes
+        return nbytes
+
+    def _copy(self, view: memoryview) -> None:
+        while view.nbytes:
+            if self._bounce is None:
+                self._bounce = self._take_buffer()
+            count = min(view.nbytes, self._bounce_size - self._fill)
+            self._bounce[self._fill:self._fill + count] = view[:count]
+            self._fill += count
+            view = view[count:]
+            if self._fill == self._bounce_size:
+                self._flush_bounce()
+
+    def _flush_bounce(self, padded: int | None = None) -> None:
+        if not self._fill:
+            return
+        length = padded or self._fill
+        self._submit(self._bounce_at, memoryview(self._bounce)[:length], self._fill,
+                     self._bounce)
+        self._bounce_at += self._fill
+        self._bounce, self._fill = None, 0
+
+    def _take_buffer(self) -> mmap.mmap:
+        while not self._spare and self._buffers >= self._in_flight_limit + 1:
+            self._reap()
+        if self._spare:
+            return self._spare.pop()
+        self._buffers += 1
+        return mmap.mmap(-1, self._bounce_size)  # page-aligned, as O_DIRECT needs
+
+    def _submit(self, offset: int, view: memoryview, checked: int, buffer) -> None:
+        while len(self._in_flight) >= self._in_flight_limit:
+            self._reap()
+        future = _threads().submit(_write_piece, self._fd, view, offset, checked, self._update)
+        self._in_flight.append((future, buffer))
+
+    def _reap(self) -> None:
+        future, buffer = self._in_flight.popleft()
+        try:
+            self._pieces.append(future.result())
+        except OSError as exc:
+            self.error = exc
+            self.abort()
+            raise
+        finally:
+            if buffer is not None:
+                self._spare.append(buffer)
+
+    def finish(self) -> None:
+        """Write what is left (the last page whole), wait for every write, and cut the
+        file to its size."""
+        if self._fill:
+            padded = -(-self._fill // PAGE) * PAGE
+            self._bounce[self._fill:padded] = bytes(padded - self._fill)
+            self._flush_bounce(padded)
+        while self._in_flight:
+            self._reap()
+        if os.fstat(self._fd).st_size != self.size:
+            os.ftruncate(self._fd, self.size)
+
+    def abort(self) -> None:
+        """Wait for the writes in flight (their buffers may be unmapped after)."""
+        while self._in_flight:
+            future, _ = self._in_flight.popleft()
+            try:
+                future.result()
+            except OSError:
+                pass
+
+    def result(self) -> Checksum:
+        """The checksum of everything written (after :meth:`finish`)."""
+        return combine_pieces(self._pieces, self.algorithm) if self._pieces else \
+            Checksum(0, 0, self.algorithm)

@@ -1,0 +1,140 @@
+"""Direct writes: the bytes on disk are the bytes given, the checksum covers exactly them, the
+write mode is decided per filesystem, and a filesystem that refuses O_DIRECT still works."""
+
+import fcntl
+import logging
+import mmap
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from ckptd import knobs
+from ckptd.checksum import checksum_bytes, read_sidecar, verify_file
+from ckptd.storage import direct_io
+from ckptd.storage.durable import DurableFile, write_file_atomically
+from ckptd.storage.jobs import WriteTorch
+
+from pool_fixtures import pool_path, writer  # noqa: F401 (fixtures)
+from test_writer_process import put, run
+
+PAGE = direct_io.PAGE
+
+
+def page_aligned(nbytes: int, fill: int) -> memoryview:
+    """A page-aligned writable buffer (as a staging pool extent is) of ``nbytes``."""
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    buffer[:nbytes] = bytes((fill + i) % 251 for i in range(min(nbytes, 251))) * \
+        (nbytes // 251) + bytes((fill + i) % 251 for i in range(nbytes % 251))
+    return memoryview(buffer)[:nbytes]
+
+
+def test_the_file_holds_every_byte_in_order_whatever_each_piece_is(tmp_path):
+    pieces = [b"header", page_aligned(0, 1), page_aligned(PAGE, 2),
+              b"z" * (-(6 + PAGE) % PAGE),                      # back on a page boundary
+              page_aligned(PAGE, 3), page_aligned(PAGE + 1, 4),  # ends on / just past a page
+              bytes(-(PAGE + PAGE + 1 + 6 + -(6 + PAGE) % PAGE) % PAGE),
+              page_aligned(3 * (1 << 20) + 5, 5), bytearray(b"unaligned tail" * 1000),
+              page_aligned(70_000, 6)[1:]]                      # a view off its page
+    expected = b"".join(bytes(p) for p in pieces)
+    with knobs.override(DIRECT_CHUNK_BYTES=1 << 20, DIRECT_BOUNCE_BYTES=64 << 10,
+                        DIRECT_MIN_BYTES=PAGE, CHECKSUM="crc32c"):
+        with DurableFile(str(tmp_path / "f"), direct=True) as durable:
+            assert isinstance(durable.stream, direct_io.DirectFileWriter)
+            assert fcntl.fcntl(durable.stream.fileno(), fcntl.F_GETFL) & os.O_DIRECT
+            for piece in pieces:
+                durable.stream.write(piece)
+            checksum = durable.commit()
+    assert (tmp_path / "f").read_bytes() == expected
+    assert checksum == checksum_bytes(expected, "crc32c") == read_sidecar(str(tmp_path / "f"))
+    verify_file(str(tmp_path / "f"))
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE])
+def test_sizes_around_a_page_come_out_exact(tmp_path, nbytes):
+    data = page_aligned(nbytes, 7)
+    with knobs.override(DIRECT_MIN_BYTES=PAGE):
+        result = write_file_atomically(str(tmp_path / "f"), lambda s: s.write(data), direct=True)
+    assert (tmp_path / "f").read_bytes() == bytes(data) and result["size"] == nbytes
+
+
+def test_a_failed_direct_write_leaves_nothing(tmp_path):
+    def body(stream):
+        stream.write(page_aligned(1 << 20, 1))
+        raise RuntimeError("serializer failed halfway")
+
+    with pytest.raises(RuntimeError, match="halfway"):
+        write_file_atomically(str(tmp_path / "f"), body, direct=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_buffered_knob_writes_through_the_page_cache(tmp_path):
+    with knobs.override(WRITE_MODE="buffered"):
+        with DurableFile(str(tmp_path / "f"), direct=True) as durable:
+            assert not isinstance(durable.stream, direct_io.DirectFileWriter)
+            durable.stream.write(b"abc")
+            durable.commit()
+    assert (tmp_path / "f").read_bytes() == b"abc"
+
+
+@pytest.mark.parametrize("shape,dtype", [([1024], "float32"),      # ends exactly on a page
+                                         ([1025], "float32"),      # just past one
+                                         ([0], "float32"), ([3, 0], "bfloat16"),
+                                         ([17, 33], "float16"), ([4097], "int8"),
+                                         ([50_001], "float64"), ([7], "bool")])
+def test_torch_files_written_direct_load_with_stock_torch(writer, tmp_path, shape, dtype):
+    tensors = [torch.arange(max(1, torch.Size(shape).numel()))[:torch.Size(shape).numel()]
+               .to(getattr(torch, dtype)).view(shape), torch.arange(5, dtype=torch.int64)]
+    specs, offset = [], 0
+    for tensor in tensors:
+        specs.append(put(writer, offset, tensor))
+        offset += -(-max(tensor.numel() * tensor.element_size(), 1) // PAGE) * PAGE
+    from ckptd import protocol
+    skeleton = protocol.pack_value({"t": protocol.TensorRef(0), "n": [protocol.TensorRef(1)]})
+    path = str(tmp_path / "m.pt")
+    with knobs.override(DIRECT_MIN_BYTES=PAGE):
+        assert run(writer, WriteTorch(path, skeleton, specs, offset)).ok
+    for mmap_mode in (False, True):
+        loaded = torch.load(path, weights_only=True, mmap=mmap_mode)
+        assert torch.equal(loaded["t"], tensors[0]) and torch.equal(loaded["n"][0], tensors[1])
+    verify_file(path)
+
+
+# ---------------------------------------------------------------- a filesystem without O_DIRECT
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mount: it refuses O_DIRECT (tmpfs accepts it on this kernel)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a ramfs needs root and mount(8)")
+    mount_point = tmp_path / f"wp-ramfs-{uuid.uuid4().hex[:6]}"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ckptd-test-ramfs", str(mount_point)], check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_filesystem_refusing_o_direct_gets_buffered_writes_logged_once(ramfs, caplog):
+    with pytest.raises(OSError):
+        os.close(os.open(ramfs / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    os.unlink(ramfs / "probe")  # created, then refused
+    caplog.set_level(logging.INFO, logger=direct_io.__name__)
+    for name in ("a", "b"):
+        data = page_aligned(3 * PAGE + 5, 9)
+        with DurableFile(str(ramfs / name), direct=True) as durable:
+            assert not isinstance(durable.stream, direct_io.DirectFileWriter)
+            durable.stream.write(data)
+            durable.commit()
+        assert (ramfs / name).read_bytes() == bytes(data)
+        verify_file(str(ramfs / name))
+    lines = [r.getMessage() for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert direct_io.probe_directory(str(ramfs)).mode == "buffered"
+    assert direct_io.probe_directory(str(ramfs.parent)).mode == "direct"  # ext4 / tmpfs
+    assert sorted(os.listdir(ramfs)) == ["a", "a.ckptd-sum", "b", "b.ckptd-sum"]
+
