@@ -135,6 +135,11 @@ def _numa(nodes: list | None) -> str:
     return f"  (NUMA nodes {','.join(map(str, nodes))})" if nodes else ""
 
 
+def _root_and_mode(root: str, doc: dict) -> str:
+    """A root and how its files are written ("not written yet" before the first file)."""
+    return f"{root} ({doc.get('write_modes', {}).get(root, 'not written yet')})"
+
+
 def render(doc: dict) -> str:
     """The human-readable status table."""
     pool = doc["pool"]
@@ -142,7 +147,7 @@ def render(doc: dict) -> str:
         f"ckptd {doc['version']} on {doc['host']}  pid {doc['pid']}  {doc['state']}  "
         f"up {doc['uptime_s']:.0f}s",
         f"socket  {doc['socket']}",
-        f"roots   {', '.join(doc['roots'])}",
+        f"roots   {', '.join(_root_and_mode(r, doc) for r in doc['roots'])}",
         f"pool    {_size(pool['used_bytes'])} used of {_size(pool['size_bytes'])}"
         f"{'  (pinned)' if pool['pinned'] else ''}"
         f"{_numa(pool.get('numa_nodes'))}  {pool['waiting_requests']} waiting",

@@ -44,7 +44,7 @@ __all__ = [
     "Body", "Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile",
     "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Empty",
     # staging layout and local parts
-    "align_up", "layout_extent", "encode_part_header", "decode_part_header",
+    "align_up", "layout_extent", "tensor_alignment", "encode_part_header", "decode_part_header",
     "read_part_header", "PART_FRAME_BYTES",
     # shared rules
     "check_session_id", "holder_order", "process_alive", "is_loopback_address",

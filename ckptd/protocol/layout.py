@@ -9,13 +9,25 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["TENSOR_ALIGNMENT", "EXTENT_ALIGNMENT", "align_up", "layout_extent"]
+__all__ = ["TENSOR_ALIGNMENT", "PAGE_ALIGNMENT", "PAGE_ALIGNED_FROM", "EXTENT_ALIGNMENT",
+           "align_up", "tensor_alignment", "layout_extent"]
 
-#: Alignment of each tensor inside a staging extent: lets any dtype be viewed in place
-#: and keeps copies on cache-line boundaries.
+#: Alignment of each small tensor inside a staging extent: lets any dtype be viewed in
+#: place and keeps copies on cache-line boundaries.
 TENSOR_ALIGNMENT = 64
+#: Alignment of each large tensor: a page, so a writer can hand its bytes to an O_DIRECT
+#: write as they are (ckptd's files put every tensor on a 4 KiB boundary of the file too).
+PAGE_ALIGNMENT = 4096
+#: Tensors of this many bytes and more are page-aligned; smaller ones travel through the
+#: writer's bounce buffer anyway, and aligning thousands of them would waste pool space.
+PAGE_ALIGNED_FROM = 64 * 1024
 #: Alignment of extents in the staging pool (page size, for O_DIRECT-friendly buffers).
 EXTENT_ALIGNMENT = 4096
+
+
+def tensor_alignment(nbytes: int) -> int:
+    """Where a tensor of ``nbytes`` may start inside an extent (a multiple of this)."""
+    return PAGE_ALIGNMENT if nbytes >= PAGE_ALIGNED_FROM else TENSOR_ALIGNMENT
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -31,6 +43,7 @@ def layout_extent(nbytes: Sequence[int]) -> tuple[list[int], int]:
     """
     offsets, cursor = [], 0
     for size in nbytes:
+        cursor = align_up(cursor, tensor_alignment(size))
         offsets.append(cursor)
         cursor = align_up(cursor + size, TENSOR_ALIGNMENT)
     return offsets, align_up(max(cursor, 1), EXTENT_ALIGNMENT)

@@ -51,6 +51,9 @@ class SaveService:
         self.lifecycle: SaveLifecycle | None = None  # made once the pool exists (start)
         self.device: DeviceCopies | None = None
         self.commits = FileCommits(daemon)
+        #: How the writers last wrote a checkpoint file under each root (or the local
+        #: directory): "direct" or "buffered: <why>", for ``ckptd status``.
+        self.write_modes: dict[str, str] = {}
 
     def start(self) -> None:
         """Bind to the staging pool and the CUDA stager (created at daemon start)."""
@@ -146,7 +149,8 @@ class SaveService:
             near=self.daemon.placement.near(body.cuda, rank.pid))
         if tiered and body.format == SaveFormat.DCP:
             # Known now, so the coordinator can hand its commit over at staging time.
-            request.placements = predict_placements(body.buffers, body.files)
+            request.placements = predict_placements(body.buffers, body.files,
+                                                    request.stock_files)
         return request
 
     @staticmethod
@@ -319,6 +323,8 @@ class SaveService:
             if wrong is not None:
                 log.error("request %d (rank %d): %s", request.id, request.rank, wrong)
                 result = WriteResult(ok=False, path=result.path, error=wrong)
+            if result.ok and result.write_mode:
+                self._note_write_mode(result.path, result.write_mode)
             if result.ok:
                 written = {"name": getattr(job.body, "name", None), "path": result.path,
                            "size": result.size, "crc32": result.crc32, "items": result.items,
@@ -326,6 +332,13 @@ class SaveService:
             self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
                                     job.nbytes, result.error, result.errno)
         return on_done
+
+    def _note_write_mode(self, path: str, mode: str) -> None:
+        local_dir = self.daemon.config.local_dir
+        roots = AllowedRoots.of([*self.roots.roots, *([local_dir] if local_dir else [])])
+        root = roots.root_of(os.path.realpath(path))
+        if root is not None:
+            self.write_modes[root] = mode
 
 
 def jobs_for(request: SaveRequest, on_done, place=None):

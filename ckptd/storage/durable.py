@@ -254,12 +254,16 @@ class DurableFile:
         algorithm = knobs.CHECKSUM.get() if checksum else ALGORITHM
         wants_direct = direct and knobs.WRITE_MODE.get() == "direct"
         use_direct = False
+        #: How this file is written, for ``ckptd status`` ("" for small files).
+        self.write_mode = "buffered (CKPTD_WRITE_MODE=buffered)" if direct else ""
         if wants_direct:
             try:
-                use_direct = write_mode_of(fd, self.tmp_path).direct
+                mode = write_mode_of(fd, self.tmp_path)
             except BaseException:
                 self.discard()
                 raise
+            use_direct = mode.direct
+            self.write_mode = "direct" if use_direct else f"buffered: {mode.reason}"
         # A filesystem that refuses O_DIRECT still keeps the page cache clean of checkpoints.
         self._drop_pages = wants_direct and not use_direct
         self.stream: DurableFileStream | DirectFileWriter = (
@@ -368,8 +372,9 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
     Returns
     -------
     dict
-        ``{"path", "size", "crc32", "file_id"}`` of the committed file; ``file_id`` is its
-        ``[st_dev, st_ino]``, which tells it apart from a later file at the same path.
+        ``{"path", "size", "crc32", "algorithm", "file_id", "write_mode"}`` of the committed
+        file; ``file_id`` is its ``[st_dev, st_ino]``, which tells it apart from a later
+        file at the same path; ``write_mode`` says how it was written.
     """
     with DurableFile(path, checksum=checksum, direct=direct) as durable:
         try:
@@ -382,7 +387,8 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
         info = os.fstat(durable.stream.fileno())  # the same inode after the rename
         result = durable.commit()
     return {"path": path, "size": result.size, "crc32": result.value,
-            "algorithm": result.algorithm, "file_id": [info.st_dev, info.st_ino]}
+            "algorithm": result.algorithm, "file_id": [info.st_dev, info.st_ino],
+            "write_mode": durable.write_mode}
 
 
 def write_small_file(path: str, data: bytes, *, checksum: bool = False, mode: int = 0o644,

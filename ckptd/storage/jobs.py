@@ -68,6 +68,7 @@ class WriteResult(Body, message=RESULT):
     algorithm: str = "crc32"    # of the checksum (ckptd.checksum.ALGORITHMS)
     items: list | None = None
     file_id: list | None = None  # [st_dev, st_ino]: tells it apart from a later file there
+    write_mode: str = ""         # "direct", "buffered: <why>", "" for small files
     errno: int | None = None
     error: str | None = None
     seconds: float = 0.0

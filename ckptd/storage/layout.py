@@ -2,9 +2,12 @@
 
 A tiered DCP save is handed over at staging time: its coordinator gives the daemon the
 ``.metadata`` it will commit, and that names each item's offset and length in its file.
-The writers lay items back to back, each tensor as one ``torch.save`` archive whose size
-depends only on its dtype and shape (the zip records, the pickle, the alignment padding
-and the zip64 thresholds are all fixed by them), each byte item raw. So the layout is
+Owns the one rule of where items go, which the writers follow (:func:`item_start`): one
+after the other, each tensor as one ``torch.save`` archive starting on a 4 KiB boundary
+of the file (so its bytes can be written with O_DIRECT; stock files keep torch's layout,
+back to back), each byte item raw. A tensor archive's size depends only on its dtype and
+shape (the zip records, the pickle, the alignment padding and the zip64 thresholds are
+all fixed by them). So the layout is
 computed here by running the archive writer of :mod:`ckptd.storage.torch_format` over a
 stream that only counts, with a tensor whose pages are never touched (an anonymous
 mapping), once per distinct dtype and shape. The writer's real placements are checked
@@ -20,7 +23,19 @@ import functools
 import math
 import mmap
 
-from ckptd.storage.torch_format import DTYPES, raw_tensor, write_tensor_file
+from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, DTYPES, PAGE_ALIGNMENT, raw_tensor,
+                                        write_tensor_file)
+
+
+def item_start(cursor: int, tensor: bool, stock: bool) -> int:
+    """Where the next item of a ``.distcp`` file starts when the file has ``cursor`` bytes:
+    a ckptd tensor archive on the next page, anything else right there."""
+    return -(-cursor // PAGE_ALIGNMENT) * PAGE_ALIGNMENT if tensor and not stock else cursor
+
+
+def archive_alignment(stock: bool) -> int:
+    """The storage alignment inside a tensor item's archive."""
+    return DEFAULT_ALIGNMENT if stock else PAGE_ALIGNMENT
 
 
 class _CountingSink:
@@ -36,38 +51,41 @@ class _CountingSink:
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_archive_size(dtype: str, shape: tuple) -> int:
-    """Bytes of ``torch.save(tensor)`` for a contiguous tensor of ``dtype`` and ``shape``."""
+def tensor_archive_size(dtype: str, shape: tuple, stock: bool = False) -> int:
+    """Bytes of ``torch.save(tensor)`` for a contiguous tensor of ``dtype`` and ``shape``
+    (with ckptd's page alignment, or torch's default one for ``stock`` files)."""
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
     pages = mmap.mmap(-1, max(nbytes, 1))  # untouched anonymous pages cost nothing
     try:
         view = memoryview(pages)[:nbytes]
         sink = _CountingSink()
-        write_tensor_file(sink, raw_tensor(view, dtype, list(shape)))
+        write_tensor_file(sink, raw_tensor(view, dtype, list(shape)),
+                          alignment=archive_alignment(stock))
         view.release()
         return sink.size
     finally:
         pages.close()
 
 
-def item_size(buffer: list) -> int:
+def item_size(buffer: list, stock: bool = False) -> int:
     """Bytes one staged buffer ``[dtype, shape, nbytes]`` takes in its file."""
     dtype, shape, nbytes = buffer
     if dtype == "bytes":
         return nbytes
-    return tensor_archive_size(dtype, tuple(shape))
+    return tensor_archive_size(dtype, tuple(shape), stock)
 
 
-def predict_placements(buffers: list, files: list) -> dict:
+def predict_placements(buffers: list, files: list, stock: bool = False) -> dict:
     """``{file name: [[start, length], ...]}`` for a DCP request's ``files``
     (``[name, [buffer indices]]``), as the writers will place them."""
     placements = {}
     for name, indices in files:
-        start, spots = 0, []
+        cursor, spots = 0, []
         for index in indices:
-            length = item_size(buffers[index])
+            start = item_start(cursor, buffers[index][0] != "bytes", stock)
+            length = item_size(buffers[index], stock)
             spots.append([start, length])
-            start += length
+            cursor = start + length
         placements[name] = spots
     return placements
 

@@ -33,6 +33,12 @@ class AllowedRoots:
         """Build from user-given directories (resolved once, at start-up)."""
         return cls(tuple(os.path.realpath(os.path.abspath(r)) for r in roots))
 
+    def root_of(self, resolved: str) -> str | None:
+        """The allowed root a resolved path lies in (the innermost), or None."""
+        inside = [r for r in self.roots
+                  if resolved == r or resolved.startswith(r.rstrip(os.sep) + os.sep)]
+        return max(inside, key=len) if inside else None
+
     def check(self, path: str) -> str:
         """Return the resolved destination for ``path`` or refuse it.
 
@@ -51,9 +57,8 @@ class AllowedRoots:
             raise PathRefusedError(
                 f"checkpoint path {path!r} contains '..'; give the directory without it")
         resolved = os.path.realpath(path)
-        for root in self.roots:
-            if resolved == root or resolved.startswith(root.rstrip(os.sep) + os.sep):
-                return resolved
+        if self.root_of(resolved) is not None:
+            return resolved
         where = "resolves to " + resolved + " which is" if resolved != path else "is"
         raise PathRefusedError(
             f"checkpoint path {path} {where} outside the allowed roots "

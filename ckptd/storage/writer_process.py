@@ -34,9 +34,9 @@ from ckptd.storage.durable import write_file_atomically
 from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
                                 WriterReady, WriteResult, WriteTorch)
-from ckptd.storage.direct_io import PAGE
-from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT, RawTensor, raw_tensor,
-                                        write_tensor_file, write_torch_file)
+from ckptd.storage.layout import archive_alignment, item_start
+from ckptd.storage.torch_format import (PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file,
+                                        write_torch_file)
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +98,15 @@ class Writer:
                   else self.tensor_at(offset, nbytes, dtype, shape))
                  for offset, nbytes, dtype, shape in job.items]
 
-        alignment = DEFAULT_ALIGNMENT if job.stock else PAGE_ALIGNMENT
+        alignment = archive_alignment(job.stock)
 
         def write_items(stream: ChecksumWriter) -> None:
             for item in items:
-                if isinstance(item, RawTensor) and not job.stock and stream.tell() % PAGE:
-                    stream.write(bytes(-stream.tell() % PAGE))  # DCP reads by offset
-                start = stream.tell()
-                if isinstance(item, RawTensor):
+                tensor = isinstance(item, RawTensor)
+                start = item_start(stream.tell(), tensor, job.stock)
+                if start > stream.tell():  # zeros up to the page; DCP reads by offset
+                    stream.write(bytes(start - stream.tell()))
+                if tensor:
                     write_tensor_file(stream, item, crc32=job.stock, max_write=max_write,
                                       alignment=alignment)
                 else:  # in slices, so writeback starts while a large part is written
@@ -134,7 +135,8 @@ class Writer:
             done = self.handlers[type(job)](job, msg.frames)
             result = WriteResult(ok=True, path=done["path"], size=done["size"],
                                  crc32=done["crc32"], algorithm=done["algorithm"],
-                                 items=done.get("items"), file_id=done["file_id"])
+                                 items=done.get("items"), file_id=done["file_id"],
+                                 write_mode=done["write_mode"])
         except OSError as exc:
             name = errno_mod.errorcode.get(exc.errno or 0, "?")
             result = WriteResult(ok=False, errno=exc.errno, path=exc.filename or path,

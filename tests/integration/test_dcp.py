@@ -184,12 +184,18 @@ def test_early_staging_is_dropped_when_the_global_plan_moves_items_and_then_not_
     for step in (1, 2, 3):
         directory = os.path.join(daemon.roots[0], f"r{step}")
         metadata = FileSystemReader(directory).read_metadata()
-        referenced: dict = {}
+        ranges: dict = {}
         for info in metadata.storage_data.values():
-            referenced[info.relative_path] = referenced.get(info.relative_path, 0) + info.length
-        files = {n: os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory)
-                 if n.endswith(".distcp")}
-        assert files == referenced, "every byte written is one the metadata points to"
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+        files = sorted(n for n in os.listdir(directory) if n.endswith(".distcp"))
+        assert files == sorted(ranges)
+        for name in files:  # every byte written is one the metadata points to, or the
+            data = open(os.path.join(directory, name), "rb").read()  # zeros that put the
+            cursor = 0                                               # next item on a page
+            for offset, length in sorted(ranges[name]):
+                assert offset - cursor < 4096 and not any(data[cursor:offset]), (name, offset)
+                cursor = offset + length
+            assert cursor == len(data), name
 
 
 def early_staging_single_rank(rank, world_size, root):

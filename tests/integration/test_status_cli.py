@@ -178,6 +178,9 @@ def test_json_matches_the_documented_schema(daemon_with_history):
     assert sorted(set(undocumented(document))) == []
     assert document["schema"] == 1 and document["pid"] == daemon_with_history.pid
     assert document["totals"]["saves_done"] == 2 and document["totals"]["saves_failed"] == 1
+    # The root just written says how (O_DIRECT where its filesystem takes it).
+    mode = document["write_modes"][daemon_with_history.roots[0]]
+    assert mode == "direct" or mode.startswith("buffered: "), mode
 
 
 # ------------------------------------------------------------------ health, errors, watch

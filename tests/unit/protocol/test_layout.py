@@ -20,3 +20,14 @@ def test_an_empty_save_still_gets_one_page():
                                                         (65, 64, 128), (4097, 4096, 8192)])
 def test_align_up(value, alignment, expected):
     assert protocol.align_up(value, alignment) == expected
+
+
+def test_large_tensors_start_on_a_page_of_the_extent_small_ones_pack_tightly():
+    large = protocol.PAGE_ALIGNED_FROM
+    sizes = [10, large, 3, large + 1, 64, 0, 2 * large]
+    offsets, total = protocol.layout_extent(sizes)
+    for size, offset in zip(sizes, offsets):
+        assert offset % (protocol.PAGE_ALIGNMENT if size >= large else protocol.TENSOR_ALIGNMENT) == 0
+    assert offsets[2] < offsets[1] + large + protocol.TENSOR_ALIGNMENT  # no page for 3 bytes
+    assert all(b >= a + n for a, b, n in zip(offsets, offsets[1:], sizes))
+    assert total >= offsets[-1] + sizes[-1]
