@@ -66,8 +66,11 @@ class BedNodes:
         self.listen = [self._listen_address(i) for i in range(len(bed.nodes))]
         self.procs: list = [None] * len(bed.nodes)
         self.started: list = []
+        # Started together, then waited for: on a 32-node bed one at a time takes long.
         for i in range(len(bed.nodes)):
-            self.start(i)
+            self.launch(i)
+        for i in range(len(bed.nodes)):
+            self.wait_ready(i)
 
     def _listen_address(self, i: int) -> str:
         port = self.bed.free_port(i)
@@ -90,6 +93,11 @@ class BedNodes:
 
     def start(self, i: int) -> None:
         """Start node ``i``'s daemon and wait for its ready file."""
+        self.launch(i)
+        self.wait_ready(i)
+
+    def launch(self, i: int) -> None:
+        """Start node ``i``'s daemon (:meth:`wait_ready` waits for it)."""
         node = self.bed.nodes[i]
         os.makedirs(self.run_dir(i), exist_ok=True)
         command = [sys.executable, "-m", "ckptd", "serve", "--socket", self.socket(i),
@@ -101,7 +109,10 @@ class BedNodes:
                                   env={**self.env, "PYTHONPATH": ROOT})
         self.procs[i] = proc
         self.started.append(proc)
-        problem = wait_until_ready(self.socket(i), proc, READY_TIMEOUT)
+
+    def wait_ready(self, i: int) -> None:
+        """Wait for node ``i``'s daemon's ready file (failing with its log if it exits)."""
+        problem = wait_until_ready(self.socket(i), self.procs[i], READY_TIMEOUT)
         if problem:
             raise RuntimeError(f"node {i}'s ckptd {problem}:\n{self.log(i)}")
 
