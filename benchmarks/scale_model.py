@@ -24,6 +24,7 @@ ASSUME = {
     "part_gib": 16,                       # one node's part (all its ranks)
     "link_gbit": (25, 100),               # a node's link rate for the restore
     "detect_s": 3.0,                      # heartbeat miss budget x interval (defaults)
+    "hop_latency_s": 10e-6,               # one small message between two nodes
 }
 SIZES = (1_000, 10_000)
 
@@ -40,8 +41,8 @@ def constants(report: dict) -> dict:
     sizes = sorted({s["nodes"] for s in report["summary"]})
     collective = {n: statistics.median(s["collective_s"] for s in report["summary"]
                                        if s["nodes"] == n) for n in sizes}
-    # a + b log2(N), least squares over the bed's sizes (a tree or ring's latency terms)
-    xs = [math.log2(n) for n in sizes]
+    # a + b N, least squares over the bed's sizes (every rank of the bed shares 2 cores)
+    xs = [float(n) for n in sizes]
     ys = [collective[n] for n in sizes]
     mx, my = statistics.mean(xs), statistics.mean(ys)
     slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys))
@@ -78,16 +79,20 @@ def tables(c: dict) -> str:
         flat = clique[key]
         rows.append(f"| {name} | " + " | ".join(fmt.format(v) for v in mesh) + " | "
                     + " | ".join(fmt.format(flat) for _ in SIZES)
-                    + f" | {c['nodes']}-node bed: clique value flat, mesh + per-link cost "
-                      f"{fmt.format(pl.get(key, 1))} x extra links |")
+                    + (" | mesh: every other daemon; clique: factor - 1 |" if key == "links"
+                       else f" | clique: the {c['nodes']}-node bed's value (flat from 2 nodes); "
+                            f"mesh: that plus {pl[key]:.3g} per extra link, measured as "
+                            f"(mesh - clique) / (31 - 1) links at {c['nodes']} nodes |"))
     rows.append("| job-wide heartbeats, /s | "
                 + " | ".join(f"{n * (n - 1) / 1.0:.3g}" for n in SIZES) + " | "
                 + " | ".join(f"{n * clique['links']:.3g}" for n in SIZES)
-                + " | one ping per link per second, both directions dial |")
-    rows.append("| finalize all-reduce, ms | "
-                + " | ".join(f"{(a + b * math.log2(n)) * 1000:.1f}" for n in SIZES) * 2
-                + f" | gloo on the bed, fitted {a * 1000:.2f} + {b * 1000:.2f} log2(N) ms; "
-                  "a real fabric's latency replaces the bed's |")
+                + " | one ping per link per second, answered; both ends of a pair dial |")
+    hop = ASSUME["hop_latency_s"]
+    ring = [2 * (n - 1) * hop * 1000 for n in SIZES]
+    rows.append("| finalize all-reduce, ms | " + " | ".join(f"{v:.0f}" for v in ring * 2)
+                + f" | the same collective either way: a ring of 2(N-1) hops of "
+                  f"{hop * 1e6:.0f} us (assumed); on the bed it grew {b * 1000:.2f} ms per "
+                  "rank, all ranks sharing 2 cores |")
     out = ["### Per daemon and per job", "", *rows, ""]
 
     out += ["### From a node loss to its part restored", "",
