@@ -1,0 +1,232 @@
+"""Hugging Face: Transformers ``Trainer`` checkpoints and Accelerate state through ckptd.
+
+Transformers: :class:`CkptdTrainer` is ``Trainer`` with the smallest override that makes
+checkpoint saves asynchronous. In ``checkpoint-N`` the model weights
+(``pytorch_model.bin``), ``optimizer.pt`` and ``scheduler.pt`` are handed to the daemon
+and training goes on once they are staged; the small files (``config.json``,
+``trainer_state.json``) and ``rng_state.pth`` (it holds numpy and Python RNG state,
+which ckptd's format cannot store without pickling) stay ``Trainer``'s own synchronous
+writes. When every file of ``checkpoint-N`` is durable, the adapter writes the marker
+``ckptd-complete`` into it (through the daemon: temp, fsync, rename) and only then runs
+``save_total_limit`` rotation, so rotation never deletes a checkpoint while a newer one
+is not durable yet. ``train(resume_from_checkpoint=True)`` resumes from the newest
+*complete* checkpoint (stock ``Trainer`` would take the newest directory, even one a
+crash left half-written). Under DeepSpeed, FSDP or several processes the adapter steps
+aside and ``Trainer`` saves as usual.
+
+Accelerate: :func:`save_state` / :func:`load_state` wrap ``Accelerator.save_state`` /
+``load_state``: the models' weights go through the daemon (``pytorch_model*.bin``; the
+rest, optimizer and RNG included, is Accelerate's own writer), and ``load_state`` waits
+until they are durable first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from ckpt_client.integrations.versions import require
+
+require("transformers")
+
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints  # noqa: E402
+from transformers.utils import WEIGHTS_NAME  # noqa: E402
+
+from ckptd.protocol import MessageType  # noqa: E402
+from ckpt_client import connect  # noqa: E402
+from ckpt_client import TorchAsyncCheckpoint  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CkptdTrainer", "COMPLETE_MARKER", "last_complete_checkpoint", "load_state",
+           "save_state"]
+
+#: Written (durably, last) into a ``checkpoint-N`` once all its files are durable.
+COMPLETE_MARKER = "ckptd-complete"
+OPTIMIZER_NAME, SCHEDULER_NAME = "optimizer.pt", "scheduler.pt"
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest ``checkpoint-N`` under ``output_dir`` that has the complete marker."""
+    output_dir = os.fspath(output_dir)
+    if not os.path.isdir(output_dir):
+        return None
+    steps = [(int(m.group(1)), name) for name in os.listdir(output_dir)
+             if (m := _CHECKPOINT.match(name))
+             and os.path.exists(os.path.join(output_dir, name, COMPLETE_MARKER))]
+    return os.path.join(output_dir, max(steps)[1]) if steps else None
+
+
+def _commit_marker(directory: str, socket: str | None) -> None:
+    connect(socket).call(MessageType.COMMIT_FILE,
+                         {"path": os.path.join(directory, COMPLETE_MARKER)},
+                         frames=[b"complete\n"])
+
+
+class _Pending:
+    """The checkpoint being written: its directory, run directory and rotation limit."""
+
+    def __init__(self, directory: str, run_dir: str, limit: int | None) -> None:
+        self.directory, self.run_dir, self.limit = directory, run_dir, limit
+
+
+class _CommitWhenDurable(TrainerCallback):
+    """Commits finished checkpoints at step ends (without waiting) and at train end."""
+
+    def __init__(self, trainer: "CkptdTrainer") -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.commit_checkpoints(blocking=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.commit_checkpoints(blocking=True)
+
+
+class CkptdTrainer(Trainer):
+    """``transformers.Trainer`` whose checkpoints are written by the node's ckptd.
+
+    Takes ``Trainer``'s arguments, plus ``ckptd_socket`` (default ``CKPTD_SOCKET`` or the
+    auto-started node daemon). See the module docstring for what goes through the daemon.
+    """
+
+    def __init__(self, *args: Any, ckptd_socket: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ckptd_socket = ckptd_socket
+        self._ckptd = TorchAsyncCheckpoint(socket=ckptd_socket)
+        self._ckptd_pending: _Pending | None = None
+        self._ckptd_saving: str | None = None
+        self.add_callback(_CommitWhenDurable(self))
+
+    # -------------------------------------------------------------- overrides
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """As ``Trainer.train``; ``resume_from_checkpoint=True`` means the newest complete
+        checkpoint of ``args.output_dir``."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint (with {COMPLETE_MARKER}) found in "
+                                 f"output directory ({self.args.output_dir})")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if not self._through_daemon():
+            return super()._save_checkpoint(model, trial)
+        self.commit_checkpoints(blocking=True)  # one checkpoint in flight at a time
+        run_dir = self._get_output_dir(trial=trial)
+        directory = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        self._ckptd_saving = directory
+        try:  # rotation waits until this checkpoint is durable: commit_checkpoints runs it
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit, self._ckptd_saving = limit, None
+        self._ckptd_pending = _Pending(directory, run_dir, limit)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self._ckptd_saving is None or output_dir != self._ckptd_saving \
+                or not hasattr(self.model, "config"):
+            return super()._save(output_dir, state_dict)
+        os.makedirs(output_dir, exist_ok=True)
+        self.model.config.save_pretrained(output_dir)
+        if getattr(self.model, "generation_config", None) is not None \
+                and self.model.can_generate():
+            self.model.generation_config.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        weights = state_dict if state_dict is not None else self.model.state_dict()
+        self._ckptd.async_save(weights, os.path.join(output_dir, WEIGHTS_NAME))
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._ckptd_saving is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self._ckptd.async_save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
+        self._ckptd.async_save(self.lr_scheduler.state_dict(),
+                               os.path.join(output_dir, SCHEDULER_NAME))
+
+    # -------------------------------------------------------------- committing
+    def commit_checkpoints(self, blocking: bool) -> None:
+        """Mark the checkpoint in flight complete once durable, then rotate.
+
+        Raises
+        ------
+        ckpt_client.CheckpointException
+            If one of its files failed (it is then never marked complete).
+        """
+        pending = self._ckptd_pending
+        if pending is None:
+            return
+        self._ckptd.finalize_async_save(blocking=blocking, no_dist=True)
+        if not blocking and self._ckptd._queue.get_num_unfinalized_calls():
+            return
+        self._ckptd_pending = None
+        _commit_marker(pending.directory, self._ckptd_socket)
+        rotate_checkpoints(output_dir=pending.run_dir, save_total_limit=pending.limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint,
+                           use_mtime=True)
+
+    def _through_daemon(self) -> bool:
+        # Sharded and multi-process saves have their own writers and collectives.
+        return (self.args.world_size == 1 and not self.is_deepspeed_enabled
+                and not self.is_fsdp_enabled and self.args.should_save)
+
+
+# ---------------------------------------------------------------------- Accelerate
+def save_state(accelerator, output_dir: str, socket: str | None = None, **kwargs: Any) -> str:
+    """``accelerator.save_state(output_dir)`` with the models' weights written by ckptd.
+
+    Returns once the weights are staged (Accelerate writes the rest synchronously). Call
+    :func:`wait_until_durable` (or :func:`load_state`) before relying on the files.
+    """
+    require("accelerate")
+    checkpoint = _accelerate_checkpoint(accelerator, socket)
+
+    def hand_weights_to_daemon(models, weights, directory):
+        os.makedirs(directory, exist_ok=True)
+        for index in range(len(weights) - 1, -1, -1):
+            name = WEIGHTS_NAME if index == 0 else WEIGHTS_NAME.replace(".bin", f"_{index}.bin")
+            checkpoint.async_save(weights.pop(index), os.path.join(directory, name))
+
+    handle = accelerator.register_save_state_pre_hook(hand_weights_to_daemon)
+    try:
+        return accelerator.save_state(output_dir, **kwargs)
+    finally:
+        handle.remove()
+
+
+def wait_until_durable(accelerator, socket: str | None = None) -> None:
+    """Return once every weight file :func:`save_state` handed over is durable."""
+    _accelerate_checkpoint(accelerator, socket).finalize_async_save(blocking=True, no_dist=True)
+
+
+def load_state(accelerator, input_dir: str, socket: str | None = None, **kwargs: Any) -> None:
+    """Wait until saves in flight are durable, then ``accelerator.load_state(input_dir)``
+    and load the weights :func:`save_state` wrote."""
+    require("accelerate")
+    wait_until_durable(accelerator, socket)
+
+    def load_weights(models, directory):
+        for index in range(len(models) - 1, -1, -1):
+            name = WEIGHTS_NAME if index == 0 else WEIGHTS_NAME.replace(".bin", f"_{index}.bin")
+            state = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
+            accelerator.unwrap_model(models.pop(index)).load_state_dict(state)
+
+    handle = accelerator.register_load_state_pre_hook(load_weights)
+    try:
+        accelerator.load_state(input_dir, **kwargs)
+    finally:
+        handle.remove()
+
+
+def _accelerate_checkpoint(accelerator, socket: str | None) -> TorchAsyncCheckpoint:
+    checkpoint = getattr(accelerator, "_ckptd_checkpoint", None)
+    if checkpoint is None:
+        checkpoint = TorchAsyncCheckpoint(socket=socket)
+        accelerator._ckptd_checkpoint = checkpoint
+    return checkpoint
