@@ -102,10 +102,13 @@ def main() -> None:
               default=knobs.STAGE_POLICY.get, show_default=knobs.STAGE_POLICY.default,
               help="A save that does not fit the stage budget waits for flushes to free it, "
                    "or is refused at once (training goes on).")
+@click.option("--keep-last", type=click.IntRange(1, None), default=None, metavar="N",
+              help="With --stage-dir: keep the newest N checkpoints ckptd committed in each "
+                   "directory, deleting older ones only once N newer are durable at the target.")
 def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_advertise,
           peer_encryption, log_level, ready_file, exit_when_idle, drain_timeout,
           stall_timeout, metrics_textfile, metrics_listen, metrics_allow_remote, metrics_labels,
-          stage_dir, stage_budget, stage_policy) -> None:
+          stage_dir, stage_budget, stage_policy, keep_last) -> None:
     """Run the daemon in the foreground until SIGTERM."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s ckptd[%(process)d] %(levelname)s %(name)s: %(message)s")
@@ -124,7 +127,7 @@ def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_a
         metrics_listen=listen, metrics_labels=labels,
         stage_dir=stage_dir and os.path.abspath(stage_dir),
         stage_budget=parse_size(stage_budget) if stage_budget else None,
-        stage_policy=stage_policy)
+        stage_policy=stage_policy, keep_last=keep_last)
     daemon = Daemon(config)
     try:
         daemon.start()

@@ -49,3 +49,4 @@ class DaemonConfig:
     stage_dir: str | None = None         # tiered saves: node-local first (--stage-dir)
     stage_budget: int | None = None      # bytes; None: a fraction of the free space at start
     stage_policy: str = field(default_factory=knobs.STAGE_POLICY.get)
+    keep_last: int | None = None         # tiered: committed checkpoints kept per directory

@@ -145,7 +145,7 @@ class Daemon:
         from ckptd.tiers.stage import StageDir
 
         stage = StageDir(self.config.stage_dir, self.config.stage_budget)
-        self.tier = TierService(self, stage, self.config.stage_policy)
+        self.tier = TierService(self, stage, self.config.stage_policy, self.config.keep_last)
         self.tier.start(self.context)
         log.info("tiered saves: stage directory %s, budget %d MiB, policy %s", stage.path,
                  stage.budget >> 20, self.config.stage_policy)

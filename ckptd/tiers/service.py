@@ -36,6 +36,7 @@ from ckptd.server.endpoint import Call, RequestError
 from ckptd.storage.durable import write_small_file
 from ckptd.tiers.copy import FlushFile, remove_at_target
 from ckptd.tiers.flusher import Flusher, FlushFailure, FlushJob
+from ckptd.tiers.retention import Retention
 from ckptd.tiers.stage import StageDir, commit_key
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,11 @@ class TierService:
         The stage directory.
     policy : str
         ``wait`` or ``refuse``: what a save that does not fit the budget gets.
+    keep_last : int or None
+        ``--keep-last``: committed checkpoints kept per parent directory (None: all).
     """
 
-    def __init__(self, daemon, stage: StageDir, policy: str) -> None:
+    def __init__(self, daemon, stage: StageDir, policy: str, keep_last: int | None = None) -> None:
         if policy not in ("wait", "refuse"):
             raise ValueError(f"--stage-policy must be wait or refuse, not {policy!r}")
         self.daemon = daemon
@@ -114,6 +117,8 @@ class TierService:
         self.recent_commits: OrderedDict[str, PendingCommit] = OrderedDict()
         self.waiting: list[tuple] = []  # (call, body) of saves waiting for the budget
         self.committed_total = 0
+        self.retention = None if keep_last is None else Retention(
+            os.path.join(stage.path, "retention.json"), keep_last, self._in_flight)
 
     def start(self, context) -> None:
         """Create the flusher and resume what the journal holds."""
@@ -221,6 +226,8 @@ class TierService:
             self.stage.forget(job.key)
             self._release(job.key)
             self._check_commits(request.path)
+            if self.retention is not None and request.format == SaveFormat.TORCH:
+                self.retention.committed_one(request.path, "torch", [])
         self.daemon.saves.lifecycle.flush_done(request, failure)
 
     def discard(self, request) -> None:
@@ -315,6 +322,8 @@ class TierService:
             log.info("committed %s (%d file(s) durable at the target)", commit.path,
                      len(commit.files))
             self._forget_commit(commit)
+            if self.retention is not None:
+                self.retention.committed_one(commit.directory, "dcp", commit.files)
         else:
             self._end_commit(commit, failure.message, failure.errno)
 
@@ -335,6 +344,11 @@ class TierService:
         while len(self.recent_commits) > _RECENT_COMMITS:
             self.recent_commits.popitem(last=False)
         commit.answer()
+
+    def _in_flight(self, path: str) -> bool:
+        """Whether a save or a commit to checkpoint ``path`` is still under way."""
+        return (any(c.directory == path for c in self.commits.values())
+                or any(r.path == path for r in self.daemon.table.in_flight()))
 
     # ------------------------------------------------------------------ restart
     def _resume(self) -> None:

@@ -282,3 +282,77 @@ def test_a_full_stage_budget_refuses_or_waits_by_policy(start_daemon, tmp_path, 
     assert torch.equal(torch.load(os.path.join(fault_target.mount, "one.pt"),
                                   weights_only=True)["w"], state(1, 2)["w"])
     first.close()
+
+
+@needs_fuse
+def test_a_save_waits_for_the_stage_budget_by_default(start_daemon, tmp_path, fault_target,
+                                                      monkeypatch):
+    daemon = tiered(start_daemon, tmp_path, fault_target.mount, "--stage-budget", "3M",
+                    env={"CKPTD_STALL_TIMEOUT": "600"})
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    fault_target.set(stall=True, ops=["write"], match="one.pt")
+    first = torch_save(os.path.join(fault_target.mount, "one.pt"), state(1, 2))
+    wait_for(lambda: (r := request_of(daemon, os.path.join(fault_target.mount, "one.pt")))
+             and r["phase"] == "flushing", 60, "the first save flushing")
+    second = TorchAsyncCheckpoint()
+    import threading
+    waiting = threading.Thread(target=second.async_save,
+                               args=(state(2, 2), os.path.join(fault_target.mount, "two.pt")))
+    waiting.start()  # blocks: 2 + 2 MiB do not fit the 3 MiB budget until one is flushed
+    wait_for(lambda: daemon.status()["tier"]["waiting_saves"] == 1, 30, "a save waiting")
+    assert daemon.status()["tier"]["used_bytes"] <= 3 << 20
+    fault_target.set(stall=False)
+    waiting.join(60)
+    assert not waiting.is_alive()
+    first.finalize_async_save(blocking=True)
+    second.finalize_async_save(blocking=True)
+    for name, seed in (("one.pt", 1), ("two.pt", 2)):
+        assert torch.equal(torch.load(os.path.join(fault_target.mount, name),
+                                      weights_only=True)["w"], state(seed, 2)["w"])
+    first.close()
+    second.close()
+
+
+# ---------------------------------------------------------------------- EIO until the deadline
+@needs_fuse
+def test_eio_is_retried_until_the_flush_deadline_then_fails_naming_it(start_daemon, tmp_path,
+                                                                      fault_target, monkeypatch):
+    daemon = tiered(start_daemon, tmp_path, fault_target.mount,
+                    env={"CKPTD_FLUSH_DEADLINE": "3"})
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    path = os.path.join(fault_target.mount, "model.pt")
+    torch_save(path, state(1)).finalize_async_save(blocking=True)
+    fault_target.set(error="EIO", ops=["write"], match="model.pt")
+    checkpoint = torch_save(path, state(2))
+    with pytest.raises(CheckpointException) as raised:
+        checkpoint.finalize_async_save(blocking=True)
+    message = str(raised.value)
+    assert "deadline" in message and "EIO" in message and path in message
+    assert daemon.status()["tier"]["retries"] >= 2
+    fault_target.clear()
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state(1)["w"])
+    assert visible(fault_target.mount) == ["model.pt", "model.pt.ckptd-sum"]
+    checkpoint.close()
+
+
+# ---------------------------------------------------------------------- retention
+def test_keep_last_deletes_only_older_checkpoints_once_newer_are_durable(start_daemon, tmp_path,
+                                                                         monkeypatch):
+    root = tmp_path / "ckpt"
+    daemon = tiered(start_daemon, tmp_path, root, "--keep-last", "2")
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    (root / "runs").mkdir(parents=True)
+    (root / "runs" / "notes.txt").write_text("not a checkpoint")
+    queue = AsyncCallsQueue()
+    for step_number in range(4):
+        queue.schedule_async_request(ckpt_dcp.async_save(
+            state(step_number), os.path.join(root, "runs", f"step{step_number}")))
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    wait_for(lambda: sorted(os.listdir(root / "runs")) == ["notes.txt", "step2", "step3"], 30,
+             "the two oldest checkpoints deleted")
+    for step_number in (2, 3):
+        loaded = {"w": torch.zeros_like(state(step_number)["w"]), "step": torch.tensor(0)}
+        dcp.load(loaded, storage_reader=dcp.FileSystemReader(
+            os.path.join(root, "runs", f"step{step_number}")))
+        assert torch.equal(loaded["w"], state(step_number)["w"])
+    queue.close()

@@ -116,3 +116,19 @@ def test_redundancy_and_the_memory_tier_follow_the_status_document(busy_ledger):
     assert value(fams, "ckptd_local_part_copies", session="job", owner="1") == 1
     assert value(fams, "ckptd_local_parts_reduced_redundancy") == 1
     assert value(fams, "ckptd_memory_tier_bytes") == 8192
+
+
+def test_tier_metrics_follow_the_tier_section(busy_ledger):
+    tier = {"stage_dir": "/stage", "budget_bytes": 1000, "used_bytes": 600, "policy": "wait",
+            "waiting_saves": 1, "flushes": 2, "copies_running": 1, "retries": 3, "stalls": 1,
+            "bytes_flushed": 5000, "commits_pending": [], "commits_done": 4}
+    doc = snapshot(busy_ledger, tier=tier)
+    doc["requests"][-1]["flush"] = {"attempt": 2, "next_retry_at": None, "bytes_done": 100,
+                                    "bytes_total": 400, "target": "/ckpt/1.pt", "last_error": None}
+    fams = families(render(doc))
+    assert value(fams, "ckptd_stage_bytes", state="used") == 600
+    assert value(fams, "ckptd_stage_bytes", state="budget") == 1000
+    assert value(fams, "ckptd_flush_retries", "ckptd_flush_retries_total") == 3
+    assert value(fams, "ckptd_flush_stalls", "ckptd_flush_stalls_total") == 1
+    assert value(fams, "ckptd_flush_pending_bytes") == 300
+    assert "ckptd_stage_bytes" not in families(render(snapshot(busy_ledger, tier=None)))

@@ -1,0 +1,91 @@
+"""The tier's pieces on their own: the copy, the backoff, the stage budget and journal, the
+layout prediction the hand-over relies on. Real files in a temporary directory."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+
+from ckptd import knobs
+from ckptd.storage.durable import write_small_file
+from ckptd.storage.layout import check_prediction, predict_placements, tensor_archive_size
+from ckptd.tiers.copy import CopyError, CopyTask, FlushFile, present_at_target
+from ckptd.tiers.flusher import backoff
+from ckptd.tiers.stage import StageDir
+
+
+def local_copy(tmp_path, data: bytes) -> FlushFile:
+    local = str(tmp_path / "stage" / "f.distcp")
+    write_small_file(local, data, checksum=True)
+    import zlib
+    return FlushFile(local, str(tmp_path / "target" / "f.distcp"), len(data), zlib.crc32(data))
+
+
+def test_a_copy_reaches_the_target_with_its_checksum_record(tmp_path):
+    data = os.urandom(300_000)
+    with knobs.override(FLUSH_CHUNK_BYTES=64 << 10):
+        CopyTask(local_copy(tmp_path, data), 1).run()
+    target = tmp_path / "target" / "f.distcp"
+    assert target.read_bytes() == data and present_at_target(str(target), True)
+    assert [n for n in os.listdir(tmp_path / "target") if "tmp" in n] == []
+
+
+def test_a_damaged_local_copy_fails_fast_and_leaves_nothing_at_the_target(tmp_path):
+    file = local_copy(tmp_path, os.urandom(100_000))
+    with open(file.local, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(CopyError) as raised:
+        CopyTask(file, 1).run()
+    assert raised.value.fail_fast and "corrupt" in str(raised.value)
+    assert os.listdir(tmp_path / "target") == []
+
+
+def test_a_copy_waits_for_the_files_its_commit_needs(tmp_path):
+    from ckptd.tiers.copy import NotYet
+
+    file = local_copy(tmp_path, b"metadata")
+    with pytest.raises(NotYet):
+        CopyTask(file, 1, requires=[(str(tmp_path / "target" / "other.distcp"), True)]).run()
+    assert not os.path.exists(file.target)
+
+
+def test_backoff_doubles_from_the_start_up_to_the_cap():
+    with knobs.override(FLUSH_RETRY_START=10.0, FLUSH_RETRY_CAP=600.0):
+        assert [backoff(a) for a in (1, 2, 3, 4)] == [10.0, 20.0, 40.0, 80.0]
+        assert backoff(30) == 600.0
+
+
+def test_the_stage_budget_and_journal(tmp_path):
+    stage = StageDir(str(tmp_path / "stage"), budget=1000)
+    assert stage.fits(1000) and not stage.fits(1001)
+    stage.reserve("a", 600)
+    assert not stage.fits(500) and stage.used_bytes == 600
+    assert stage.release("a") and not stage.release("a")
+    stage.record("a", {"kind": "save", "files": []})
+    os.makedirs(stage.local_dir("a"))
+    os.makedirs(stage.local_dir("orphan"))
+    assert StageDir(str(tmp_path / "stage"), None).entries() == {"a": {"kind": "save", "files": []}}
+    stage.sweep({"a"})
+    assert os.listdir(stage.saves_dir) == ["a"]
+
+
+@pytest.mark.parametrize("dtype,shape", [("float32", (100, 10)), ("bfloat16", (3,)),
+                                         ("int64", ()), ("float32", (0, 3)), ("bool", (7,)),
+                                         ("float16", (1 << 12, 300))])
+def test_the_predicted_archive_size_is_torch_saves(dtype, shape):
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(shape, dtype=getattr(torch, dtype)), buffer)
+    assert tensor_archive_size(dtype, shape) == len(buffer.getvalue())
+
+
+def test_placements_are_back_to_back_and_checked():
+    buffers = [["float32", [10], 40], ["bytes", [7], 7]]
+    predicted = predict_placements(buffers, [["f", [0, 1]]])
+    size = tensor_archive_size("float32", (10,))
+    assert predicted == {"f": [[0, size], [size, 7]]}
+    assert check_prediction(predicted, "f", [[0, size], [size, 7]]) is None
+    assert "not where the hand-over said" in check_prediction(predicted, "f", [[0, size]])
