@@ -76,16 +76,27 @@ def test_the_stage_budget_and_journal(tmp_path):
 @pytest.mark.parametrize("dtype,shape", [("float32", (100, 10)), ("bfloat16", (3,)),
                                          ("int64", ()), ("float32", (0, 3)), ("bool", (7,)),
                                          ("float16", (1 << 12, 300))])
-def test_the_predicted_archive_size_is_torch_saves(dtype, shape):
+def test_the_predicted_archive_size_is_what_the_writer_writes(dtype, shape):
+    from ckptd.storage.layout import archive_alignment
+    from ckptd.storage.torch_format import raw_tensor, write_tensor_file
+
+    tensor = torch.zeros(shape, dtype=getattr(torch, dtype))
     buffer = io.BytesIO()
-    torch.save(torch.zeros(shape, dtype=getattr(torch, dtype)), buffer)
-    assert tensor_archive_size(dtype, shape) == len(buffer.getvalue())
+    torch.save(tensor, buffer)  # stock files are torch's bytes exactly
+    assert tensor_archive_size(dtype, shape, stock=True) == len(buffer.getvalue())
+    written = io.BytesIO()
+    write_tensor_file(written, raw_tensor(tensor.numpy().tobytes() if dtype != "bfloat16"
+                                          else tensor.view(torch.int16).numpy().tobytes(),
+                                          dtype, list(shape)),
+                      alignment=archive_alignment(False))
+    assert tensor_archive_size(dtype, shape) == len(written.getvalue())
 
 
-def test_placements_are_back_to_back_and_checked():
-    buffers = [["float32", [10], 40], ["bytes", [7], 7]]
-    predicted = predict_placements(buffers, [["f", [0, 1]]])
+def test_placements_follow_the_writers_rule_and_are_checked():
+    buffers = [["float32", [10], 40], ["bytes", [7], 7], ["float32", [10], 40]]
+    predicted = predict_placements(buffers, [["f", [0, 1, 2]]])
     size = tensor_archive_size("float32", (10,))
-    assert predicted == {"f": [[0, size], [size, 7]]}
-    assert check_prediction(predicted, "f", [[0, size], [size, 7]]) is None
+    third = -(-(size + 7) // 4096) * 4096  # a tensor archive starts on the next page
+    assert predicted == {"f": [[0, size], [size, 7], [third, size]]}
+    assert check_prediction(predicted, "f", predicted["f"]) is None
     assert "not where the hand-over said" in check_prediction(predicted, "f", [[0, size]])
