@@ -287,6 +287,7 @@ def main(argv=None) -> int:
               "state_mb": state_mb, "saves": args.saves, "frameworks": {}, "step_bound": {}}
     try:
         only = args.only.split(",")
+        runner.step_bound()  # warm-up: the first steps of a process are slower
         bound = runner.step_bound()
         if "dcp" in only:
             report["frameworks"]["torch.distributed.checkpoint"] = bench_dcp(runner, root)
