@@ -69,3 +69,32 @@ def assert_same(actual, expected, where: str = "state") -> None:
 def files_under(root: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root)
                   for d, _, names in os.walk(root) for f in names)
+
+
+class KilledRun:
+    """A trainer script (``SCRIPT ROOT REFS GATES STEPS [extra...] [resume]``) run until it
+    is SIGKILLed mid-save (:func:`kill_while_writing` at steps 4 and 6), then resumed."""
+
+    def __init__(self, daemon, tmp_path, script: str, root: str, extra: tuple = ()) -> None:
+        self.daemon, self.tmp_path, self.script, self.root = daemon, tmp_path, script, root
+        self.extra = list(extra)
+        self.refs, self.gates = tmp_path / "refs", tmp_path / "gates"
+        self.refs.mkdir()
+        self.gates.mkdir()
+
+    def _args(self, steps: int) -> list[str]:
+        return [self.root, str(self.refs), str(self.gates), str(steps), *self.extra]
+
+    def kill_mid_save(self, steps: int) -> None:
+        log = str(self.tmp_path / "train.log")
+        trainer = gates.start_trainer(self.script, self._args(steps), self.daemon.socket, log)
+        kill_while_writing(self.daemon, trainer, str(self.gates), "durable4", "staged6", log,
+                           self.root)
+
+    def resume(self, steps: int) -> None:
+        gates.run_trainer(self.script, self._args(steps) + ["resume"], self.daemon.socket,
+                          str(self.tmp_path / "resume.log"))
+
+    def reference(self, name: str):
+        """What the trainer recorded: ``step-N`` (the state saved at step N) or ``resumed``."""
+        return torch.load(self.refs / f"{name}.pt", weights_only=False)

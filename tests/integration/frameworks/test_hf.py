@@ -17,8 +17,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 
-from frameworks_common import assert_same, kill_while_writing  # noqa: E402
-import gates  # noqa: E402
+from frameworks_common import KilledRun, assert_same  # noqa: E402
 
 
 def checkpoints(output: str) -> list[str]:
@@ -31,26 +30,20 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(daemon, tmp_p
     from ckpt_client.integrations.hf import COMPLETE_MARKER, last_complete_checkpoint
 
     output = os.path.join(daemon.roots[0], "hf")
-    refs, gate_dir = tmp_path / "refs", tmp_path / "gates"
-    refs.mkdir(), gate_dir.mkdir()
-    log = str(tmp_path / "train.log")
-    trainer = gates.start_trainer("hf_run.py", [output, str(refs), str(gate_dir), "12"],
-                                  daemon.socket, log)
-    kill_while_writing(daemon, trainer, str(gate_dir), "durable4", "staged6", log, output)
+    run = KilledRun(daemon, tmp_path, "hf_run.py", output)
+    run.kill_mid_save(12)
 
     assert get_last_checkpoint(output).endswith("checkpoint-6")  # what stock would resume
     assert not os.path.exists(os.path.join(output, "checkpoint-6", COMPLETE_MARKER))
     assert last_complete_checkpoint(output).endswith("checkpoint-4")
     weights = torch.load(os.path.join(output, "checkpoint-4", "pytorch_model.bin"),
                          weights_only=True)  # stock torch.load reads the daemon's file
-    assert_same(weights, torch.load(refs / "step-4.pt", weights_only=False)["model"])
+    assert_same(weights, run.reference("step-4")["model"])
 
-    gates.run_trainer("hf_run.py", [output, str(refs), str(gate_dir), "10", "resume"],
-                      daemon.socket, str(tmp_path / "resume.log"))
-    resumed = torch.load(refs / "resumed.pt", weights_only=False)
-    saved = torch.load(refs / "step-4.pt", weights_only=False)
+    run.resume(10)
+    resumed = run.reference("resumed")
     assert resumed["step"] == 4
-    assert_same(resumed, saved)
+    assert_same(resumed, run.reference("step-4"))
     assert checkpoints(output) == ["checkpoint-8", "checkpoint-10"]
     assert all(os.path.exists(os.path.join(output, n, COMPLETE_MARKER))
                for n in checkpoints(output))

@@ -17,18 +17,13 @@ import torch
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 
-from frameworks_common import assert_same, files_under, kill_while_writing  # noqa: E402
-import gates  # noqa: E402
+from frameworks_common import KilledRun, assert_same, files_under  # noqa: E402
 
 
 def test_killed_mid_save_resumes_from_last_exactly(daemon, tmp_path):
     ckpt = os.path.join(daemon.roots[0], "lightning")
-    refs, gate_dir = tmp_path / "refs", tmp_path / "gates"
-    refs.mkdir(), gate_dir.mkdir()
-    log = str(tmp_path / "train.log")
-    trainer = gates.start_trainer("lightning_run.py", [ckpt, str(refs), str(gate_dir), "12"],
-                                  daemon.socket, log)
-    kill_while_writing(daemon, trainer, str(gate_dir), "durable4", "staged6", log, ckpt)
+    run = KilledRun(daemon, tmp_path, "lightning_run.py", ckpt)
+    run.kill_mid_save(12)
 
     # step 6 never appeared; rotating step 2 out waited for step 6, so it is still there
     names = [n for n in files_under(ckpt) if not n.endswith(".ckptd-sum")]
@@ -36,11 +31,8 @@ def test_killed_mid_save_resumes_from_last_exactly(daemon, tmp_path):
     last = torch.load(os.path.join(ckpt, "last.ckpt"), weights_only=True)  # stock torch.load
     assert last["global_step"] == 4
 
-    gates.run_trainer("lightning_run.py", [ckpt, str(refs), str(gate_dir), "8", "resume"],
-                      daemon.socket, str(tmp_path / "resume.log"))
-    resumed = torch.load(refs / "resumed.pt", weights_only=True)
-    saved = torch.load(refs / "step-4.pt", weights_only=True)
-    assert_same(resumed, saved)
+    run.resume(8)
+    assert_same(run.reference("resumed"), run.reference("step-4"))
     # the resumed run went on saving, and the top-2 rotation removed durable files only
     names = [n for n in files_under(ckpt) if not n.endswith(".ckptd-sum")]
     assert names == ["epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"], names

@@ -16,8 +16,7 @@ import torch
 
 pytest.importorskip("torchtitan", reason="the [torchtitan] extra is not installed")
 
-from frameworks_common import assert_same, kill_while_writing  # noqa: E402
-import gates  # noqa: E402
+from frameworks_common import KilledRun, assert_same  # noqa: E402
 
 
 def complete_steps(folder: str) -> list[int]:
@@ -30,24 +29,18 @@ def complete_steps(folder: str) -> list[int]:
                                   pytest.param("async", marks=pytest.mark.slow)])
 def test_killed_mid_save_resumes_exactly(daemon, tmp_path, mode):
     base = os.path.join(daemon.roots[0], mode)
-    refs, gate_dir = tmp_path / "refs", tmp_path / "gates"
-    refs.mkdir(), gate_dir.mkdir()
-    log = str(tmp_path / "train.log")
-    trainer = gates.start_trainer("torchtitan_run.py", [base, str(refs), str(gate_dir), "12", mode],
-                                  daemon.socket, log)
-    kill_while_writing(daemon, trainer, str(gate_dir), "durable4", "staged6", log, base)
+    run = KilledRun(daemon, tmp_path, "torchtitan_run.py", base, extra=(mode,))
+    run.kill_mid_save(12)
     folder = os.path.join(base, "checkpoint")
     assert complete_steps(folder) == [2, 4]
     # stock DCP reads what the daemon wrote
-    model = torch.load(refs / "step-4.pt", weights_only=False)["model"]
+    model = run.reference("step-4")["model"]
     loaded = {k: torch.zeros_like(v) for k, v in model.items()}
     torch.distributed.checkpoint.load(loaded, checkpoint_id=os.path.join(folder, "step-4"), no_dist=True)
     assert_same(loaded, model)
 
-    gates.run_trainer("torchtitan_run.py", [base, str(refs), str(gate_dir), "10", mode, "resume"],
-                      daemon.socket, str(tmp_path / "resume.log"))
-    assert_same(torch.load(refs / "resumed.pt", weights_only=False),
-                torch.load(refs / "step-4.pt", weights_only=False))
+    run.resume(10)
+    assert_same(run.reference("resumed"), run.reference("step-4"))
     assert complete_steps(folder)[-2:] == [8, 10]
     assert 2 not in complete_steps(folder)  # keep_latest_k purged the oldest
 
