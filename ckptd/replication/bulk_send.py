@@ -432,15 +432,12 @@ class BulkSender:
         """Close the lanes of peers outside ``keep`` (control addresses) that have no job
         and moved no byte for ``idle`` seconds: a copy served to a far fetcher must not
         leave connections and threads behind."""
-        for (address, key), lane in list(self._lanes.items()):
-            if lane.peer in keep:
-                continue
-            with lane.lock:
-                busy = bool(lane.jobs) or lane.queue
-            if not busy and now - max(lane.last_activity(), lane.created) > idle:
+        for name, lane in list(self._lanes.items()):  # jobs are added on this thread only
+            if lane.peer not in keep and not (lane.jobs or lane.queue) \
+                    and now - max(lane.last_activity(), lane.created) > idle:
                 log.info("closed the idle bulk connections to %s", lane.peer)
                 lane.stop()
-                del self._lanes[(address, key)]
+                del self._lanes[name]
 
     @staticmethod
     def log_end(job: SendJob, reason: str) -> None:
