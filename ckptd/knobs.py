@@ -25,7 +25,7 @@ __all__ = [
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
     "CHECKSUM",
-    "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT",
+    "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
     "PEER_IO_THREADS", "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
@@ -236,6 +236,9 @@ STALL_TIMEOUT = _knob(
 # Status flags a save as stuck long before its deadline, so an operator sees it coming.
 STUCK_AFTER = _knob(
     "STUCK_AFTER", 60.0, float, "Seconds without progress before status flags a save as stuck")
+LEFTOVER_SWEEP_INTERVAL = _knob(
+    "LEFTOVER_SWEEP_INTERVAL", 5.0, float,
+    "Seconds between sweeps of leftovers of dead daemons that were still exiting at start")
 METRICS_INTERVAL = _knob(
     "METRICS_INTERVAL", 2.0, float, "Seconds between two renders of the Prometheus metrics")
 

@@ -31,12 +31,13 @@ from ckptd.server.config import DaemonConfig
 from ckptd.server.endpoint import ClientEndpoint
 from ckptd.server.local import LocalService
 from ckptd.server.loop import EventLoop
+from ckptd.server.predecessors import PredecessorSweeper
 from ckptd.server.process_messages import ProcessMessages
 from ckptd.server.ranks import RankRegistry
 from ckptd.server.requests import RequestTable
 from ckptd.server.saves import SaveService
 from ckptd.staging import numa
-from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
+from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon
 from ckptd.storage.leftovers import WrittenDirectories
 from ckptd.storage.roots import AllowedRoots
 from ckptd.storage.writer_pool import WriterPool
@@ -79,6 +80,7 @@ class Daemon:
         self.pool: StagingPool | None = None
         self.writers: WriterPool | None = None
         self.journal: WrittenDirectories | None = None
+        self.predecessors: PredecessorSweeper | None = None
         self.cuda = None
         self.placement = numa.Placement([0])  # one node until start() reads the machine
         self.metrics: MetricsExporter | None = None
@@ -106,8 +108,8 @@ class Daemon:
                     f"another ckptd already serves {self.socket_path}; stop it first "
                     f"(ckptd status --socket {self.socket_path}) or choose another --socket")
             os.unlink(self.socket_path)  # stale, from a daemon that was killed
-        remove_stale_pools()
-        WrittenDirectories.sweep_predecessors(self.runtime_dir)
+        self.predecessors = PredecessorSweeper(self.runtime_dir)
+        self.predecessors.sweep()
         self.journal = WrittenDirectories(self.runtime_dir)
         self.pool = StagingPool(pool_path_for_this_daemon(), self.config.pool_size,
                                 nodes=numa.online_nodes() if knobs.NUMA_PLACEMENT.get() else None)
@@ -248,6 +250,7 @@ class Daemon:
     def _tick(self) -> None:
         if self.stopping_since is None:
             self.writers.reap_dead()
+            self.predecessors.tick()
         self.process.drop_gone_trainers()
         self.table.forget_unclaimed(time.time())
         if self.tier is not None:

@@ -33,21 +33,25 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 
 
-def remove_stale_pools(directory: str = SHM_DIR) -> list[str]:
+def remove_stale_pools(directory: str = SHM_DIR) -> tuple[list[str], list[int]]:
     """Unlink pools of this user whose daemon no longer runs (it was SIGKILLed).
 
     Returns
     -------
-    list of str
-        The paths removed.
+    (list of str, list of int)
+        The paths removed, and the pids of other daemons whose pools stay because they
+        still run (a daemon of another job, or one killed a moment ago and still exiting:
+        sweep again later).
     """
     prefix = f"ckptd-{os.getuid()}-"
-    removed = []
+    removed, running = [], []
     for name in os.listdir(directory):
         parts = name.split("-")
         if not name.startswith(prefix) or len(parts) != 4 or not parts[2].isdigit():
             continue
         if process_alive(int(parts[2])):
+            if int(parts[2]) != os.getpid():
+                running.append(int(parts[2]))
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -56,7 +60,7 @@ def remove_stale_pools(directory: str = SHM_DIR) -> list[str]:
             pass
     if removed:
         log.info("removed %d staging pool(s) left by dead daemons: %s", len(removed), ", ".join(removed))
-    return removed
+    return removed, running
 
 
 def pool_path_for_this_daemon(directory: str = SHM_DIR) -> str:

@@ -9,12 +9,18 @@ facts make sweeping it safe:
   final name, so a temporary whose lock can be taken has no writer any more, whichever
   daemon it belonged to: nobody's live file is ever removed;
 - each daemon keeps a journal, in its private runtime directory, of the directories it
-  writes into (:class:`WrittenDirectories`); a daemon started at the same socket after a
-  crash sweeps the directories in its predecessors' journals.
+  writes into and of its writer processes (:class:`WrittenDirectories`); a daemon started
+  at the same socket after a crash sweeps the directories in its predecessors' journals.
+
+A predecessor's journal is swept and removed only once the predecessor and every writer it
+named are gone: a writer still dying (a kill just before the restart; a writer finishing
+an fsync) holds its temporary's lock, and a journal removed then would leave that
+temporary to nobody. Until then the journal stays, and the successor sweeps again later
+(:class:`ckptd.server.predecessors.PredecessorSweeper`).
 
 The writer pool sweeps a dead writer's directories when it reaps it; the daemon sweeps its
-predecessors' at start. A planted link at a temporary-looking name is never followed and
-never removed.
+predecessors'. A planted link at a temporary-looking name is never followed and never
+removed.
 """
 
 from __future__ import annotations
@@ -114,9 +120,15 @@ class WrittenDirectories:
         self._lock = threading.Lock()  # the serve loop and the replicator thread note
         self._file = open(self.path, "a", encoding="utf-8")
 
+    def note_process(self, pid: int) -> None:
+        """Remember a writer process: its temporaries are swept once it, too, is gone."""
+        self._write(f"P {pid}")
+
     def note(self, directory: str, recursive: bool = False) -> None:
         """Remember that temporaries may appear in ``directory`` (and below)."""
-        entry = ("R " if recursive else "D ") + directory
+        self._write(("R " if recursive else "D ") + directory)
+
+    def _write(self, entry: str) -> None:
         with self._lock:
             if entry in self._seen:
                 return
@@ -133,25 +145,35 @@ class WrittenDirectories:
             pass
 
     @staticmethod
-    def sweep_predecessors(runtime_dir: str) -> list[str]:
+    def sweep_predecessors(runtime_dir: str) -> tuple[list[str], list[int]]:
         """Sweep the directories of earlier daemons at this socket that did not stop cleanly.
 
         Returns
         -------
-        list of str
-            The temporaries removed.
+        (list of str, list of int)
+            The temporaries removed, and the predecessors whose journal waits for a later
+            sweep (they, or a writer they named, still run).
         """
-        removed = []
+        removed, waiting = [], []
         for name in os.listdir(runtime_dir):
             match = _JOURNAL_RE.fullmatch(name)
-            if not match or int(match.group(1)) == os.getpid() or process_alive(int(match.group(1))):
+            if not match or int(match.group(1)) == os.getpid():
                 continue
             journal = os.path.join(runtime_dir, name)
-            with open(journal, encoding="utf-8", errors="replace") as f:
-                entries = [line.rstrip("\n") for line in f if line[:2] in ("R ", "D ")]
+            try:
+                with open(journal, encoding="utf-8", errors="replace") as f:
+                    entries = [line.rstrip("\n") for line in f if line[:2] in ("R ", "D ", "P ")]
+            except FileNotFoundError:
+                continue  # swept by a sibling meanwhile
+            owners = [int(match.group(1))] + [int(e[2:]) for e in entries
+                                               if e.startswith("P ") and e[2:].isdigit()]
+            if any(process_alive(pid) for pid in owners):
+                waiting.append(owners[0])
+                continue
             for entry in entries:
-                removed += sweep_temporaries(entry[2:], recursive=entry.startswith("R "))
+                if not entry.startswith("P "):
+                    removed += sweep_temporaries(entry[2:], recursive=entry.startswith("R "))
             os.unlink(journal)
             log.info("swept the directories of an earlier ckptd (pid %s) at this socket",
                      match.group(1))
-        return removed
+        return removed, waiting

@@ -260,11 +260,28 @@ class LocalStore:
         list of int
             The older iterations, removed.
         """
-        marker = os.path.join(session.iteration_dir(iteration), COMMITTED_MARKER)
-        write_small_file(marker, f"{iteration}\n".encode(), checksum=True)
+        directory = session.iteration_dir(iteration)
+        marker = os.path.join(directory, COMMITTED_MARKER)
+        if self._marks(marker, iteration):
+            # Another rank of this node committed it already and was answered: writing it
+            # again would rename over a marker that rank was told is durable. Syncing the
+            # directory still puts this answer, too, after a durable marker and record.
+            fsync_directory(directory)
+        else:
+            write_small_file(marker, f"{iteration}\n".encode(), checksum=True)
         older = [old for old in self.iterations(session) if old < iteration]
         self.remove_iterations(session, older)
         return older
+
+    @staticmethod
+    def _marks(marker: str, iteration: int) -> bool:
+        """Whether ``marker`` is an intact commit marker of ``iteration``."""
+        try:
+            verify_file(marker)
+            with open(marker, "rb") as f:
+                return f.read() == f"{iteration}\n".encode()
+        except (ChecksumMismatchError, OSError):
+            return False
 
     def remove_iterations(self, session: LocalSession, iterations: list[int]) -> None:
         """Remove whole iterations of ``session`` (older than a committed one)."""

@@ -89,6 +89,8 @@ class WriterPool:
             # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
             # kill a writer mid-file; the daemon decides when writers stop.
             stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.journal is not None:
+            self.journal.note_process(slot.process.pid)
         slot.ready = False
 
     @property

@@ -22,11 +22,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from conftest import _remove_pool_of, start_daemon_process, wait_for
+from test_local_checkpoints import make_nodes  # noqa: F401  (fixture: daemons as nodes)
 
 from ckpt_client import (AsyncCallsQueue, BasicTensorAwareStateDict, CheckpointException,
                          LocalCheckpointManager, TorchAsyncCheckpoint, dcp)
@@ -183,6 +185,56 @@ def test_a_crashed_daemons_temporaries_are_swept_by_the_next_one(tmp_path, monke
         _remove_pool_of(daemon)
 
 
+@needs_strace
+def test_back_to_back_kills_leave_nothing_behind(tmp_path, monkeypatch):
+    # Daemon A is killed while its writer is held in the fsync of a temporary (the writer
+    # outlives A until it runs again); B starts at once at the same socket and is killed
+    # during its start-up; C starts. Whatever A's writer still held when B and C started
+    # must be swept once the writer is gone, and no pool of A or B may stay in /dev/shm.
+    env = {"CKPTD_LEFTOVER_SWEEP_INTERVAL": "0.2"}
+    first = start_daemon_process(tmp_path, name="same", env=env)
+    step = os.path.join(first.roots[0], "step_1")
+    os.makedirs(step)
+    hold, started = None, [first]
+    try:
+        hold, _ = start_held_save(first, os.path.join(step, "model.pt"), monkeypatch)
+        os.kill(first.pid, signal.SIGKILL)
+        first.process.wait()
+        assert temporaries(step), "the held writer keeps its temporary"
+        second = subprocess.Popen(
+            [sys.executable, "-m", "ckptd", "serve", "--socket", first.socket,
+             "--root", first.roots[0], "--pool-size", "64M", "--writers", "2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            env={**first.env, **env})
+        wait_for(lambda: len(writers_of(second.pid)) == 2, 60, "B's writers to start")
+        assert not os.path.exists(os.path.join(os.path.dirname(first.socket), "ckptd.ready")) \
+            or json.load(open(os.path.join(os.path.dirname(first.socket), "ckptd.ready"))
+                         ).get("pid") != second.pid, "B must be killed during start-up"
+        os.kill(second.pid, signal.SIGKILL)
+        second.wait()
+        third = start_daemon_process(tmp_path, name="same", env=env)
+        started.append(third)
+        assert temporaries(step), "A's writer still holds its temporary when C starts"
+        hold.release()  # A's writer runs again and dies of its pending kill
+        wait_for(lambda: not temporaries(step), 30, "C to sweep A's temporary later")
+        pools = lambda: [n for n in os.listdir("/dev/shm") for pid in (first.pid, second.pid)
+                         if n.startswith(f"ckptd-{os.getuid()}-{pid}-")]
+        wait_for(lambda: not pools(), 30, "the pools of A and B to be removed")
+        run_dir = os.path.dirname(third.socket)
+        wait_for(lambda: [n for n in os.listdir(run_dir) if n.endswith(".dirs")]
+                 == [f"ckptd.{third.pid}.dirs"], 30, "A's and B's journals to be consumed")
+        assert third.status()["pid"] == third.pid
+    finally:
+        if hold is not None:
+            hold.release()
+        for daemon in started:
+            daemon.stop(signal.SIGKILL, 30)
+            _remove_pool_of(daemon)
+        for name in os.listdir("/dev/shm"):
+            if "second" in locals() and name.startswith(f"ckptd-{os.getuid()}-{second.pid}-"):
+                os.unlink(os.path.join("/dev/shm", name))
+
+
 # ---------------------------------------------------------------- durable directories
 
 @needs_strace
@@ -237,3 +289,106 @@ def test_ckptd_verify_passes_on_every_kind_of_checkpoint(start_daemon, tmp_path,
         assert run.stdout.startswith(f"{files} file(s) verified"), run.stdout
     assert json.load(open(os.path.join(os.path.dirname(daemon.socket), "ckptd.ready")))[
         "incarnation"]
+
+
+# ---------------------------------------------------------------- replicated local saves
+
+def replicated_save_when_told(rank, world_size, roots, flags):
+    """A local save with replication factor 2, started when the test says go (once strace
+    traces this rank); when it returns, a stat of a name that cannot exist marks the moment
+    in the trace."""
+    from ckpt_client import (BasicTensorAwareStateDict, CliqueReplicationStrategy,
+                             LocalCheckpointManager)
+    from test_local_checkpoints import SESSION, state_of
+
+    strategy = CliqueReplicationStrategy.from_replication_params(2, 2)
+    manager = LocalCheckpointManager(roots[rank], session_id=SESSION, repl_strategy=strategy)
+    manager.find_latest()
+    open(f"{flags}.ready{rank}", "w").close()
+    while not os.path.exists(f"{flags}.go"):  # the test attaches strace, then says go
+        time.sleep(0.02)
+    manager.save(BasicTensorAwareStateDict(state_of(rank, 7)), 7)
+    try:
+        os.stat(f"/{RETURNED_MARK}{rank}")
+    except FileNotFoundError:
+        pass
+    return manager.last_save_report
+
+
+RETURNED_MARK = "ckptd-test-save-returned-by-rank-"
+
+
+def strace_events(path) -> list[tuple]:
+    """(pid, call, arguments, result, completed at) of each traced call, from
+    ``strace -f -ttt -T -y`` output (split ``unfinished``/``resumed`` lines joined)."""
+    pending, events = {}, []
+    for line in open(path).read().splitlines():
+        match = re.match(r"(\d+) +([\d.]+) (.*)$", line)
+        if not match:
+            continue
+        pid, stamp, rest = int(match.group(1)), float(match.group(2)), match.group(3)
+        if rest.endswith("<unfinished ...>"):
+            pending[pid] = rest.removesuffix("<unfinished ...>")
+            continue
+        resumed = re.match(r"<\.\.\. \w+ resumed>(.*)$", rest)
+        if resumed:
+            rest, done_at = pending.pop(pid, "").rstrip() + resumed.group(1), stamp
+        else:
+            duration = re.search(r"<([\d.]+)>$", rest)
+            done_at = stamp + (float(duration.group(1)) if duration else 0.0)
+        call = re.match(r"(\w+)\((.*)\) += (-?\d+)", rest)
+        if call:
+            events.append((pid, call.group(1), call.group(2), int(call.group(3)), done_at))
+    return events
+
+
+@needs_strace
+def test_a_replicated_local_save_returns_only_after_its_directories_are_durable(make_nodes,
+                                                                              tmp_path):
+    # Two nodes, two ranks each, factor 2 across nodes (cliques 0-2 and 1-3): each node
+    # holds its ranks' parts, their mates' replicas and the commit marker. Every name
+    # renamed into an iteration directory (parts, checksum records, replicas, 'committed'
+    # and its record) must have the directory fsynced after the rename and before the
+    # save returns to any rank of that node (both ranks of a node commit there).
+    from multirank import collect, start_ranks, values
+    from test_local_checkpoints import SESSION
+
+    nodes = make_nodes(2)
+    flags = str(tmp_path / "flag")
+    processes, results = start_ranks(replicated_save_when_told, 4, nodes.sockets(2), tmp_path,
+                                     args=(nodes.roots(2), flags))
+    wait_for(lambda: all(os.path.exists(f"{flags}.ready{r}") for r in range(4)), 120,
+             "every rank to register its session")
+    daemons = [d.pid for d in nodes.daemons]
+    traced = daemons + [w for d in nodes.daemons for w in writer_pids(d)] + \
+        [p.pid for p in processes]
+    trace = tmp_path / "trace"
+    tracer = attach_strace(traced, "-f", "-ttt", "-T", "-y", "-e",
+                           "trace=fsync,rename,renameat,renameat2,newfstatat,stat,statx",
+                           "-o", str(trace))
+    try:
+        open(f"{flags}.go", "w").close()
+        reports = values(collect(processes, results, timeout=120))
+    finally:
+        tracer.terminate()
+        tracer.wait(30)
+    assert all(not r["reduced_redundancy"] for r in reports), reports
+    events = strace_events(trace)
+    for node in range(2):
+        directory = os.path.join(nodes.dirs[node], "ckpt", SESSION, "iter_0000007")
+        marks = [t for _, _, arg, _, t in events for rank in (2 * node, 2 * node + 1)
+                 if f"/{RETURNED_MARK}{rank}\"" in arg]
+        assert len(marks) == 2, f"node {node}'s ranks' returns are not in the trace"
+        returned = min(marks)
+        renames = [(arg, t) for _, call, arg, result, t in events
+                   if call.startswith("rename") and result == 0 and f"<{directory}>" in arg]
+        names = {re.findall(r'"([^"]+)"', arg)[-1] for arg, _ in renames}
+        assert {f"rank_{r}.part" for r in range(4)} | {"committed", "committed.ckptd-sum"} \
+            <= names, names
+        syncs = [t for _, call, arg, result, t in events
+                 if call == "fsync" and result == 0 and re.fullmatch(rf"\d+<{re.escape(directory)}>", arg)]
+        for arg, renamed_at in renames:
+            assert any(renamed_at <= t <= returned for t in syncs), (
+                f"node {node}: {arg} was not made durable (directory fsync) before a rank "
+                f"of that node returned from its save at {returned:.6f}; renamed at {renamed_at:.6f}, "
+                f"directory fsyncs at {syncs}")

@@ -84,13 +84,22 @@ def test_pools_of_dead_daemons_are_removed_and_live_ones_kept(tmp_path):
 
     finished = subprocess.Popen(["true"])
     finished.wait()
+    exiting = subprocess.Popen(["sleep", "600"])  # a daemon still running (or still exiting)
     dead = tmp_path / f"ckptd-{os.getuid()}-{finished.pid}-0badc0de"
-    live = tmp_path / f"ckptd-{os.getuid()}-{os.getpid()}-0000cafe"
+    own = tmp_path / f"ckptd-{os.getuid()}-{os.getpid()}-0000cafe"
+    later = tmp_path / f"ckptd-{os.getuid()}-{exiting.pid}-00c0ffee"
     other = tmp_path / "ckptd-notes.txt"
-    for path in (dead, live, other):
+    for path in (dead, own, later, other):
         path.write_bytes(b"x")
-    assert remove_stale_pools(str(tmp_path)) == [str(dead)]
-    assert live.exists() and other.exists() and not dead.exists()
+    try:
+        assert remove_stale_pools(str(tmp_path)) == ([str(dead)], [exiting.pid])
+        assert own.exists() and later.exists() and other.exists() and not dead.exists()
+    finally:
+        exiting.kill()
+        exiting.wait()
+    # once its owner is gone, the next sweep removes it: a successor looks again
+    assert remove_stale_pools(str(tmp_path)) == ([str(later)], [])
+    assert own.exists() and other.exists()
 
 
 def test_cancelling_the_head_waiter_lets_the_next_one_in(pool):
