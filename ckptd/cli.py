@@ -1,8 +1,8 @@
-"""The ``ckptd`` command: ``serve`` and ``status``.
+"""The ``ckptd`` command: ``serve``, ``status``, ``trace`` and ``verify``.
 
 Option spellings here are a contract (SLURM prologs, systemd units and scripts use
-them). ``status`` must stay fast: the daemon modules, and so torch, are imported only
-by ``serve``.
+them). ``status`` and ``trace`` must stay fast: the daemon modules, and so torch, are
+imported only by ``serve``.
 """
 
 from __future__ import annotations
@@ -219,3 +219,31 @@ def verify(path) -> None:
     except ChecksumMismatchError as exc:
         raise click.ClickException(str(exc))
     click.echo(f"{len(checked)} file(s) verified under {path}")
+
+
+@main.command()
+@click.option("--socket", "socket_path", type=click.Path(), default=None,
+              help="Socket of the daemon to ask (default as for serve).")
+@click.option("--last", type=click.IntRange(1, 10_000), default=10, show_default=True,
+              help="How many of the most recent saves to include.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True,
+              help="Where to write the trace (JSON; open it in Perfetto or chrome://tracing).")
+@click.option("--timeout", type=float, default=10.0, show_default=True,
+              help="Seconds to wait for the daemon's answer.")
+def trace(socket_path, last, out_path, timeout) -> None:
+    """Write the recent saves' timeline as Chrome trace-event JSON.
+
+    Exit 0 written, 3 no daemon running, 4 the daemon did not answer sensibly.
+    """
+    from ckptd import status as status_mod
+
+    path = protocol.resolve_socket_path(socket_path)
+    code, doc, why = status_mod.query_daemon(path, protocol.MessageType.TRACE, {"last": last},
+                                             timeout)
+    if doc is None:
+        click.echo(why, err=True)
+        sys.exit(code)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+    saves = sum(1 for e in doc["traceEvents"] if e.get("cat") == "save")
+    click.echo(f"{saves} save(s), {len(doc['traceEvents'])} event(s) written to {out_path}")

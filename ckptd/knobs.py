@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 __all__ = [
     "Knob", "override", "all_knobs", "parse_bool", "parse_choice", "parse_size",
     "POOL_SIZE", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
-    "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS",
+    "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
     "CHECKSUM",
@@ -188,6 +188,8 @@ UNCLAIMED_RESULT_SECONDS = _knob(
     "UNCLAIMED_RESULT_SECONDS", 3600.0, float, "Finished requests nobody polled are dropped after")
 RECENT_REQUESTS = _knob(
     "RECENT_REQUESTS", 32, int, "Requests kept in the status document")
+TRACE_SAVES = _knob(
+    "TRACE_SAVES", 32, int, "Recent saves whose spans ckptd trace can show")
 RECENT_ERRORS = _knob(
     "RECENT_ERRORS", 16, int, "Failures kept in the status document")
 # Writers run at a lower CPU priority than the trainers: a save that is durable a bit

@@ -24,15 +24,28 @@ def query_status(socket_path: str, timeout: float = 3.0) -> tuple[int, dict | No
     -------
     (exit code, status document or None, explanation)
     """
+    return query_daemon(socket_path, protocol.MessageType.STATUS, None, timeout)
+
+
+def query_daemon(socket_path: str, message_type: str, body: dict | None,
+                 timeout: float = 3.0) -> tuple[int, dict | None, str]:
+    """Send one request to the daemon at ``socket_path`` (``status``, ``trace``).
+
+    Returns
+    -------
+    (exit code, reply body or None, explanation)
+    """
+    what = message_type
     if not os.path.exists(socket_path):
         return EXIT_NOT_RUNNING, None, f"no daemon: {socket_path} does not exist"
     if not protocol.socket_is_live(socket_path):
         return EXIT_NOT_RUNNING, None, f"no daemon: {socket_path} is a stale socket (nobody listens)"
     channel = protocol.Channel(protocol.endpoint_for(socket_path))
     try:
-        reply = channel.call(protocol.MessageType.STATUS, timeout=timeout)
+        reply = channel.call(message_type, body, timeout=timeout)
     except protocol.ReplyTimeout:
-        return EXIT_UNKNOWN, None, f"{socket_path} accepts connections but sent no status in {timeout:.0f}s"
+        return EXIT_UNKNOWN, None, (f"{socket_path} accepts connections but sent no {what} "
+                                    f"in {timeout:.0f}s")
     except (protocol.ErrorReply, protocol.ProtocolError) as exc:
         return EXIT_UNKNOWN, None, f"{socket_path} answered with an error: {exc}"
     finally:

@@ -43,6 +43,7 @@ __all__ = [
     # typed bodies of the client channel
     "Body", "Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile",
     "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Empty",
+    "Trace", "TraceSpans",
     # staging layout and local parts
     "align_up", "layout_extent", "tensor_alignment", "encode_part_header", "decode_part_header",
     "read_part_header", "PART_FRAME_BYTES",

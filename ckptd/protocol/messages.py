@@ -16,7 +16,7 @@ from ckptd.protocol.errors import ProtocolError
 from ckptd.protocol.names import BUFFER_DTYPES, ErrorCode, SaveFormat
 
 __all__ = ["Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile", "LocalSession",
-           "LocalInventory", "LocalFetch", "LocalCommit", "Handover"]
+           "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Trace", "TraceSpans"]
 
 
 def _non_negative(value: Any) -> bool:
@@ -178,3 +178,23 @@ class Handover(Body, message="handover"):
     files: list = check(lambda v: all(_plain_file_name(n) for n in v),
                         "a list of plain file names", [])
     stock_files: bool = False
+
+
+class Trace(Body, message="trace"):
+    """The spans of the last ``last`` saves, as Chrome trace events (``ckptd trace``)."""
+
+    last: int = check(lambda v: 1 <= v <= 10_000, "a number of saves from 1 to 10000", 10)
+
+
+def _spans(value: Any) -> bool:
+    return len(value) <= 1000 and all(
+        isinstance(s, list) and len(s) == 3 and isinstance(s[0], str) and len(s[0]) <= 200
+        and all(isinstance(t, (int, float)) for t in s[1:]) and s[1] <= s[2] for s in value)
+
+
+class TraceSpans(Body, message="trace_spans"):
+    """Spans a trainer measured for the save of ``request_ids`` (its blocking time,
+    planning, finalize): ``[name, start, end]`` in wall-clock seconds."""
+
+    request_ids: list[int] = field(default_factory=list)
+    spans: list = check(_spans, "at most 1000 [name, start, end] spans with start <= end", [])

@@ -25,6 +25,8 @@ class MessageType:
     ABORT = "abort"              # drop in-flight requests of this rank
     COMMIT_FILE = "commit_file"  # write one small file atomically (DCP .metadata)
     STATUS = "status"
+    TRACE = "trace"              # recent saves' spans as Chrome trace events (ckptd trace)
+    TRACE_SPANS = "trace_spans"  # a trainer's own spans of a save
     PING = "ping"
     REPLY = "reply"
     ERROR = "error"

@@ -197,6 +197,7 @@ class SaveLifecycle:
 
     def _granted(self, request: SaveRequest, extent: Extent) -> None:
         self._lease(request, extent)
+        request.granted_at = time.time()
         log.info("request %d (rank %d) got its staging space", request.id, request.rank)
         self.effects.space_granted(request)
 

@@ -1,8 +1,9 @@
-"""The process-level messages: trainers arriving and leaving, ping, and the status document.
+"""The process-level messages: trainers arriving and leaving, ping, status and trace.
 
 Owns the answers to ``hello`` (register a trainer process), ``goodbye`` (it leaves: the
 space reserved for copies that will never come is freed), ``ping`` and ``status``, the
-status document ``ckptd status --json`` prints, and what happens to the saves of a trainer
+status document ``ckptd status --json`` prints, ``trace`` (the recent saves' timeline,
+``ckptd trace``) and ``trace_spans`` (a trainer's own spans of a save), and what happens to the saves of a trainer
 that is gone. It must not start or stop components: :class:`ckptd.server.daemon.Daemon`,
 the composition root, does that and routes these messages here.
 """
@@ -14,7 +15,7 @@ import os
 import time
 
 from ckptd import __version__, knobs
-from ckptd.protocol import Empty, Hello, MessageType
+from ckptd.protocol import Empty, Hello, MessageType, Trace, TraceSpans
 from ckptd.server.endpoint import Call
 from ckptd.server.ranks import RankInfo
 from ckptd.server.requests import host_name
@@ -39,7 +40,9 @@ class ProcessMessages:
         return {MessageType.HELLO: (Hello, self.on_hello),
                 MessageType.GOODBYE: (Empty, self.on_goodbye),
                 MessageType.PING: (Empty, self.on_ping),
-                MessageType.STATUS: (Empty, self.on_status)}
+                MessageType.STATUS: (Empty, self.on_status),
+                MessageType.TRACE: (Trace, self.on_trace),
+                MessageType.TRACE_SPANS: (TraceSpans, self.on_trace_spans)}
 
     def on_hello(self, call: Call, body: Hello) -> dict:
         """Register a trainer process."""
@@ -86,6 +89,18 @@ class ProcessMessages:
     def on_status(self, call: Call, body: Empty) -> dict:
         """The status document."""
         return self.status()
+
+    def on_trace(self, call: Call, body: Trace) -> dict:
+        """The last saves' spans, as a Chrome trace-event document."""
+        return {"traceEvents": self.daemon.table.timeline.trace_events(body.last),
+                "displayTimeUnit": "ms"}
+
+    def on_trace_spans(self, call: Call, body: TraceSpans) -> dict:
+        """A trainer's own spans of a save it made through this daemon."""
+        rank = self.daemon.ranks.of(call.routing_id)
+        kept = self.daemon.table.timeline.add_trainer_spans(body.request_ids, rank.rank,
+                                                            rank.pid, body.spans)
+        return {"kept": kept}
 
     def status(self) -> dict:
         """The status document ``ckptd status --json`` prints."""

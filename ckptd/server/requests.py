@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ckptd import knobs
 from ckptd.protocol import ErrorCode, Phase
+from ckptd.server.timeline import Timeline
 
 STATUS_SCHEMA = 1
 
@@ -40,13 +41,15 @@ class ReplicaSet:
     @classmethod
     def sending_to(cls, wanted: int, addresses: list[str]) -> "ReplicaSet":
         """Replicas about to stream to ``addresses``."""
-        return cls(wanted, {a: {"state": "sending", "error": None, "bytes": 0} for a in addresses})
+        now = time.time()
+        return cls(wanted, {a: {"state": "sending", "error": None, "bytes": 0, "started_at": now,
+                                "ended_at": None} for a in addresses})
 
     def finished(self, holder: str, ok: bool, error: str | None, nbytes: int) -> None:
         """Record how the stream to ``holder`` ended."""
         if holder in self.holders:
             self.holders[holder].update(state="done" if ok else "failed", error=error,
-                                        bytes=nbytes)
+                                        bytes=nbytes, ended_at=time.time())
 
     @property
     def sending(self) -> bool:
@@ -101,7 +104,9 @@ class SaveRequest:
     placements: dict | None = None  # tiered DCP: where the writers will put each item
     stage_key: str | None = None   # tiered saves: its name in the stage directory
     flush: object | None = None    # tiered saves: its ckptd.tiers.flusher.FlushJob
+    trainer_pid: int | None = None  # for the timeline's rows
     created_at: float = field(default_factory=time.time)
+    granted_at: float | None = None  # when it got staging space it had to wait for
     staged_at: float | None = None
     local_durable_at: float | None = None  # tiered: when its stage-directory copy was durable
     finished_at: float | None = None
@@ -211,6 +216,7 @@ class RequestTable:
         self.saves_failed = 0
         self.bytes_written = 0
         self._next_id = 1
+        self.timeline = Timeline()
         # Forgotten requests whose extent is still held (a device copy, a writer job or a
         # push still answers): out of sight, but their holders' reports find them here.
         self._retiring: dict[int, SaveRequest] = {}
@@ -255,7 +261,8 @@ class RequestTable:
         return [r for r in self.in_flight() if r.routing_id == routing_id]
 
     def record_outcome(self, request: SaveRequest) -> None:
-        """Count a finished request and remember its failure, if any."""
+        """Count a finished request, remember its failure, if any, and its spans."""
+        self.timeline.record(request, request.trainer_pid)
         if request.phase == Phase.DONE:
             self.saves_done += 1
             self.bytes_written += request.bytes_written

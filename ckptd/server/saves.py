@@ -146,6 +146,7 @@ class SaveService:
             skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
             cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
             stock_files=body.format == SaveFormat.DCP and body.stock_files,
+            trainer_pid=rank.pid,
             near=self.daemon.placement.near(body.cuda, rank.pid))
         if tiered and body.format == SaveFormat.DCP:
             # Known now, so the coordinator can hand its commit over at staging time.
@@ -328,7 +329,10 @@ class SaveService:
             if result.ok:
                 written = {"name": getattr(job.body, "name", None), "path": result.path,
                            "size": result.size, "crc32": result.crc32, "items": result.items,
-                           "file_id": result.file_id}
+                           "file_id": result.file_id,
+                           "timing": {"writer": job.writer, "started_at": result.started_at,
+                                      "synced_at": result.synced_at or result.started_at,
+                                      "ended_at": result.started_at + result.seconds}}
             self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
                                     job.nbytes, result.error, result.errno)
         return on_done

@@ -30,6 +30,7 @@ import fcntl
 import os
 import secrets
 import stat
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -372,9 +373,10 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
     Returns
     -------
     dict
-        ``{"path", "size", "crc32", "algorithm", "file_id", "write_mode"}`` of the committed
-        file; ``file_id`` is its ``[st_dev, st_ino]``, which tells it apart from a later
-        file at the same path; ``write_mode`` says how it was written.
+        ``{"path", "size", "crc32", "algorithm", "file_id", "write_mode", "synced_at"}`` of
+        the committed file; ``file_id`` is its ``[st_dev, st_ino]``, which tells it apart
+        from a later file at the same path; ``write_mode`` says how it was written;
+        ``synced_at`` when making it durable began (for the timeline).
     """
     with DurableFile(path, checksum=checksum, direct=direct) as durable:
         try:
@@ -385,10 +387,11 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
                 raise error from exc  # keep the errno the serializer hid
             raise
         info = os.fstat(durable.stream.fileno())  # the same inode after the rename
+        synced_at = time.time()
         result = durable.commit()
     return {"path": path, "size": result.size, "crc32": result.value,
             "algorithm": result.algorithm, "file_id": [info.st_dev, info.st_ino],
-            "write_mode": durable.write_mode}
+            "write_mode": durable.write_mode, "synced_at": synced_at}
 
 
 def write_small_file(path: str, data: bytes, *, checksum: bool = False, mode: int = 0o644,

@@ -72,6 +72,8 @@ class WriteResult(Body, message=RESULT):
     errno: int | None = None
     error: str | None = None
     seconds: float = 0.0
+    started_at: float = 0.0  # wall clock: when the writer began the job
+    synced_at: float = 0.0   # when the bytes were all written and making them durable began
 
 
 #: Jobs a writer executes, by message type (besides them the daemon sends only
@@ -89,6 +91,7 @@ class WriteJob:
     on_done: object  # Callable[[WriteJob, WriteResult], None]
     frames: list = field(default_factory=list)
     id: int = 0
+    writer: int = -1  # the writer it was sent to (for the timeline)
 
     @property
     def path(self) -> str:

@@ -156,6 +156,7 @@ class WriterPool:
                 self._backlog.appendleft(job)
                 continue
             slot.jobs[job.id] = job
+            job.writer = slot.index
             busy.add(job.path)
         waiting.extend(self._backlog)
         self._backlog = waiting

@@ -127,7 +127,7 @@ class Writer:
     def execute(self, msg: protocol.Message) -> WriteResult:
         """Run one job; every failure becomes a result, never an exception."""
         path = msg.body.get("path") if isinstance(msg.body.get("path"), str) else None
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         try:
             if msg.type not in JOB_TYPES:
                 raise ValueError(f"{msg.type!r} is not a writer job")
@@ -136,7 +136,8 @@ class Writer:
             result = WriteResult(ok=True, path=done["path"], size=done["size"],
                                  crc32=done["crc32"], algorithm=done["algorithm"],
                                  items=done.get("items"), file_id=done["file_id"],
-                                 write_mode=done["write_mode"])
+                                 write_mode=done["write_mode"],
+                                 synced_at=done.get("synced_at", 0.0))
         except OSError as exc:
             name = errno_mod.errorcode.get(exc.errno or 0, "?")
             result = WriteResult(ok=False, errno=exc.errno, path=exc.filename or path,
@@ -144,7 +145,8 @@ class Writer:
         except Exception as exc:  # a bad job must not kill the writer
             log.exception("writer job %s failed", msg.id)
             result = WriteResult(ok=False, path=path, error=f"{type(exc).__name__}: {exc}")
-        return WriteResult(**{**result.to_wire(), "seconds": time.monotonic() - started})
+        return WriteResult(**{**result.to_wire(), "seconds": time.monotonic() - started,
+                              "started_at": started_at})
 
     def run(self, sock: zmq.Socket) -> None:
         """Serve jobs until told to stop or the daemon is gone."""

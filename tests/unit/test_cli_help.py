@@ -34,7 +34,7 @@ def commands(group: click.Group, prefix: tuple = ()) -> list[tuple]:
 
 def test_the_walk_finds_every_command():
     names = {path[-1] for path in commands(main) if path}
-    assert {"serve", "status", "verify"} <= names, names
+    assert {"serve", "status", "verify", "trace"} <= names, names
 
 
 @pytest.mark.parametrize("path", commands(main), ids=lambda p: " ".join(p) or "ckptd")
