@@ -123,6 +123,11 @@ class DaemonSave:
         try:
             reply = self.connection.call(MessageType.POLL, {"request_ids": [self.request_id]})
             self.last = reply["requests"][self.request_id]
+            if self.last.get("stale_of"):
+                log.warning("rank %d: the save of %s has the very bytes of the previous save "
+                            "%s (every file's checksum repeats although the path moved on): "
+                            "are the tensors being saved stale (a cache never refreshed, the "
+                            "wrong buffers)?", self.rank, self.path, self.last["stale_of"])
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
                 raise

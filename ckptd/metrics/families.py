@@ -129,6 +129,9 @@ def _saves(out: _Families, doc: dict, stats: SaveStats) -> None:
     out.sample(int(totals["saves_done"]), outcome="done")
     out.sample(int(totals["saves_failed"]), outcome="failed")
     out.sample(stats.aborted, outcome="aborted")
+    out.family("ckptd_stale_saves", "counter", "Successful saves whose every file has the "
+               "bytes of the same rank's previous save at another path (stale tensors?).")
+    out.sample(int(totals.get("stale_saves", 0)))
     buckets = [(_bound(b), c) for b, c in zip(stats.buckets, stats.bucket_counts)]
     out.histogram("ckptd_save_duration_seconds",
                   "Seconds from a save request to its files being durable (successful saves).",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ckptd import knobs
 from ckptd.protocol import ErrorCode, Phase
+from ckptd.server.stale import StaleSaveDetector
 from ckptd.server.timeline import Timeline
 
 STATUS_SCHEMA = 1
@@ -110,6 +111,7 @@ class SaveRequest:
     staged_at: float | None = None
     local_durable_at: float | None = None  # tiered: when its stage-directory copy was durable
     finished_at: float | None = None
+    stale_of: str | None = None  # the previous save whose bytes this one repeats
 
     @property
     def bytes_total(self) -> int:
@@ -178,6 +180,7 @@ class SaveRequest:
             "staged_at": self.staged_at, "finished_at": self.finished_at,
             "local_durable_at": self.local_durable_at,
             "error": self.error, "transport_bytes": self.transport_bytes,
+            "stale_of": self.stale_of,
             "replication": self.replicas.to_wire() if self.replicas is not None else None,
             "flush": self.flush_progress(),
         }
@@ -198,6 +201,7 @@ class SaveRequest:
                  "transport_bytes": self.transport_bytes}
         if self.phase == Phase.DONE:
             entry["written"] = self.written
+            entry["stale_of"] = self.stale_of
         if self.replicas is not None:
             entry["replication"] = self.replicas.to_wire()
         if self.tiered:
@@ -217,6 +221,8 @@ class RequestTable:
         self.bytes_written = 0
         self._next_id = 1
         self.timeline = Timeline()
+        self.stale = StaleSaveDetector()
+        self.stale_saves = 0
         # Forgotten requests whose extent is still held (a device copy, a writer job or a
         # push still answers): out of sight, but their holders' reports find them here.
         self._retiring: dict[int, SaveRequest] = {}
@@ -266,6 +272,8 @@ class RequestTable:
         if request.phase == Phase.DONE:
             self.saves_done += 1
             self.bytes_written += request.bytes_written
+            request.stale_of = self.stale.check(request)
+            self.stale_saves += request.stale_of is not None
         elif request.phase == Phase.FAILED:
             self.saves_failed += 1
             self.errors.append({"time": request.finished_at, "request": request.id,
@@ -299,7 +307,7 @@ class RequestTable:
             "ranks": ranks,
             "requests": [r.describe() for r in shown[-knobs.RECENT_REQUESTS.get():]],
             "totals": {"saves_done": self.saves_done, "saves_failed": self.saves_failed,
-                       "bytes_written": self.bytes_written},
+                       "bytes_written": self.bytes_written, "stale_saves": self.stale_saves},
             "recent_errors": list(self.errors),
         }
 

@@ -13,6 +13,7 @@ def test_every_documented_family_is_rendered_and_parses(busy_ledger):
     expected = {
         "ckptd_up": "gauge", "ckptd_info": "gauge", "ckptd_start_time_seconds": "gauge",
         "ckptd_draining": "gauge", "ckptd_bytes_written": "counter", "ckptd_saves": "counter",
+        "ckptd_stale_saves": "counter",
         "ckptd_save_duration_seconds": "histogram",
         "ckptd_last_success_timestamp_seconds": "gauge", "ckptd_requests_in_flight": "gauge",
         "ckptd_in_flight_bytes": "gauge", "ckptd_recent_errors": "gauge",
@@ -39,6 +40,7 @@ def test_values_follow_the_status_document(busy_ledger):
     assert value(fams, "ckptd_saves", "ckptd_saves_total", outcome="done") == 2
     assert value(fams, "ckptd_saves", "ckptd_saves_total", outcome="failed") == 1
     assert value(fams, "ckptd_saves", "ckptd_saves_total", outcome="aborted") == 1
+    assert value(fams, "ckptd_stale_saves", "ckptd_stale_saves_total") == 0
     assert value(fams, "ckptd_staging_pool_bytes", state="used") == 1 << 18
     assert value(fams, "ckptd_staging_pool_bytes", state="free") == 3 << 18
     assert value(fams, "ckptd_staging_pool_size_bytes") == 1 << 20
