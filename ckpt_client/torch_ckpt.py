@@ -49,11 +49,20 @@ class TorchAsyncCheckpoint:
         Passed to the internal :class:`AsyncCallsQueue`.
     socket : str, optional
         Daemon socket (see :func:`ckpt_client.connect`).
+    failure_policy : str
+        ``"raise"`` or ``"warn"``, as for :class:`AsyncCallsQueue` (failed saves are then
+        in :attr:`failed_calls`).
     """
 
-    def __init__(self, persistent_queue: bool = True, socket: str | None = None) -> None:
-        self._queue = AsyncCallsQueue(persistent=persistent_queue)
+    def __init__(self, persistent_queue: bool = True, socket: str | None = None, *,
+                 failure_policy: str = "raise") -> None:
+        self._queue = AsyncCallsQueue(persistent=persistent_queue, failure_policy=failure_policy)
         self._socket = socket
+
+    @property
+    def failed_calls(self) -> list:
+        """``(call_idx, CheckpointException)`` of saves that failed under ``"warn"``."""
+        return self._queue.failed_calls
 
     def async_save(self, state_dict, *args, zero_stall: bool = False, **kwargs) -> None:
         """Save ``state_dict`` to ``args[0]`` (or ``f=`` / ``path=``) in the background.

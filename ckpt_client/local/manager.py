@@ -178,6 +178,10 @@ class LocalCheckpointManager:
         Load with the same strategy and world size as the save.
     socket : str, optional
         Daemon socket (see :func:`ckpt_client.connect`).
+    failure_policy : str
+        For synchronous saves: ``"raise"`` (default) or ``"warn"`` (a failed save is
+        logged on every rank, kept in :attr:`failed_calls`, not committed, and training
+        goes on). Asynchronous saves follow the policy of the queue they are scheduled on.
 
     Notes
     -----
@@ -201,8 +205,9 @@ class LocalCheckpointManager:
 
     def __init__(self, root_local_ckpt_dir: str | os.PathLike, session_id: str = "",
                  repl_strategy: CliqueReplicationStrategy | None = None,
-                 socket: str | None = None) -> None:
+                 socket: str | None = None, *, failure_policy: str = "raise") -> None:
         protocol.check_session_id(session_id)
+        self._queue = AsyncCallsQueue(failure_policy=failure_policy)  # for synchronous saves
         self.root = os.path.abspath(os.fspath(root_local_ckpt_dir))
         self.session_id = session_id
         self.repl_strategy = repl_strategy
@@ -212,6 +217,12 @@ class LocalCheckpointManager:
         self._found = Latest()
         self.last_save_report: dict | None = None
         self.last_load_report: dict | None = None
+
+    @property
+    def failed_calls(self) -> list:
+        """``(call_idx, CheckpointException)`` of synchronous saves that failed under
+        ``failure_policy="warn"``."""
+        return self._queue.failed_calls
 
     @property
     def local_ckpt_dir(self) -> Path:
@@ -277,7 +288,7 @@ class LocalCheckpointManager:
                                finalize_fns=[partial(self._finalize_save, iteration, daemon_save)])
         if is_async:
             return request
-        queue = AsyncCallsQueue()
+        queue = self._queue
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         return None

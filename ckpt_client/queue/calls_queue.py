@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 from ckpt_client.collectives import agree_on_completion
 from ckpt_client.errors import CheckpointException
+from ckpt_client.queue.failures import FailedCalls
 
 log = logging.getLogger(__name__)
 
@@ -347,11 +348,24 @@ class AsyncCallsQueue:
         ``FileSystemWriterAsync(use_cpu_shm_for_gpu_tensors=True)``.
     poll_interval : float
         Seconds between checks while ``blocking=True`` waits.
+    failure_policy : str
+        ``"raise"`` (default): a failed save raises ``CheckpointException`` on every rank.
+        ``"warn"``: it is logged on every rank, appended to :attr:`failed_calls` as
+        ``(call_idx, exception)``, its finalize functions do not run (nothing of it is
+        committed) and later saves go on.
+
+    Attributes
+    ----------
+    failed_calls : list of (int, CheckpointException)
+        Calls that failed under ``failure_policy="warn"``, oldest first.
     """
 
     def __init__(self, persistent: bool = True, is_daemon: bool = True, cpu_priority: int = 10,
                  io_priority: int | None = None, sigterm_timeout: float = 30.0,
-                 cpu_shm_mode: bool = False, *, poll_interval: float = 0.01) -> None:
+                 cpu_shm_mode: bool = False, *, poll_interval: float = 0.01,
+                 failure_policy: str = "raise") -> None:
+        self._failures = FailedCalls(failure_policy)
+        self.failed_calls = self._failures.calls
         self.persistent = persistent
         self.poll_interval = poll_interval
         self.helper_options = HelperOptions(is_daemon, cpu_priority, sigterm_timeout)
@@ -395,12 +409,14 @@ class AsyncCallsQueue:
         Returns
         -------
         list of int
-            Indices of the calls finalized now.
+            Indices of the calls finalized now (successfully: with
+            ``failure_policy="warn"`` a failed call is in :attr:`failed_calls` instead).
 
         Raises
         ------
         CheckpointException
-            On every rank, if any rank's save failed; names the failing ranks.
+            On every rank, if any rank's save failed (``failure_policy="raise"``); names
+            the failing ranks.
         """
         finalized = []
         while self._active:
@@ -415,7 +431,9 @@ class AsyncCallsQueue:
             self._active.popleft()
             call.runner.cleanup(failed=bool(failures))
             if failures:
-                raise CheckpointException(f"async checkpoint call {call.idx} failed", failures)
+                self._failures.failed(call.idx, CheckpointException(
+                    f"async checkpoint call {call.idx} failed", failures))
+                continue
             for fn in call.request.finalize_fns:
                 fn()
             finalized.append(call.idx)
@@ -433,14 +451,18 @@ class AsyncCallsQueue:
         Raises
         ------
         CheckpointException
-            If staging of a scheduled save failed.
+            If staging of a scheduled save failed (``failure_policy="warn"``: logged
+            instead; the save fails when it is finalized).
         TimeoutError
             If ``timeout`` seconds passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         for call in list(self._active):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            call.request.wait_staged(left)
+            try:
+                call.request.wait_staged(left)
+            except CheckpointException as exc:
+                self._failures.staging_failed(exc)
 
     def close(self, abort: bool = False) -> None:
         """Finalize everything (``abort=False``), or drop in-flight calls (``abort=True``).

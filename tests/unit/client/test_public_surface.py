@@ -97,7 +97,8 @@ MEMBERS = [
 KEYWORDS = [
     ("ckpt_client.connect", ["socket", "auto_start"]),
     ("ckpt_client.dcp.async_save", ["process_group", "planner", "enable_cache", "zero_stall"]),
-    ("ckpt_client.AsyncCallsQueue", ["persistent"]),
+    ("ckpt_client.AsyncCallsQueue", ["persistent", "failure_policy"]),
+    ("ckpt_client.TorchAsyncCheckpoint", ["failure_policy"]),
     ("ckpt_client.AsyncCallsQueue.maybe_finalize_async_calls", ["blocking", "no_dist"]),
     ("ckpt_client.AsyncCallsQueue.close", ["abort"]),
     ("ckpt_client.AsyncCallsQueue.wait_for_staging", ["timeout"]),
@@ -106,7 +107,7 @@ KEYWORDS = [
     ("ckpt_client.TorchAsyncCheckpoint.finalize_async_save", ["blocking", "no_dist"]),
     ("ckpt_client.TorchAsyncCheckpoint.wait_for_staging", ["timeout"]),
     ("ckpt_client.LocalCheckpointManager", ["root_local_ckpt_dir", "session_id",
-                                            "repl_strategy"]),
+                                            "repl_strategy", "failure_policy"]),
     ("ckpt_client.LocalCheckpointManager.save", ["ta_state_dict", "iteration", "is_async"]),
     ("ckpt_client.CliqueReplicationStrategy.from_replication_params",
      ["replication_jump", "replication_factor"]),
@@ -125,11 +126,7 @@ EXTRA_NAMES = {
     "ckpt_client.integrations.hf.CkptdTrainer": "transformers",
     "ckpt_client.integrations.hf.save_state": "accelerate",
 }
-PENDING_KEYWORDS = [
-    ("ckpt_client.AsyncCallsQueue", "failure_policy"),
-    ("ckpt_client.TorchAsyncCheckpoint", "failure_policy"),
-    ("ckpt_client.LocalCheckpointManager", "failure_policy"),
-]
+PENDING_KEYWORDS: list = []
 
 
 def resolve(path: str):
