@@ -9,7 +9,7 @@ them; a second test parses the docs for every ``ckpt_client.…`` path they ment
 newly documented name is checked too.
 
 Names the spec promises that are not built yet (``ckpt_client.dcp.Stager``, the framework
-adapters under ``ckpt_client.integrations``, the ``failure_policy`` keyword) are marked
+adapters under ``ckpt_client.integrations``) are marked
 ``xfail(strict=True)`` instead of being left out: the list stays the spec's whole list, and
 the change that builds one of them turns its xfail into a failure (XPASS), which tells its
 author to remove the mark, so the name is checked from then on.
