@@ -10,6 +10,7 @@ reads, under a temporary name, fsynced, then renamed.
 from __future__ import annotations
 
 import os
+import time
 from typing import IO, Any
 
 import torch
@@ -18,6 +19,7 @@ from ckptd.protocol import SaveFormat
 from ckpt_client.queue.calls_queue import AsyncCallsQueue, AsyncRequest, wait_for_daemon_saves
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.flatten import flatten_state_dict
+from ckpt_client.queue import spans
 from ckpt_client.queue.gcpause import collector_paused
 from ckpt_client.transport.handover import stage
 
@@ -33,10 +35,12 @@ def async_torch_save(state_dict, path: str | os.PathLike,
     before :meth:`AsyncRequest.wait_staged`). Schedule the result on an
     :class:`AsyncCallsQueue`.
     """
+    started = time.time()
     connection = connection or connect()
     skeleton, tensors = flatten_state_dict(state_dict)
     save = stage(connection, SaveFormat.TORCH, os.fspath(path), tensors, skeleton=skeleton,
                  zero_stall=zero_stall)
+    spans.note((save,), "blocked in async_torch_save", started, time.time())
     return AsyncRequest(daemon_saves=(save,))
 
 

@@ -23,6 +23,7 @@ import io
 import os
 import pickle
 import secrets
+import time
 from functools import partial
 
 import torch
@@ -45,6 +46,7 @@ from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
 from ckpt_client.dcp.stager import take_ticket
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.queue import spans
 from ckpt_client.queue.gcpause import collector_paused
 from ckpt_client.transport.handover import DaemonSave, RefusedSave, stage
 from ckpt_client.dcp.commit_handover import hand_over
@@ -498,6 +500,7 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     -------
     AsyncRequest
     """
+    started = time.time()
     planner = planner or DefaultSavePlanner()
     writer = DaemonStorageWriter(checkpoint_id)
     group = Group(process_group)
@@ -510,6 +513,7 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
             early = None  # the direct staging below meets (and reports) the same refusal
     central_plan, metadata = _global_plan(local_plan, writer, planner, group, enable_cache)
     final_plan = planner.finish_plan(central_plan)
+    planned = time.time()
     try:
         saves = early.adopt(final_plan, zero_stall) if early is not None else None
         sources = reuse.sources(final_plan, state_dict, planner) if reuse is not None else None
@@ -523,5 +527,7 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
         saves = (RefusedSave(group.rank, str(exc)),)
     if writer.connection.tiered and not zero_stall:
         hand_over(writer, saves, final_plan, metadata, group)
+    spans.note(saves, "planning", started, planned)
+    spans.note(saves, "blocked in dcp.async_save", started, time.time())
     return AsyncRequest(daemon_saves=saves,
                         finalize_fns=[partial(_finalize, writer, saves, final_plan, metadata, group)])

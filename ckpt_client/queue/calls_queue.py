@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple
 
 from ckpt_client.collectives import agree_on_completion
 from ckpt_client.errors import CheckpointException
+from ckpt_client.queue import spans
 from ckpt_client.queue.failures import FailedCalls
 
 log = logging.getLogger(__name__)
@@ -431,11 +432,15 @@ class AsyncCallsQueue:
             self._active.popleft()
             call.runner.cleanup(failed=bool(failures))
             if failures:
+                spans.report(call.request.daemon_saves)
                 self._failures.failed(call.idx, CheckpointException(
                     f"async checkpoint call {call.idx} failed", failures))
                 continue
+            started = time.time()
             for fn in call.request.finalize_fns:
                 fn()
+            spans.note(call.request.daemon_saves, "finalize", started, time.time())
+            spans.report(call.request.daemon_saves)
             finalized.append(call.idx)
         return finalized
 

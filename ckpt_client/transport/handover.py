@@ -67,6 +67,7 @@ class DaemonSave:
     last: dict = field(default_factory=dict)
     transport_bytes: dict = field(default_factory=dict)
     items: list | None = None  # DCP chunks: the plan item of each staged buffer
+    spans: list = field(default_factory=list)  # the trainer's own [name, start, end] spans
     placements: dict | None = None  # tiered DCP: {file: [[start, length]]}, from the daemon
     _staged: threading.Event = field(default_factory=threading.Event, repr=False)
     _staging_error: str | None = None

@@ -103,6 +103,15 @@ def test_a_real_save_traced_as_it_ran(daemon, tmp_path, monkeypatch):
                                  rf"([\d.]+)s after staging", log)[1])
     assert abs(staging["dur"] / 1e6 - staged_in) <= 0.0015, (staging, staged_in)
     assert abs((done["ts"] - staging["ts"] - staging["dur"]) / 1e6 - durable_in) <= 0.0015
+    # The trainer's own spans: blocked through planning and staging, then its finalize,
+    # which ran after the writes and holds the coordinator's .metadata commit.
+    trainer = {e["name"]: e for e in events if e.get("cat") == "trainer"
+               and within(e, save) and e["pid"] == staging["pid"]}
+    blocked, planning, finalize = (trainer["blocked in dcp.async_save"], trainer["planning"],
+                                   trainer["finalize"])
+    assert within(planning, blocked) and within(staging, blocked)
+    assert planning["ts"] < staging["ts"] + staging["dur"]  # staging may overlap the plan
+    assert finalize["ts"] >= done["ts"] and all(within(e, finalize) for e in metadata)
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M"}
     assert names[(daemon.pid, 100)] == "writer 0" and names[(daemon.pid, 0)] == "saves"
     assert names[(staging["pid"], 0)] == f"rank 0 (pid {os.getpid()})"
