@@ -40,20 +40,27 @@ def main(source: str, target: str) -> None:
     start = min(e["ts"] for e in events if e["ph"] in ("X", "i"))
     fig, ax = plt.subplots(figsize=(12, 0.55 * len(keys) + 1.4))
     row = {k: i for i, k in enumerate(keys)}
-    for event in events:
+    complete = [e for e in events if e["ph"] == "X"]
+    # longest first, so a span nested in another (planning in the blocked call) is drawn
+    # on top of it, thinner
+    for event in sorted(events, key=lambda e: -e.get("dur", 0)):
         key = (event.get("pid"), event.get("tid"))
         if key not in row or event["ph"] not in ("X", "i"):
             continue
         y, x = row[key], (event["ts"] - start) / 1000
         if event["ph"] == "X":
             width = event["dur"] / 1000
-            ax.barh(y, width, left=x, height=0.6, color=COLOURS.get(event["cat"], "#999999"),
-                    edgecolor="black", linewidth=0.4)
-            text = event["name"].replace(".distcp", "").replace("__", "")
+            nested = any(o is not event and (o["pid"], o["tid"]) == key and o["dur"] > event["dur"]
+                         and o["ts"] <= event["ts"]
+                         and event["ts"] + event["dur"] <= o["ts"] + o["dur"] for o in complete)
+            ax.barh(y + (0.12 if nested else 0), width, left=x, height=0.3 if nested else 0.6,
+                    color=COLOURS.get(event["cat"], "#999999"), edgecolor="black",
+                    linewidth=0.4)
+            text = event["name"].replace(".distcp", "").replace("__", "").split(" in ")[0]
             if event["cat"] == "save":
                 text = event["name"]
-            if width > 25:
-                ax.text(x + width / 2, y, text, ha="center", va="center", fontsize=7,
+            if width > 25 or (event["cat"] == "trainer" and width > 10):
+                ax.text(x + width / 2, y + (0.12 if nested else -0.12 if event["cat"] == "trainer" else 0), text, ha="center", va="center", fontsize=7,
                         clip_on=True)
         elif event["ph"] == "i":
             ax.plot([x, x], [y - 0.4, y + 0.4], color="black", linewidth=1.5)
