@@ -6,9 +6,12 @@ own loopback address; ranks are spawned processes pointed at their node's daemon
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -228,6 +231,20 @@ def test_save_find_load_two_nodes(make_nodes, tmp_path, is_async):
     assert all(p["verified"] for p in doc["local_checkpoints"])
     assert [p["address"] for p in doc["peers"]] == [nodes.addresses[1]]
     wait_for(lambda: nodes.daemons[0].status()["peers"][0]["health"] == "up", 30, "peer up")
+    # The timeline shows each own part's stream to its peer, inside the save, after staging
+    trace = tmp_path / "trace.json"
+    run = subprocess.run([sys.executable, "-m", "ckptd", "trace", "--socket",
+                          nodes.daemons[0].socket, "--last", "1", "--out", str(trace)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    events = json.load(open(trace))["traceEvents"]
+    pushes = {e["args"]["rank"]: e for e in events if e.get("cat") == "replication"}
+    assert sorted(pushes) == [0, 1], pushes
+    stagings = {e["args"]["rank"]: e for e in events if e.get("cat") == "staging"}
+    for rank, push in pushes.items():
+        assert push["name"] == f"replicate rank {rank} -> {nodes.addresses[1]}"
+        assert push["args"]["state"] == "done" and push["args"]["bytes"] > 0
+        assert push["ts"] >= stagings[rank]["ts"] + stagings[rank]["dur"]
 
 
 def test_lost_node_is_restored_from_peers(make_nodes, tmp_path):
