@@ -31,7 +31,7 @@ class StaleSaveDetector:
         """The previous save's path when ``request`` (just done) repeats its bytes, else None."""
         if request.format == SaveFormat.LOCAL or not request.written:
             return None
-        signature = tuple(sorted((w["size"], w["crc32"]) for w in request.written))
+        signature = tuple(sorted((w.get("size"), w.get("crc32")) for w in request.written))
         key = (request.rank, request.format)
         previous = self._last.get(key)
         self._last[key] = (request.path, signature)

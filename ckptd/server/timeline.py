@@ -111,7 +111,7 @@ class Timeline:
             tid = WRITER_TID_BASE + timing["writer"]
             name = os.path.basename(written["path"])
             record.span(f"write {name}", timing["started_at"], timing["synced_at"],
-                        self.daemon_pid, tid, "write", bytes=written["size"], **common)
+                        self.daemon_pid, tid, "write", bytes=written.get("size", 0), **common)
             record.span(f"fsync {name}", timing["synced_at"], timing["ended_at"],
                         self.daemon_pid, tid, "fsync", **common)
         if request.replicas is not None:

@@ -1,0 +1,48 @@
+"""Leftovers of a predecessor still exiting when its successor starts are swept later.
+
+A journal names a real process still running and holding its temporary's lock, as a
+writer of a killed daemon does until it has finished dying; its temporary stays, and so
+does the journal (removing it then left the temporary to nobody, ever), until that
+process is gone; then the next sweep of the housekeeping removes both.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from ckptd import knobs
+from ckptd.checksum import TMP_MARKER
+from ckptd.server.predecessors import PredecessorSweeper
+
+
+def test_a_predecessor_still_exiting_is_swept_once_it_is_gone(tmp_path):
+    runtime, written = tmp_path / "run", tmp_path / "ckpt"
+    runtime.mkdir()
+    written.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    temporary = written / f".model.pt.4242.0123456789ab{TMP_MARKER}"
+    temporary.write_bytes(b"half a file")
+    # the predecessor's writer, still exiting: it holds its temporary's lock
+    writer = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+         "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+         "time.sleep(600)", str(temporary)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "locked\n"
+    journal = runtime / f"ckptd.{gone.pid}.dirs"
+    journal.write_text(f"D {written}\nP {writer.pid}\n")
+    sweeper = PredecessorSweeper(str(runtime))
+    try:
+        sweeper.sweep()
+        assert temporary.exists() and journal.exists(), "nothing of a live owner is touched"
+        assert sweeper.pending and sweeper.waiting_journals == [gone.pid]
+    finally:
+        writer.kill()
+        writer.wait()
+    with knobs.override(LEFTOVER_SWEEP_INTERVAL=0.0):
+        sweeper._next_at = 0.0  # the interval has passed
+        sweeper.tick()
+    assert not temporary.exists() and not journal.exists()
+    assert sweeper.waiting_journals == []
+
