@@ -33,6 +33,7 @@ __all__ = [
     "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT", "STUCK_AFTER",
     "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
+    "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE",
 ]
 
 
@@ -235,6 +236,15 @@ NUMA_PLACEMENT = _knob(
 STALL_TIMEOUT = _knob(
     "STALL_TIMEOUT", 600.0, float,
     "Seconds a file write or fsync may make no progress before its save fails (--stall-timeout)")
+WRITER_PROGRESS_INTERVAL = _knob(
+    "WRITER_PROGRESS_INTERVAL", 0.5, float,
+    "Seconds between two progress reports of a writer within one phase of a file")
+# Whole phases, generous: a staging copy of a node's share takes seconds, a save minutes.
+STAGING_DEADLINE = _knob(
+    "STAGING_DEADLINE", 600.0, float,
+    "Seconds a save's staging (the copies into the pool) may take before the save fails")
+SAVE_DEADLINE = _knob(
+    "SAVE_DEADLINE", 7200.0, float, "Seconds a whole save may take, request to durable")
 # Status flags a save as stuck long before its deadline, so an operator sees it coming.
 STUCK_AFTER = _knob(
     "STUCK_AFTER", 60.0, float, "Seconds without progress before status flags a save as stuck")

@@ -76,8 +76,9 @@ def health_line(doc: dict) -> str:
     """
     active = in_flight_requests(doc)
     pool = doc["pool"]
+    stuck = sum(1 for save in doc.get("saves", []) if save["stuck"])
     line = (f"ckptd {doc['state']} pid={doc['pid']} ranks={len(doc['ranks'])} "
-            f"in_flight={len(active)} pool={pool['used_bytes'] * 100 // max(pool['size_bytes'], 1)}% "
+            f"in_flight={len(active)} stuck={stuck} pool={pool['used_bytes'] * 100 // max(pool['size_bytes'], 1)}% "
             f"done={doc['totals']['saves_done']} failed={doc['totals']['saves_failed']}")
     if doc["recent_errors"]:
         line += f" last_error={json.dumps(doc['recent_errors'][-1]['error'])}"
@@ -181,12 +182,42 @@ def render(doc: dict) -> str:
                       f"{_size(r['bytes_written'])}/{_size(r['bytes_total'])}", r["path"]]
                      for r in doc["requests"]]) if doc["requests"] else ["  (none)"]
     lines += _render_tier(doc)
+    lines += _render_saves(doc)
     lines += _render_local(doc)
     if doc["recent_errors"]:
         lines += ["", "RECENT ERRORS"]
         lines += [f"  {time.strftime('%H:%M:%S', time.localtime(e['time'] or 0))} "
                   f"request {e['request']}: {e['error']}" for e in doc["recent_errors"]]
     return "\n".join(lines)
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``[#######.............]  35%`` (a save of no bytes is full)."""
+    fraction = min(done / total, 1.0) if total > 0 else 1.0
+    filled = int(round(fraction * width))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {fraction * 100:3.0f}%"
+
+
+def _render_saves(doc: dict) -> list[str]:
+    """SAVES IN FLIGHT: per save its ranks' phases, a progress bar, the slowest file."""
+    saves = doc.get("saves")  # absent from older daemons
+    if not saves:
+        return []
+    lines = ["", "SAVES IN FLIGHT"]
+    for save in saves:
+        phases = " ".join(f"r{rank}:{phase}" for rank, phase in sorted(
+            save["phases"].items(), key=lambda item: int(item[0])))
+        where = save["path"] or f"local iteration {save['iteration']}"
+        lines.append(f"  {'STUCK ' if save['stuck'] else ''}{where}  {phases}")
+        lines.append(f"    {progress_bar(save['bytes_done'], save['bytes_total'])}  "
+                     f"{_size(save['bytes_done'])}/{_size(save['bytes_total'])}  "
+                     f"no progress for {save['stalled_s']:.0f}s")
+        slowest = save.get("slowest_file")
+        if slowest:
+            lines.append(f"    slowest: rank {slowest['rank']} {slowest['path']} "
+                         f"({slowest['phase']}, {_size(slowest['bytes_done'])}, "
+                         f"last progress {slowest['age_s']:.0f}s ago)")
+    return lines
 
 
 def _deadlines_line(doc: dict) -> list[str]:

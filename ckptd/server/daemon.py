@@ -28,6 +28,7 @@ from ckptd.metrics import MetricsExporter
 from ckptd.protocol import Empty, MessageType
 from ckptd.readiness import announce_ready, announce_stopping
 from ckptd.server.config import DaemonConfig
+from ckptd.server.deadlines import SaveDeadlines
 from ckptd.server.endpoint import ClientEndpoint
 from ckptd.server.local import LocalService
 from ckptd.server.loop import EventLoop
@@ -85,6 +86,7 @@ class Daemon:
         self.placement = numa.Placement([0])  # one node until start() reads the machine
         self.metrics: MetricsExporter | None = None
         self.tier = None  # ckptd.tiers.service.TierService with --stage-dir
+        self.deadlines: SaveDeadlines | None = None
 
     @property
     def stopping(self) -> bool:
@@ -123,6 +125,8 @@ class Daemon:
                                         self.cuda.device_nodes if self.cuda else {})
         self.saves.start()
         self._start_tier()
+        self.deadlines = SaveDeadlines(self.table, self.saves.lifecycle, self.writers,
+                                       self.config.stall_timeout)
         self.local.start()  # node-local store; peer socket and replicator with --peer-listen
         self._wire_endpoint()
         self.endpoint.bind(endpoint)
@@ -170,8 +174,8 @@ class Daemon:
 
     def _register_with_loop(self) -> None:
         self.loop.watch(self.endpoint.socket, self.endpoint.serve_one)
-        for sock in self.writers.sockets:
-            self.loop.watch(sock, lambda sock=sock: self.writers.handle(sock))
+        self.writers.attach(lambda sock: self.loop.watch(sock, lambda: self.writers.handle(sock)),
+                            self.loop.unwatch)
         if self.cuda is not None:
             self.loop.watch(self.cuda.results.doorbell,
                             lambda: self.cuda.results.drain(self.saves.device.on_copied))
@@ -251,6 +255,7 @@ class Daemon:
         if self.stopping_since is None:
             self.writers.reap_dead()
             self.predecessors.tick()
+        self.deadlines.check()
         self.process.drop_gone_trainers()
         self.table.forget_unclaimed(time.time())
         if self.tier is not None:

@@ -189,6 +189,8 @@ class SaveLifecycle:
         request.lease = ExtentLease(extent, lambda e: self._give_back(request, e),
                                     request.copiers)
         request.phase = Phase.STAGING
+        request.staging_since = time.time()
+        request.moved()
 
     def _give_back(self, request: SaveRequest, extent: Extent) -> None:
         self.table.space_released(request)
@@ -210,6 +212,7 @@ class SaveLifecycle:
         When the last copier is done, the request starts writing (and replicating).
         """
         lease = request.lease
+        request.moved()
         if request.finished or error is not None:
             if not request.finished:
                 self._stop(request, Phase.FAILED, error, code)
@@ -235,6 +238,7 @@ class SaveLifecycle:
                  nbytes: int, error: str | None = None, errno: int | None = None) -> None:
         """One writer job of ``request`` finished."""
         request.jobs_pending -= 1
+        request.moved()
         if ok:
             request.bytes_written += nbytes
             request.written.append(written)
@@ -247,6 +251,7 @@ class SaveLifecycle:
     def replica_done(self, request: SaveRequest, holder: str, ok: bool, error: str | None,
                      nbytes: int) -> None:
         """The push to ``holder`` ended."""
+        request.moved()
         request.replicas.finished(holder, ok, error, nbytes)
         if not request.replicas.sending:
             failures = request.replicas.failures
@@ -260,6 +265,13 @@ class SaveLifecycle:
                 and not request.lease.has(WRITERS):
             self._settle(request)
         request.lease.drop(replica_hold(holder))  # after settling: a done save may stay resident
+
+    def writer_stuck(self, request: SaveRequest, pid: int) -> Callable[[], None]:
+        """A writer of ``request`` is stuck in the kernel and was given up on: the bytes it
+        reads stay held until it really exits; the returned function lets them go."""
+        name = f"stuck-writer:{pid}"
+        request.lease.hold(name)
+        return lambda: request.lease.drop(name)
 
     def _writers_finished(self, request: SaveRequest) -> None:
         if request.finished:  # stopped while writing: only now is every file renamed

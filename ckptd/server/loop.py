@@ -33,6 +33,11 @@ class EventLoop:
         self._readers[sock] = on_readable
         self._poller.register(sock, zmq.POLLIN)
 
+    def unwatch(self, sock: zmq.Socket) -> None:
+        """Stop polling ``sock`` (before it is closed)."""
+        if self._readers.pop(sock, None) is not None:
+            self._poller.unregister(sock)
+
     def every(self, period: Callable[[], float], step: Callable[[], None]) -> None:
         """Run ``step()`` every ``period()`` seconds (read each time: a knob)."""
         self._timers.append([period, time.monotonic(), step])

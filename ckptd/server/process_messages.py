@@ -120,7 +120,10 @@ class ProcessMessages:
                   "numa_nodes": [r.node for r in pool.regions]},
             writers=daemon.writers.describe(),
             deadlines={"stall_timeout_s": daemon.config.stall_timeout,
-                       "stuck_after_s": knobs.STUCK_AFTER.get()},
+                       "stuck_after_s": knobs.STUCK_AFTER.get(),
+                       "staging_deadline_s": knobs.STAGING_DEADLINE.get(),
+                       "save_deadline_s": knobs.SAVE_DEADLINE.get()},
+            stuck_writers=daemon.writers.stuck.describe(),
             **daemon.local.status_sections(),
             tier=daemon.tier.describe() if daemon.tier is not None else None,
         )

@@ -112,6 +112,34 @@ class SaveRequest:
     local_durable_at: float | None = None  # tiered: when its stage-directory copy was durable
     finished_at: float | None = None
     stale_of: str | None = None  # the previous save whose bytes this one repeats
+    staging_since: float | None = None  # when it got its staging space
+    jobs: list = field(default_factory=list)  # its writer jobs not answered yet (WriteJob)
+    progress_at: float = field(default_factory=time.monotonic)  # last step of its own
+
+    def moved(self) -> None:
+        """The request took a step (space, a copy, a file, a replica): not stuck."""
+        self.progress_at = time.monotonic()
+
+    def progress(self) -> dict:
+        """How far it is and whether it is stuck: ``bytes_done`` (files finished plus the
+        bytes of files being written), ``slowest_file`` (the file in flight whose last
+        progress is oldest), ``stalled_s`` (seconds since the request or any of its files
+        last moved) and ``stuck`` (in flight and stalled past :data:`knobs.STUCK_AFTER`)."""
+        now = time.monotonic()
+        started = [j for j in self.jobs if j.progress_at is not None]
+        slowest = min(started, key=lambda j: j.progress_at, default=None)
+        last = max([self.progress_at] + [j.progress_at for j in started])
+        stalled = 0.0 if self.finished else now - last
+        return {
+            "bytes_done": self.bytes_written + sum(j.bytes_done for j in self.jobs),
+            "slowest_file": None if slowest is None else {
+                "rank": self.rank, "path": slowest.path, "phase": slowest.phase,
+                "bytes_done": slowest.bytes_done, "bytes_total": slowest.nbytes,
+                "age_s": now - slowest.progress_at},
+            "stalled_s": stalled,
+            "stuck": (not self.finished and self.phase != Phase.WAITING_FOR_POOL
+                      and stalled > knobs.STUCK_AFTER.get()),
+        }
 
     @property
     def bytes_total(self) -> int:
@@ -183,6 +211,7 @@ class SaveRequest:
             "stale_of": self.stale_of,
             "replication": self.replicas.to_wire() if self.replicas is not None else None,
             "flush": self.flush_progress(),
+            **self.progress(),
         }
 
     def flush_progress(self) -> dict | None:
@@ -306,10 +335,39 @@ class RequestTable:
             **daemon_fields,
             "ranks": ranks,
             "requests": [r.describe() for r in shown[-knobs.RECENT_REQUESTS.get():]],
+            "saves": saves_in_flight(self.in_flight()),
             "totals": {"saves_done": self.saves_done, "saves_failed": self.saves_failed,
                        "bytes_written": self.bytes_written, "stale_saves": self.stale_saves},
             "recent_errors": list(self.errors),
         }
+
+
+def saves_in_flight(requests: list[SaveRequest]) -> list[dict]:
+    """One entry per save in flight, all ranks' requests of it together (one path, or one
+    local iteration): each rank's phase, bytes, the slowest file, and whether it is stuck."""
+    groups: dict[tuple, list[SaveRequest]] = {}
+    for request in requests:
+        key = ((request.format, request.session, request.iteration)
+               if request.format == "local" else (request.format, request.path))
+        groups.setdefault(key, []).append(request)
+    saves = []
+    for members in groups.values():
+        members.sort(key=lambda r: r.rank)
+        progress = [r.progress() for r in members]
+        slow = [p["slowest_file"] for p in progress if p["slowest_file"] is not None]
+        saves.append({
+            "path": members[0].path if members[0].format != "local" else None,
+            "format": members[0].format, "iteration": members[0].iteration,
+            "requests": [r.id for r in members],
+            "phases": {str(r.rank): r.phase for r in members},
+            "bytes_done": sum(p["bytes_done"] for p in progress),
+            "bytes_total": sum(r.bytes_total for r in members),
+            "created_at": min(r.created_at for r in members),
+            "slowest_file": max(slow, key=lambda f: f["age_s"], default=None),
+            "stalled_s": max(p["stalled_s"] for p in progress),
+            "stuck": any(p["stuck"] for p in progress),
+        })
+    return saves
 
 
 def host_name() -> str:

@@ -277,7 +277,9 @@ class SaveService:
         are written into the stage directory)."""
         place = self.daemon.tier.place(request) if request.tiered else None
         jobs = list(jobs_for(request, self._job_done(request), place))
+        request.jobs = list(jobs)
         for job in jobs:
+            job.on_stuck = lambda job, pid: self.lifecycle.writer_stuck(request, pid)
             self.daemon.writers.submit(job)
         return len(jobs)
 
@@ -318,6 +320,7 @@ class SaveService:
 
     def _job_done(self, request: SaveRequest):
         def on_done(job: WriteJob, result: WriteResult) -> None:
+            request.jobs = [j for j in request.jobs if j is not job]
             written = None
             wrong = check_prediction(request.placements, getattr(job.body, "name", None),
                                      result.items) if result.ok else None

@@ -214,6 +214,8 @@ class DirectFileWriter:
         self.algorithm = algorithm
         self.size = 0
         self.error: OSError | None = None
+        #: ``progress(phase, bytes_done)`` after each write (set by DurableFile), or None.
+        self.progress = None
         self._chunk = max(PAGE, knobs.DIRECT_CHUNK_BYTES.get() // PAGE * PAGE)
         self._bounce_size = max(PAGE, knobs.DIRECT_BOUNCE_BYTES.get() // PAGE * PAGE)
         self._in_flight_limit = max(2, 2 * knobs.DIRECT_WRITE_THREADS.get())
@@ -249,6 +251,8 @@ class DirectFileWriter:
             view = view[body:]
         self._copy(view)
         self.size += nbytes
+        if self.progress is not None:
+            self.progress("write", self.size)
         return nbytes
 
     def _copy(self, view: memoryview) -> None:

@@ -171,10 +171,12 @@ class DurableFileStream(ChecksumWriter):
     helper thread while the kernel copies them (the CRCs and writes all release the GIL),
     and starts writeback early (``sync_file_range``) so the final fsync has little left."""
 
-    def __init__(self, raw, algorithm: str = ALGORITHM) -> None:
+    def __init__(self, raw, algorithm: str = ALGORITHM,
+                 progress: Callable[[str, int], None] | None = None) -> None:
         super().__init__(raw, algorithm)
         self._fd = raw.fileno()
         self._written_back = 0
+        self.progress = progress
 
     def fileno(self) -> int:
         """The file descriptor written to."""
@@ -192,6 +194,8 @@ class DurableFileStream(ChecksumWriter):
             finally:
                 self.crc = checksum.result()
         self._start_writeback()
+        if self.progress is not None:
+            self.progress("write", self.size)
         return done
 
     def _start_writeback(self) -> None:
@@ -232,7 +236,8 @@ class DurableFile:
 
     def __init__(self, path: str, checksum: bool = True, mode: int = 0o644,
                  operator_path: bool = False, dir_fd: int | None = None,
-                 direct: bool = False) -> None:
+                 direct: bool = False,
+                 progress: Callable[[str, int], None] | None = None) -> None:
         self.path = path
         self.directory = os.path.dirname(path) or "."
         self.with_checksum = checksum
@@ -270,6 +275,9 @@ class DurableFile:
         self.stream: DurableFileStream | DirectFileWriter = (
             DirectFileWriter(fd, algorithm) if use_direct
             else DurableFileStream(self._raw, algorithm))
+        self.stream.progress = progress
+        if progress is not None:  # the temporary exists: from here on, bytes are written
+            progress("write", 0)
 
     def _create_temporary(self, mode: int) -> tuple[str, int]:
         for _ in range(8):  # a collision of 48 random bits means someone is guessing
@@ -307,13 +315,16 @@ class DurableFile:
         Checksum
             Of the bytes written.
         """
+        progress = self.stream.progress or (lambda phase, nbytes: None)
         try:
             if isinstance(self.stream, DirectFileWriter):
                 self.stream.finish()
             if fsync:
+                progress("fsync", self.stream.size)
                 os.fsync(self._raw.fileno())
             if self._drop_pages:
                 drop_cached_pages(self._raw.fileno())
+            progress("commit", self.stream.size)
             checksum = checksum or self.stream.result()
             if self.with_checksum:  # beside the file, through the same directory descriptor
                 with DurableFile(sidecar_path(self.path), checksum=False,
@@ -366,9 +377,13 @@ class DurableFile:
 
 
 def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any],
-                          checksum: bool = True, direct: bool = False) -> dict:
+                          checksum: bool = True, direct: bool = False,
+                          progress: Callable[[str, int], None] | None = None) -> dict:
     """Write ``path`` through ``write_body(stream)`` as a :class:`DurableFile`
     (``direct``: checkpoint data, O_DIRECT where possible).
+
+    ``progress(phase, bytes_done)``, when given, is told of every write and of the start of
+    the ``fsync`` and ``commit`` (record, rename, directory fsync) phases.
 
     Returns
     -------
@@ -378,7 +393,7 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
         from a later file at the same path; ``write_mode`` says how it was written;
         ``synced_at`` when making it durable began (for the timeline).
     """
-    with DurableFile(path, checksum=checksum, direct=direct) as durable:
+    with DurableFile(path, checksum=checksum, direct=direct, progress=progress) as durable:
         try:
             write_body(durable.stream)
         except Exception as exc:

@@ -76,11 +76,24 @@ class WriteResult(Body, message=RESULT):
     synced_at: float = 0.0   # when the bytes were all written and making them durable began
 
 
+class WriteProgress(Body, message="progress"):
+    """The job in hand moved: it entered ``phase`` (``create``, ``write``, ``fsync``,
+    ``commit``) or wrote more bytes. Sent at phase changes and at most every
+    :data:`ckptd.knobs.WRITER_PROGRESS_INTERVAL` seconds between them, so the daemon can
+    tell a slow file from one stuck in the kernel."""
+
+    phase: str
+    bytes_done: int = 0
+
+
+#: Phases of a job, in order (``queued``: sent to a writer, not started by it yet).
+JOB_PHASES = ("queued", "create", "write", "fsync", "commit")
+
 #: Jobs a writer executes, by message type (besides them the daemon sends only
 #: :class:`StopWriter`).
 JOB_TYPES = {cls.message_type: cls for cls in (WriteTorch, WriteItems, WriteBytes)}
 #: What a writer may send back, by message type.
-REPLY_TYPES = {cls.message_type: cls for cls in (WriterReady, WriteResult)}
+REPLY_TYPES = {cls.message_type: cls for cls in (WriterReady, WriteProgress, WriteResult)}
 
 
 @dataclass
@@ -92,6 +105,12 @@ class WriteJob:
     frames: list = field(default_factory=list)
     id: int = 0
     writer: int = -1  # the writer it was sent to (for the timeline)
+    #: Called when the job's writer is declared stuck, with the job and the writer's pid;
+    #: returns what to call once that process has really exited (its extent is free then).
+    on_stuck: object = None  # Callable[[WriteJob, int], Callable[[], None]] | None
+    phase: str = "queued"
+    bytes_done: int = 0
+    progress_at: float | None = None  # time.monotonic() of its last progress; None: not started
 
     @property
     def path(self) -> str:

@@ -2,9 +2,12 @@
 
 Owns the writer processes and the jobs in flight: :meth:`WriterPool.submit` assigns a job
 to the least-loaded live writer (or a backlog while all are restarting, so the serve loop
-never blocks), :meth:`handle` completes a job when its result arrives, and
-:meth:`reap_dead` fails the jobs of a writer that died, removes its temporaries and
-starts a new one. It knows files and byte ranges, not ranks or requests: each job carries
+never blocks), :meth:`handle` records a job's progress and completes it when its result
+arrives, :meth:`reap_dead` fails the jobs of a writer that died, removes its temporaries
+and starts a new one, and :meth:`check_stalls` gives up on a writer whose file made no
+progress for the stall timeout (stuck in the kernel): its job fails, a fresh writer takes
+its place and its other jobs, and the stuck process is kept by
+:class:`ckptd.storage.stalls.StuckWriters` until it really exits. It knows files and byte ranges, not ranks or requests: each job carries
 its own completion callback.
 
 Pattern: one ZeroMQ PAIR socket per writer, bound here and polled by the serve loop.
@@ -12,6 +15,7 @@ Pattern: one ZeroMQ PAIR socket per writer, bound here and polled by the serve l
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -25,8 +29,10 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.storage import priority
 from ckptd.storage.durable import remove_quietly
-from ckptd.storage.jobs import REPLY_TYPES, StopWriter, WriteJob, WriterReady, WriteResult
+from ckptd.storage.jobs import (REPLY_TYPES, StopWriter, WriteJob, WriteProgress, WriterReady,
+                                WriteResult)
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
+from ckptd.storage.stalls import StuckWriters, stall_message
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,9 @@ class _WriterSlot:
     process: subprocess.Popen | None = None
     ready: bool = False
     jobs: dict = field(default_factory=dict)
+    #: When it last said anything, or was given work while idle: a writer with jobs that
+    #: stays silent past the stall timeout is stuck on the first of them.
+    last_heard: float = field(default_factory=time.monotonic)
 
 
 class WriterPool:
@@ -67,18 +76,32 @@ class WriterPool:
         priority.check(knobs.WRITER_SCHED.get(), knobs.WRITER_IO_CLASS.get())
         self.journal = journal
         #: The writer channel's handler table on this end: reply type -> handler.
-        self._reply_handlers = {WriterReady: self._on_ready, WriteResult: self._on_result}
+        self._reply_handlers = {WriterReady: self._on_ready, WriteProgress: self._on_progress,
+                                WriteResult: self._on_result}
         self._next_job_id = 1
         self._backlog: deque[WriteJob] = deque()
-        self.slots: list[_WriterSlot] = []
-        for index in range(count):
-            endpoint = f"ipc://{runtime_dir}/writer-{os.getpid()}-{index}.sock"
-            sock = context.socket(zmq.PAIR)
-            sock.linger = 0
-            sock.bind(endpoint)
-            self.slots.append(_WriterSlot(index, endpoint, sock))
+        self.context, self.runtime_dir = context, runtime_dir
+        self._generation = 0  # a replacement writer gets a fresh endpoint
+        self._watch = self._unwatch = lambda sock: None  # the serve loop's, once attached
+        self.stuck = StuckWriters()
+        self.slots: list[_WriterSlot] = [self._new_slot(index) for index in range(count)]
         for slot in self.slots:
             self._spawn(slot)
+
+    def _new_slot(self, index: int) -> _WriterSlot:
+        endpoint = (f"ipc://{self.runtime_dir}/writer-{os.getpid()}-{index}"
+                    f"{f'-{self._generation}' if self._generation else ''}.sock")
+        sock = self.context.socket(zmq.PAIR)
+        sock.linger = 0
+        sock.bind(endpoint)
+        return _WriterSlot(index, endpoint, sock)
+
+    def attach(self, watch, unwatch) -> None:
+        """Have the serve loop poll every writer socket, now and as writers are replaced:
+        ``watch(sock)`` and ``unwatch(sock)``."""
+        self._watch, self._unwatch = watch, unwatch
+        for slot in self.slots:
+            watch(slot.socket)
 
     def _spawn(self, slot: _WriterSlot) -> None:
         slot.process = subprocess.Popen(
@@ -92,11 +115,6 @@ class WriterPool:
         if self.journal is not None:
             self.journal.note_process(slot.process.pid)
         slot.ready = False
-
-    @property
-    def sockets(self) -> list[zmq.Socket]:
-        """Sockets the serve loop polls for results."""
-        return [slot.socket for slot in self.slots]
 
     def wait_ready(self, timeout: float) -> None:
         """Block until every writer has mapped the pool and said so.
@@ -155,6 +173,8 @@ class WriterPool:
                 slot.ready = False
                 self._backlog.appendleft(job)
                 continue
+            if not slot.jobs:
+                slot.last_heard = time.monotonic()
             slot.jobs[job.id] = job
             job.writer = slot.index
             busy.add(job.path)
@@ -163,8 +183,11 @@ class WriterPool:
 
     def handle(self, sock: zmq.Socket) -> None:
         """Read one message from a writer's socket and complete its job."""
-        slot = next(s for s in self.slots if s.socket is sock)
+        slot = next((s for s in self.slots if s.socket is sock), None)
         msg = protocol.decode(sock.recv_multipart())
+        if slot is None:  # a writer given up on as stuck: nobody waits for its word
+            return
+        slot.last_heard = time.monotonic()
         if msg.type not in REPLY_TYPES:
             log.warning("writer %d sent a %r message, which is not a writer reply",
                         slot.index, msg.type)
@@ -175,6 +198,12 @@ class WriterPool:
     def _on_ready(self, slot: _WriterSlot, msg_id: int, reply: WriterReady) -> None:
         slot.ready = True
         self._dispatch()
+
+    def _on_progress(self, slot: _WriterSlot, msg_id: int, reply: WriteProgress) -> None:
+        job = slot.jobs.get(msg_id)
+        if job is not None:
+            job.phase, job.bytes_done = reply.phase, reply.bytes_done
+            job.progress_at = time.monotonic()
 
     def _on_result(self, slot: _WriterSlot, msg_id: int, reply: WriteResult) -> None:
         job = slot.jobs.pop(msg_id, None)
@@ -197,6 +226,42 @@ class WriterPool:
             for job in jobs.values():
                 job.on_done(job, WriteResult(ok=False, path=job.path,
                                              error=f"writer process died (exit status {code})"))
+
+    def check_stalls(self, timeout: float) -> None:
+        """Give up on writers whose file made no progress for ``timeout`` seconds; let go
+        of those given up on earlier that have exited since."""
+        self.stuck.reap()
+        now = time.monotonic()
+        for slot in list(self.slots):
+            if slot.jobs and now - slot.last_heard > timeout:  # it works through them in order
+                self._replace_stuck(slot, next(iter(slot.jobs.values())),
+                                    now - slot.last_heard, timeout)
+
+    def _replace_stuck(self, slot: _WriterSlot, job: WriteJob, waited: float,
+                       timeout: float) -> None:
+        """Fail ``job``, keep its writer until it exits, start a fresh one in its place."""
+        pid = slot.process.pid
+        log.error("writer %d (pid %d): %s stalled in %s for %.0fs; replacing the writer",
+                  slot.index, pid, job.path, job.phase, waited)
+        others = [j for j in slot.jobs.values() if j is not job]
+        slot.jobs = {}
+
+        def close_socket(sock=slot.socket, endpoint=slot.endpoint) -> None:
+            self._unwatch(sock)
+            sock.close()
+            remove_quietly(endpoint.removeprefix("ipc://"))
+
+        self.stuck.add(slot.process, job, close_socket)
+        self._generation += 1
+        fresh = self._new_slot(slot.index)
+        self.slots[self.slots.index(slot)] = fresh
+        self._watch(fresh.socket)
+        self._spawn(fresh)
+        for other in reversed(others):  # not started: the new writer takes them, in order
+            other.phase, other.progress_at = "queued", None
+            self._backlog.appendleft(other)
+        job.on_done(job, WriteResult(ok=False, path=job.path, errno=errno.ETIMEDOUT,
+                                     error=stall_message(job, waited, timeout, pid)))
 
     @property
     def jobs_in_flight(self) -> int:
@@ -226,8 +291,14 @@ class WriterPool:
                 slot.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 slot.process.kill()
-                slot.process.wait()
+                try:  # a writer in an uninterruptible write dies only when it returns
+                    slot.process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning("writer pid %d did not exit after SIGKILL (stuck in the "
+                                "kernel); leaving it", slot.process.pid)
             for directory in {os.path.dirname(job.path) for job in slot.jobs.values()}:
                 sweep_temporaries(directory, slot.process.pid)
             slot.socket.close()
             remove_quietly(slot.endpoint.removeprefix("ipc://"))
+        self.stuck.reap()
+        self.stuck.abandon()

@@ -33,7 +33,7 @@ from ckptd.checksum import ChecksumWriter
 from ckptd.storage.durable import write_file_atomically
 from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
-                                WriterReady, WriteResult, WriteTorch)
+                                WriteProgress, WriterReady, WriteResult, WriteTorch)
 from ckptd.storage.layout import archive_alignment, item_start
 from ckptd.storage.torch_format import (PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file,
                                         write_torch_file)
@@ -41,6 +41,34 @@ from ckptd.storage.torch_format import (PAGE_ALIGNMENT, RawTensor, raw_tensor, w
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+
+class ProgressReporter:
+    """Tells the daemon how the job in hand moves (:class:`WriteProgress`): at every phase
+    change, and between them at most every :data:`knobs.WRITER_PROGRESS_INTERVAL` seconds.
+
+    Without it the daemon could not tell a slow file from a write stuck in the kernel: a
+    writer blocked in ``write()`` or ``fsync()`` sends nothing, and that silence is what
+    its stall deadline measures.
+    """
+
+    def __init__(self, sock: zmq.Socket | None) -> None:
+        self.sock, self.job_id = sock, 0
+        self._phase, self._sent_at = "", 0.0
+        self._interval = knobs.WRITER_PROGRESS_INTERVAL.get()
+
+    def start(self, job_id: int) -> None:
+        """A new job: its first report is its ``create`` phase."""
+        self.job_id, self._phase = job_id, ""
+        self("create", 0)
+
+    def __call__(self, phase: str, bytes_done: int) -> None:
+        now = time.monotonic()
+        if self.sock is None or (phase == self._phase and now - self._sent_at < self._interval):
+            return
+        self._phase, self._sent_at = phase, now
+        self.sock.send_multipart(protocol.encode(
+            WriteProgress.message_type, self.job_id, WriteProgress(phase, bytes_done).to_wire()))
 
 
 class Writer:
@@ -52,7 +80,8 @@ class Writer:
         The daemon's staging pool.
     """
 
-    def __init__(self, pool_path: str, pool_size: int) -> None:
+    def __init__(self, pool_path: str, pool_size: int, sock: zmq.Socket | None = None) -> None:
+        self.progress = ProgressReporter(sock)
         fd = os.open(pool_path, os.O_RDWR)
         try:
             self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
@@ -80,7 +109,8 @@ class Writer:
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
         return write_file_atomically(
             job.path, lambda f: write_torch_file(f, skeleton, tensors, max_write=max_write,
-                                                 alignment=PAGE_ALIGNMENT), direct=True)
+                                                 alignment=PAGE_ALIGNMENT), direct=True,
+            progress=self.progress)
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
         """Items one after the other; records where each one landed.
@@ -115,20 +145,22 @@ class Writer:
                 placements.append([start, stream.tell() - start])
 
         result = write_file_atomically(job.path, write_items, checksum=not job.stock,
-                                       direct=not job.stock)
+                                       direct=not job.stock, progress=self.progress)
         result["items"] = placements
         return result
 
     def write_bytes(self, job: WriteBytes, frames: list) -> dict:
         """The message's raw frame as a file."""
         data = frames[0] if frames else b""
-        return write_file_atomically(job.path, lambda f: f.write(data), checksum=not job.stock)
+        return write_file_atomically(job.path, lambda f: f.write(data), checksum=not job.stock,
+                                     progress=self.progress)
 
     def execute(self, msg: protocol.Message) -> WriteResult:
         """Run one job; every failure becomes a result, never an exception."""
         path = msg.body.get("path") if isinstance(msg.body.get("path"), str) else None
         started, started_at = time.monotonic(), time.time()
         try:
+            self.progress.start(msg.id)
             if msg.type not in JOB_TYPES:
                 raise ValueError(f"{msg.type!r} is not a writer job")
             job = JOB_TYPES[msg.type].from_wire(msg.body)
@@ -207,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     sock.linger = 0
     sock.connect(args.endpoint)
     try:
-        Writer(args.pool, args.pool_size).run(sock)
+        Writer(args.pool, args.pool_size, sock).run(sock)
     finally:
         sock.close()
         ctx.term()

@@ -190,7 +190,7 @@ def test_health_is_one_line_with_the_last_error(daemon_with_history):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 1
-    assert re.match(rf"ckptd serving pid={daemon_with_history.pid} ranks=\d+ in_flight=0 "
+    assert re.match(rf"ckptd serving pid={daemon_with_history.pid} ranks=\d+ in_flight=0 stuck=0 "
                     r"pool=0% done=1 failed=1 last_error=\"", lines[0]), lines[0]
     assert "not-a-dir" in lines[0]
 

@@ -137,12 +137,22 @@ def test_a_writer_process_writes_torch_and_dcp_files_without_importing_torch(
         jobs = [WriteTorch(str(tmp_path / "m.pt"), skeleton, specs, 100),
                 WriteItems(str(tmp_path / "x.distcp"), "x.distcp", specs, 100),
                 WriteItems(str(tmp_path / "s.distcp"), "s.distcp", specs, 100, stock=True)]
-        results = []
+        results, phases = [], []
         for number, job in enumerate(jobs):
             daemon_side.send_multipart(protocol.encode(job.message_type, number, job.to_wire()))
-            assert daemon_side.poll(60_000), f"no result for {job.message_type}"
-            results.append(protocol.decode(daemon_side.recv_multipart()).body)
+            while True:  # progress reports, then the result
+                assert daemon_side.poll(60_000), f"no result for {job.message_type}"
+                message = protocol.decode(daemon_side.recv_multipart())
+                assert message.id == number
+                if message.type != "progress":
+                    break
+                phases.append((number, message.body["phase"]))
+            results.append(message.body)
         assert all(r["ok"] for r in results), results
+        for number in range(len(jobs)):  # every phase reported, in order
+            seen = [phase for n, phase in phases if n == number]
+            assert [p for i, p in enumerate(seen) if p not in seen[:i]] == \
+                ["create", "write", "fsync", "commit"], seen
         assert torch_mapped(process.pid) == []
         daemon_side.send_multipart(protocol.encode("stop", 0))
         assert process.wait(30) == 0
