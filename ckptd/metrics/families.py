@@ -150,6 +150,9 @@ def _saves(out: _Families, doc: dict, stats: SaveStats) -> None:
                "Bytes of unfinished saves: total staged, and written so far.", ("state",))
     out.sample(sum(r["bytes_total"] for r in in_flight), state="staged")
     out.sample(sum(r["bytes_written"] for r in in_flight), state="written")
+    out.family("ckptd_stuck_saves", "gauge", "Saves in flight without progress for "
+               "CKPTD_STUCK_AFTER seconds (status: saves[].stuck).")
+    out.sample(sum(1 for save in doc.get("saves", []) if save["stuck"]))
     out.family("ckptd_recent_errors", "gauge", "Failures kept in the status document.")
     out.sample(len(doc["recent_errors"]))
 
@@ -176,6 +179,9 @@ def _ranks_and_writers(out: _Families, doc: dict) -> None:
     out.family("ckptd_writers", "gauge", "Writer processes by state.", ("state",))
     out.sample(sum(1 for w in writers if w["alive"]), state="alive")
     out.sample(sum(1 for w in writers if not w["alive"]), state="dead")
+    out.family("ckptd_stuck_writers", "gauge", "Writer processes given up on after a stalled "
+               "write or fsync, until they exit (their staging bytes stay held).")
+    out.sample(len(doc.get("stuck_writers", [])))
 
 
 def _replication(out: _Families, doc: dict) -> None:

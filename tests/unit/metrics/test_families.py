@@ -22,7 +22,8 @@ def test_every_documented_family_is_rendered_and_parses(busy_ledger):
         "ckptd_writers": "gauge", "ckptd_replication_lag_seconds": "gauge", "ckptd_peers": "gauge",
         "ckptd_local_checkpoint_parts": "gauge", "ckptd_local_checkpoint_bytes": "gauge",
         "ckptd_local_part_copies": "gauge", "ckptd_local_parts_reduced_redundancy": "gauge",
-        "ckptd_memory_tier_bytes": "gauge",
+        "ckptd_memory_tier_bytes": "gauge", "ckptd_stuck_saves": "gauge",
+        "ckptd_stuck_writers": "gauge",
     }
     # prometheus_client strips the _total suffix from counter family names.
     assert {name: fam.type for name, fam in fams.items()} == expected
@@ -55,6 +56,7 @@ def test_values_follow_the_status_document(busy_ledger):
     assert value(fams, "ckptd_in_flight_bytes", state="staged") == 6000
     assert value(fams, "ckptd_in_flight_bytes", state="written") == 300
     assert value(fams, "ckptd_recent_errors") == 1
+    assert value(fams, "ckptd_stuck_saves") == 0 and value(fams, "ckptd_stuck_writers") == 0
     assert value(fams, "ckptd_replication_lag_seconds") == 0
     assert value(fams, "ckptd_last_success_timestamp_seconds") == 1040.0
     info = fams["ckptd_info"].samples[0].labels
@@ -134,3 +136,14 @@ def test_tier_metrics_follow_the_tier_section(busy_ledger):
     assert value(fams, "ckptd_flush_stalls", "ckptd_flush_stalls_total") == 1
     assert value(fams, "ckptd_flush_pending_bytes") == 300
     assert "ckptd_stage_bytes" not in families(render(snapshot(busy_ledger, tier=None)))
+
+
+def test_stuck_saves_and_writers_are_counted(busy_ledger):
+    from ckptd import knobs
+
+    with knobs.override(STUCK_AFTER=-1.0):  # any stall counts: the writing save is stuck
+        doc = snapshot(busy_ledger, stuck_writers=[{"pid": 1, "path": "/x", "phase": "fsync"}])
+    assert [save["stuck"] for save in doc["saves"]] == [True]
+    fams = families(render(doc, SaveStats()))
+    assert value(fams, "ckptd_stuck_saves") == 1
+    assert value(fams, "ckptd_stuck_writers") == 1
