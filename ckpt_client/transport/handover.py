@@ -132,12 +132,31 @@ class DaemonSave:
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
                 raise
+            if isinstance(exc, DaemonUnavailableError):
+                return self._give_up(exc)
             self.last = {"phase": "unknown", "error": str(exc)}
         if self.last.get("phase") == "unknown":
             self.last = {"phase": Phase.FAILED, "error": (
                 f"rank {self.rank}: save of {self.path} lost: the ckptd daemon that "
                 f"accepted it (pid {self.connection.daemon_pid}) no longer has it: "
                 f"{self.last.get('error')}; save again")}
+        return self.last
+
+    def _give_up(self, exc: DaemonUnavailableError) -> dict:
+        """The daemon did not answer (dead, or stopped: SIGSTOP, a hung node): this rank's
+        wait ends here. An abort is left queued on the connection, so a daemon that resumes
+        drops the save instead of committing what this rank reports as failed."""
+        try:
+            self.connection.channel.send(MessageType.ABORT, {
+                "request_ids": [self.request_id], "incarnation": self.connection.incarnation,
+                "reason": "the trainer gave up waiting: the daemon did not answer"})
+        except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
+            pass
+        self.last = {"phase": Phase.FAILED, "error": (
+            f"rank {self.rank}: gave up on the save of {self.path}: {exc}. The daemon is "
+            f"dead or stopped (check: ckptd status --socket {self.connection.socket_path}); "
+            f"the save is abandoned and the previous checkpoint is intact; save again once "
+            f"a daemon answers")}
         return self.last
 
     @property

@@ -8,6 +8,7 @@ partial is visible, status showed the save stuck while it was, the next save suc
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -172,3 +173,32 @@ def test_a_silent_writer_fails_its_save_and_is_replaced(start_daemon, tmp_path):
     assert torch.load(path, weights_only=True)["w"][0] == 2.0
     [writer] = daemon.status()["writers"]
     assert writer["alive"] and writer["pid"] != pid
+
+
+def test_a_stopped_daemon_ends_the_wait_and_never_commits_afterwards(daemon, monkeypatch):
+    """A SIGSTOPped daemon answers nothing: the trainer's own deadline (the call timeout)
+    ends finalize with an error saying what to do; the abort it leaves queued makes the
+    resumed daemon drop the save instead of committing what the rank reported failed."""
+    monkeypatch.setenv("CKPTD_CALL_TIMEOUT", "3")
+    path = os.path.join(daemon.roots[0], "model.pt")
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
+    try:
+        with writers_paused(daemon):  # the save stays in flight while the daemon is stopped
+            checkpoint.async_save({"w": torch.ones(1 << 12)}, path)
+            os.kill(daemon.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(CheckpointException) as raised:
+                    checkpoint.finalize_async_save(blocking=True)
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+        message = str(raised.value)
+        assert "rank 0" in message and path in message and "did not answer" in message
+        assert "ckptd status --socket" in message
+        wait_for(lambda: daemon.status()["totals"]["saves_done"] == 0 and
+                 not daemon.status()["saves"], 60, "the resumed daemon to drop the save")
+        assert not os.path.exists(path), "a save reported failed was committed afterwards"
+        checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
+        checkpoint.finalize_async_save(blocking=True)
+    finally:
+        checkpoint.close()
+    assert torch.load(path, weights_only=True)["w"][0] == 2.0
