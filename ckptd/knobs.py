@@ -224,7 +224,8 @@ DIRECT_MIN_BYTES = _knob(
     "DIRECT_MIN_BYTES", 64 << 10, parse_size,
     "Tensors written straight from the pool from this size (smaller ones via the bounce buffer)")
 CHECKSUM = _knob(
-    "CHECKSUM", "crc32", str, "Algorithm of new checksum records: crc32c or crc32")
+    "CHECKSUM", "crc32c", str,
+    "Algorithm of new checksum records: crc32c (the CPU's CRC instruction) or crc32 (zlib)")
 CUDA_REGISTER_CHUNK_BYTES = _knob(
     "CUDA_REGISTER_CHUNK_BYTES", 64 << 30, int, "Bytes page-locked per cudaHostRegister call")
 NUMA_PLACEMENT = _knob(

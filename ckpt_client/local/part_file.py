@@ -6,9 +6,9 @@ one fresh buffer, and every tensor is a view of it (a tensor whose offset does n
 its dtype is copied out alone).
 
 The copy runs in pieces of :data:`PIECE_BYTES` on a few threads (reads, ``copy_`` and
-zlib's crc32 all release the GIL); a piece's crc32 is computed by the thread that just
-copied it, while it is hot, and the pieces' crc32 are folded in order
-(:func:`ckptd.checksum.crc32_combine`):
+the CRCs all release the GIL); a piece's CRC, in the algorithm its record names, is
+computed by the thread that just copied it, while it is hot, and the pieces' CRCs are
+folded in order (:func:`ckptd.checksum.crc32_combine`):
 
 - :func:`read_part` reads the file. When the daemon verified this very file (same size,
   modification time and inode as it checked), its bytes are not checksummed again: that
@@ -22,14 +22,13 @@ copied it, while it is hot, and the pieces' crc32 are folded in order
 from __future__ import annotations
 
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ckptd import protocol
-from ckptd.checksum import (Checksum, ChecksumMismatchError, check_matches, crc32_combine,
-                            read_sidecar, verify_file)
+from ckptd.checksum import (ALGORITHM, Checksum, ChecksumMismatchError, algorithm_named,
+                            check_matches, crc32_combine, read_sidecar, verify_file)
 
 #: Bytes each worker reads or copies (and checksums) at a time.
 PIECE_BYTES = 16 << 20
@@ -48,20 +47,21 @@ def _in_pieces(total: int, piece) -> list:
         return list(pool.map(lambda b: piece(*b), bounds))
 
 
-def _crc_of(views) -> tuple[int, int]:
-    """(crc32, length) of consecutive views taken as one run."""
+def _crc_of(views, algorithm: str = ALGORITHM) -> tuple[int, int]:
+    """(crc, length) of consecutive views taken as one run."""
+    update = algorithm_named(algorithm).update
     crc, length = 0, 0
     for view in views:
-        crc = zlib.crc32(view, crc)
+        crc = update(view, crc)
         length += len(view)
     return crc, length
 
 
-def _fold(first: tuple[int, int], pieces: list) -> tuple[int, int]:
-    """The crc32 and length of ``first`` followed by every ``(crc32, length)`` piece."""
+def _fold(first: tuple[int, int], pieces: list, algorithm: str = ALGORITHM) -> tuple[int, int]:
+    """The crc and length of ``first`` followed by every ``(crc, length)`` piece."""
     crc, size = first
     for piece_crc, length in pieces:
-        crc = crc32_combine(crc, piece_crc, length)
+        crc = crc32_combine(crc, piece_crc, length, algorithm)
         size += length
     return crc, size
 
@@ -165,12 +165,13 @@ def read_part(path: str, trusted: list | None = None) -> tuple[dict, dict]:
                 if got <= 0:
                     raise ValueError(f"{path} is truncated at byte {data_offset + done}")
                 done += got
-            return _crc_of([view[start:end]]) if check else None
+            return _crc_of([view[start:end]], expected.algorithm) if check else None
 
         pieces = _in_pieces(total, read_piece)
     if check:
-        crc, size = _fold((zlib.crc32(prefix[:data_offset]), data_offset), pieces)
-        check_matches(path, Checksum(crc, size), expected)
+        crc, size = _fold(_crc_of([prefix[:data_offset]], expected.algorithm), pieces,
+                          expected.algorithm)
+        check_matches(path, Checksum(crc, size, expected.algorithm), expected)
     return _assemble(header, buffer, [shift + o for o in offsets], specs), header
 
 
@@ -203,16 +204,17 @@ def read_resident(pool: torch.Tensor, resident: dict, where: str) -> tuple[dict,
                                     "its pool")
     buffer = torch.empty(span, dtype=torch.uint8)
     copy, source = memoryview(buffer.numpy()), pool[base:base + span]
+    algorithm = resident.get("algorithm", ALGORITHM)
 
     def copy_piece(start: int, end: int) -> tuple[int, int]:
         buffer[start:end].copy_(source[start:end])
         # checksum the part's bytes of this piece, not the alignment gaps between them
         return _crc_of([copy[max(o - base, start):min(o - base + n, end)] for o, n in items
-                        if max(o - base, start) < min(o - base + n, end)])
+                        if max(o - base, start) < min(o - base + n, end)], algorithm)
 
-    value, size = _fold((0, 0), _in_pieces(span, copy_piece))
+    value, size = _fold((0, 0), _in_pieces(span, copy_piece), algorithm)
     if (value, size) != (int(resident["crc"]), int(resident["size"])):
-        raise ChecksumMismatchError(f"{where}: the copy from the daemon's memory has crc32 "
+        raise ChecksumMismatchError(f"{where}: the copy from the daemon's memory has {algorithm} "
                                     f"{value:08x} over {size} bytes, {int(resident['crc']):08x} "
                                     f"over {resident['size']} was recorded; it changed")
     header_bytes = bytes(copy[:items[0][1]])

@@ -181,7 +181,7 @@ class Targets:
                 target = self._replica(channel, frame.xfer, body)
             if target.receiver is None:
                 target.expected_crc = body.crc
-                target.receiver = PartReceiver(target.path, int(frame.extra))
+                target.receiver = PartReceiver(target.path, int(frame.extra), body.algorithm)
                 log.info("receiving %s (%d bytes) from %s", target.path, frame.extra, target.peer)
             elif target.receiver.size != frame.extra:
                 raise LocalStoreError(f"BEGIN again with {frame.extra} bytes, not "

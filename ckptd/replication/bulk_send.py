@@ -28,13 +28,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ckptd import knobs
-from ckptd.checksum import combine_pieces
+from ckptd.checksum import algorithm_named, combine_pieces
 from ckptd.protocol import PART_FRAME_BYTES
 from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Frame, Kind
 from ckptd.replication.bulk_wire import Abort, Begin, Done, End, Ready, control_body, send_control
@@ -104,10 +103,11 @@ class SendJob:
         """Why the bytes read do not match the recorded crc32 (serving), else ``None``."""
         if self.expected_crc is None:
             return None
-        checksum = combine_pieces((o, n, c) for o, (n, c) in self.crcs.items())
+        checksum = combine_pieces(((o, n, c) for o, (n, c) in self.crcs.items()),
+                                  self.begin.algorithm)
         if checksum.value == self.expected_crc:
             return None
-        return (f"this daemon's copy is corrupted: crc32 {checksum.value:08x} read, "
+        return (f"this daemon's copy is corrupted: {checksum.algorithm} {checksum.value:08x} read, "
                 f"{self.expected_crc:08x} recorded; not sent")
 
 
@@ -289,7 +289,7 @@ class Lane:
         else:
             frame = job.source.frame(item)
             if job.expected_crc is not None:  # recorded before its ACK can arrive
-                crc = zlib.crc32(frame)
+                crc = algorithm_named(job.begin.algorithm).update(frame, 0)
                 with self.lock:
                     job.crcs[item] = (len(frame), crc)
             channel.send(Kind.CHUNK, job.xfer, offset=item, payload=frame)

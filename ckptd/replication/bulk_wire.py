@@ -12,6 +12,7 @@ back checked with :func:`control_body`. The frames themselves are
 
 from __future__ import annotations
 
+from ckptd.checksum import ALGORITHMS
 from ckptd.protocol.body import Body, check
 from ckptd.protocol.errors import ProtocolError
 from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Frame, Kind
@@ -26,7 +27,9 @@ class Begin(Body, message="begin"):
     session: str
     owner: int = check(lambda v: v >= 0, "a rank >= 0")
     iteration: int = check(lambda v: v >= 0, "an iteration >= 0")
-    crc: int | None = None  # the holder's recorded crc32 when it serves a fetch
+    crc: int | None = None  # the holder's recorded checksum when it serves a fetch
+    algorithm: str = check(lambda v: v in ALGORITHMS, "a known checksum algorithm",
+                           default="crc32")  # of ``crc``, and of the receiver's record
 
 
 class Ready(Body, message="ready"):

@@ -75,7 +75,8 @@ class Outgoing:
             source = PoolItems(self.pool, command.items)
             xfer = secrets.randbits(62)
             job = SendJob(xfer, "push", address, source,
-                          Begin(part.session, part.owner, part.iteration),
+                          Begin(part.session, part.owner, part.iteration,
+                                algorithm=knobs.CHECKSUM.get()),
                           self.transport.stats_of(address), request_id=command.request_id,
                           owner=part.owner, iteration=part.iteration)
             self._pushes[xfer] = (command.request_id, address, source.size)
@@ -134,7 +135,8 @@ class Outgoing:
             self._refuse(send, body, peer, f"{self.transport.address}: {exc}")
             return
         job = SendJob(body.xfer, "serve", peer, source,
-                      Begin(body.session, body.owner, body.iteration, recorded.value),
+                      Begin(body.session, body.owner, body.iteration, recorded.value,
+                            recorded.algorithm),
                       self.transport.stats_of(peer), expected_crc=recorded.value,
                       owner=body.owner, iteration=body.iteration)
         self._serving[body.xfer] = path

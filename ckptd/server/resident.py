@@ -96,7 +96,8 @@ class ResidentParts:
         base = request.extent.offset
         return {"items": [[base + offset, buffer[2]]
                           for offset, buffer in zip(request.offsets, request.buffers)],
-                "crc": request.written[0]["crc32"], "size": request.written[0]["size"]}
+                "crc": request.written[0]["crc32"], "size": request.written[0]["size"],
+                "algorithm": request.written[0].get("algorithm", "crc32")}
 
     def describe(self) -> dict:
         """Resident parts and their bytes, for the status document."""

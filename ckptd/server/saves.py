@@ -331,7 +331,8 @@ class SaveService:
                 self._note_write_mode(result.path, result.write_mode)
             if result.ok:
                 written = {"name": getattr(job.body, "name", None), "path": result.path,
-                           "size": result.size, "crc32": result.crc32, "items": result.items,
+                           "size": result.size, "crc32": result.crc32,
+                           "algorithm": result.algorithm, "items": result.items,
                            "file_id": result.file_id,
                            "timing": {"writer": job.writer, "started_at": result.started_at,
                                       "synced_at": result.synced_at or result.started_at,

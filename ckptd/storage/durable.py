@@ -227,6 +227,9 @@ class DurableFile:
         Checkpoint data: written with O_DIRECT where the filesystem allows it and
         ``CKPTD_WRITE_MODE`` is ``direct``; where it refuses, buffered and dropped from
         the page cache after the fsync.
+    algorithm : str, optional
+        Of the checksum (default: ``CKPTD_CHECKSUM`` for recorded files, crc32 otherwise);
+        a copy of a recorded file keeps its algorithm.
 
     Attributes
     ----------
@@ -236,7 +239,7 @@ class DurableFile:
 
     def __init__(self, path: str, checksum: bool = True, mode: int = 0o644,
                  operator_path: bool = False, dir_fd: int | None = None,
-                 direct: bool = False,
+                 direct: bool = False, algorithm: str | None = None,
                  progress: Callable[[str, int], None] | None = None) -> None:
         self.path = path
         self.directory = os.path.dirname(path) or "."
@@ -257,7 +260,8 @@ class DurableFile:
         fcntl.flock(fd, fcntl.LOCK_EX)
         self._raw = open(fd, "wb", buffering=0, closefd=True)
         self._done = False
-        algorithm = knobs.CHECKSUM.get() if checksum else ALGORITHM
+        if algorithm is None:  # new records get the configured algorithm
+            algorithm = knobs.CHECKSUM.get() if checksum else ALGORITHM
         wants_direct = direct and knobs.WRITE_MODE.get() == "direct"
         use_direct = False
         #: How this file is written, for ``ckptd status`` ("" for small files).

@@ -34,11 +34,10 @@ import re
 import shutil
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 
-from ckptd.checksum import (CORRUPT_MARKER, Checksum, ChecksumMismatchError, combine_pieces,
-                            sidecar_path, verify_file)
+from ckptd.checksum import (CORRUPT_MARKER, Checksum, ChecksumMismatchError, algorithm_named,
+                            combine_pieces, sidecar_path, verify_file)
 from ckptd.protocol import check_session_id
 from ckptd.storage.durable import (DurableFile, fsync_directory, make_directories,
                                    remove_written, write_small_file)
@@ -329,12 +328,15 @@ class PartReceiver:
         The clean name the part gets when :meth:`finish` succeeds.
     size : int
         Bytes the part has.
+    algorithm : str
+        Of the pieces' checksums and of the part's record (the holder's, when it serves).
     """
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, algorithm: str = "crc32") -> None:
         self.path = path
         self.size = size
-        self._file = DurableFile(path)
+        self.algorithm = algorithm_named(algorithm)
+        self._file = DurableFile(path, algorithm=algorithm)
         self._pieces: dict[int, tuple[int, int]] = {}  # offset -> (length, crc32)
         self._lock = threading.Condition()
         self._writing = 0     # pieces being written now (the file stays open meanwhile)
@@ -368,7 +370,7 @@ class PartReceiver:
                 return False
             self._writing += 1
         try:
-            crc = zlib.crc32(data)
+            crc = self.algorithm.update(data, 0)
             self._file.write_at(offset, data)
         finally:
             with self._lock:
@@ -396,7 +398,7 @@ class PartReceiver:
             self._lock.wait_for(lambda: self._writing == 0)
             pieces = [(offset, length, crc) for offset, (length, crc) in self._pieces.items()]
         try:
-            checksum = combine_pieces(pieces)
+            checksum = combine_pieces(pieces, self.algorithm.name)
         except ValueError as exc:
             self.discard()
             raise ChecksumMismatchError(f"{self.path}: the pieces received do not form the "
@@ -405,8 +407,8 @@ class PartReceiver:
                                           and checksum.value != expected_crc):
             self.discard()
             raise ChecksumMismatchError(
-                f"{self.path}: received {checksum.size} bytes with crc32 {checksum.value:08x}, "
-                f"the holder recorded {self.size} bytes with crc32 "
+                f"{self.path}: received {checksum.size} bytes with {checksum.algorithm} "
+                f"{checksum.value:08x}, the holder recorded {self.size} bytes with "
                 f"{(expected_crc or 0):08x}; the copy is corrupted and discarded")
         return self._file.commit(checksum=checksum)
 

@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 
 from ckptd import knobs
-from ckptd.checksum import Checksum, ChecksumMismatchError, read_sidecar, sidecar_path
+from ckptd.checksum import (ALGORITHM, Checksum, ChecksumMismatchError, read_sidecar,
+                            sidecar_path)
 from ckptd.storage.durable import DurableFile
 
 #: A full, over-quota, read-only or forbidden target does not heal by itself in minutes.
@@ -144,7 +145,8 @@ class CopyTask:
         chunk = bytearray(knobs.FLUSH_CHUNK_BYTES.get())
         view = memoryview(chunk)
         with open(self.file.local, "rb", buffering=0) as source:
-            with DurableFile(self.file.target, checksum=self.file.record) as durable:
+            with DurableFile(self.file.target, checksum=self.file.record,
+                             algorithm=expected.algorithm) as durable:
                 self._progress()
                 while True:
                     got = source.readinto(chunk)
@@ -155,7 +157,7 @@ class CopyTask:
                 written = durable.stream.result()
                 if (written.value, written.size) != (expected.value, expected.size):
                     raise CopyError(errno_mod.EIO, (
-                        f"local copy {self.file.local} is corrupt: it reads as crc32 "
+                        f"local copy {self.file.local} is corrupt: it reads as {written.algorithm} "
                         f"{written.value:08x}, {written.size} bytes, but was written as "
                         f"{expected.value:08x}, {expected.size} bytes; not committed"),
                         self.file.local, fail_fast=True)
@@ -167,6 +169,7 @@ class CopyTask:
 
     def _expected(self) -> Checksum:
         """What the local write recorded (its checksum record, else the journal's)."""
+        algorithm = ALGORITHM  # files without a record were checksummed with crc32
         if self.file.record:
             try:
                 recorded = read_sidecar(self.file.local)
@@ -177,10 +180,11 @@ class CopyTask:
                 raise CopyError(errno_mod.EIO, f"the local copy's checksum record "
                                 f"{sidecar_path(self.file.local)} differs from the write's "
                                 f"result; not committed", self.file.local, fail_fast=True)
+            algorithm = recorded.algorithm
         if not os.path.exists(self.file.local):
             raise CopyError(errno_mod.ENOENT, f"the local copy {self.file.local} is missing; "
                             "not committed", self.file.local, fail_fast=True)
-        return Checksum(self.file.crc32, self.file.size)
+        return Checksum(self.file.crc32, self.file.size, algorithm)
 
 
 def remove_at_target(paths: list[str]) -> None:

@@ -1,0 +1,166 @@
+"""The write path: what a save costs the node while it becomes durable, buffered against direct.
+
+On the realistic ``training`` state dict, in one run, for ckptd with its writers on the
+page-cache path (``CKPTD_WRITE_MODE=buffered``, zlib crc32 records: the path before O_DIRECT)
+and on the direct path (O_DIRECT from the staging pool, crc32c records), and for stock DCP
+``async_save`` (shared-memory stager) and torchtitan's pattern beside them:
+
+- daemon CPU: user + system seconds of the daemon and its writers (their threads included)
+  per GB made durable (DCP: of its checkpoint process);
+- time to durable against a raw O_DIRECT write + fsync of the same bytes, measured right
+  before each run (the bound), as the ratio of the medians, with the bound's spread;
+- page-cache growth during the save (``Cached - Shmem`` of /proc/meminfo after the save
+  minus before, caches dropped first) as a share of the checkpoint;
+- the training step started right after the save returns against the same step with
+  nothing in flight, measured right before (ratio of medians).
+
+Run as root (it drops the page cache), under the machine-wide lock:
+``python benchmarks/bench_write_path.py --size-gib 1 --repeats 3``. Measures only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import methods as m  # noqa: E402
+import workload  # noqa: E402
+from bench_save import Daemon, drop_caches, init_single_process_group  # noqa: E402
+from procmem import descendants  # noqa: E402
+
+GB = 1e9
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` (each process with all its threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError):
+            pass
+    return total / _TICK
+
+
+def page_cache_bytes() -> int:
+    """File pages in the page cache, not counting shared memory (the staging pool)."""
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            values[key] = int(value.split()[0]) * 1024
+    return values["Cached"] - values["Shmem"]
+
+
+def measure(method: m.Method, raw: m.RawWrite, step: workload.TrainingStep, outdir: str,
+            repeats: int, nbytes: int) -> dict:
+    """Every figure of one method, ``repeats`` times each (after one warm-up save)."""
+    path = os.path.join(outdir, "ckpt")
+    method.prepare()
+    method.start(path)
+    method.wait_durable()
+    m.remove_tree(path)
+    runs = {"durable": [], "bound": [], "cpu_per_gb": [], "cache_growth": [], "step": [],
+            "normal_step": []}
+    for _ in range(repeats):
+        drop_caches()
+        started = time.perf_counter()
+        raw.start(os.path.join(outdir, "raw"))
+        runs["bound"].append(time.perf_counter() - started)
+        m.remove_tree(os.path.join(outdir, "raw"))
+        drop_caches()
+        helpers = method.helper_pids()
+        cache, cpu = page_cache_bytes(), cpu_seconds(helpers)
+        started = time.perf_counter()
+        method.start(path)
+        method.wait_durable()
+        runs["durable"].append(time.perf_counter() - started)
+        runs["cpu_per_gb"].append((cpu_seconds(helpers) - cpu) / (nbytes / GB))
+        runs["cache_growth"].append((page_cache_bytes() - cache) / nbytes)
+        m.remove_tree(path)
+        runs["normal_step"].append(step.run())
+        method.start(path)
+        runs["step"].append(step.run(before_update=method.before_update))
+        method.wait_durable()
+        m.remove_tree(path)
+    method.close()
+    return runs
+
+
+def summary(name: str, runs: dict) -> str:
+    med = statistics.median
+    bound = runs["bound"]
+    return (f"| {name} | {med(runs['cpu_per_gb']):.3f} | {med(runs['durable']):.3f} | "
+            f"{med(bound):.3f} ({min(bound):.3f}–{max(bound):.3f}) | "
+            f"{med(runs['durable']) / med(bound):.2f}× | "
+            f"{100 * med(runs['cache_growth']):.1f}% | "
+            f"{med(runs['step']) / med(runs['normal_step']):.2f}× "
+            f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f}) |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", default="/var/tmp")
+    parser.add_argument("--only", default="", help="comma-separated substrings of method names")
+    args = parser.parse_args(argv)
+    nbytes = int(args.size_gib * (1 << 30))
+    state, _ = workload.build("training", nbytes)
+    tensors = workload.tensors_of(state)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    copy = m.PreallocatedCopy(tensors)
+    copy.prepare()
+    raw = m.RawWrite(copy, direct=True)
+    raw.prepare()
+    step = workload.TrainingStep(state)
+    outdir = tempfile.mkdtemp(prefix="ckpt-writepath-", dir=args.workdir)
+    rundir = tempfile.mkdtemp(prefix="ckpt-writepath-pg-")
+    init_single_process_group(rundir)
+    wanted = [w for w in args.only.split(",") if w]
+    rows = []
+
+    def keep(name: str) -> bool:
+        return not wanted or any(w in name for w in wanted)
+
+    for mode, checksum in (("buffered", "crc32"), ("direct", "crc32c")):
+        os.environ["CKPTD_WRITE_MODE"], os.environ["CKPTD_CHECKSUM"] = mode, checksum
+        daemon = Daemon(outdir, int(total * 1.05) + (64 << 20), 2)
+        try:
+            for method in (m.CkptdTorch(state), m.CkptdDcp(state, enable_cache=True)):
+                name = f"{method.name} [{mode}, {checksum}]"
+                if keep(name):
+                    rows.append(summary(name, measure(method, raw, step, outdir, args.repeats,
+                                                      total)))
+                    print(rows[-1], flush=True)
+        finally:
+            daemon.stop()
+    for method in (m.DcpAsyncSave(state, stager="shared"), m.DcpAsyncSave(state, stager="async")):
+        if keep(method.name):
+            rows.append(summary(method.name, measure(method, raw, step, outdir, args.repeats,
+                                                     total)))
+            print(rows[-1], flush=True)
+    m.stop_dcp_checkpoint_process()
+    print(f"\n{total / (1 << 30):.3f} GiB in {len(tensors)} tensors, medians of {args.repeats}; "
+          f"load average {os.getloadavg()}\n")
+    print("| method | helpers' CPU-s per GB durable | durable s | raw O_DIRECT write + fsync s "
+          "(min–max) | durable / raw | page-cache growth ÷ checkpoint | step overlapping the "
+          "write ÷ normal step (s / s) |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    m.remove_tree(outdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
