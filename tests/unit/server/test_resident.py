@@ -32,7 +32,8 @@ def setup(pool, **effects):
 def save(life, request, ok=True) -> None:
     assert life.admit(request)
     life.copied(request, CLIENT_COPY)
-    life.job_done(request, request.path, ok, {"path": request.path, "crc32": 7, "size": 99}, 99,
+    life.job_done(request, request.path, ok, {"path": request.path, "crc32": 7, "size": 99,
+                                              "algorithm": "crc32c"}, 99,
                   None if ok else "EIO", None if ok else 5)
 
 
@@ -44,7 +45,7 @@ def test_a_done_local_part_stays_in_the_pool_until_a_newer_one_is_committed(pool
     assert pool.returned == [] and resident.describe() == {"parts": 1, "bytes": UNIT}
     base = first.extent.offset
     assert resident.lookup("s", 0, 1) == {"items": [[base, 64], [base + 64, UNIT - 128]],
-                                          "crc": 7, "size": 99}
+                                          "crc": 7, "size": 99, "algorithm": "crc32c"}
     second = local(table, 2)
     save(life, second)
     resident.committed("s", 1)

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from ckptd import knobs
 from ckptd.checksum import TMP_MARKER, checksum_bytes, verify_file
 from ckptd.storage.durable import (DurableFile, make_directories, remove_written,
                                    temporaries_of, write_file_atomically, write_small_file)
@@ -16,7 +17,7 @@ def test_a_file_appears_complete_with_its_checksum_and_no_temporary(tmp_path):
     path = tmp_path / "new" / "dir" / "part.distcp"
     result = write_file_atomically(str(path), lambda s: s.write(b"x" * 3000))
     assert path.read_bytes() == b"x" * 3000 and result["size"] == 3000
-    assert verify_file(str(path)) == checksum_bytes(b"x" * 3000)
+    assert verify_file(str(path)) == checksum_bytes(b"x" * 3000, knobs.CHECKSUM.get())
     assert sorted(os.listdir(path.parent)) == ["part.distcp", "part.distcp.ckptd-sum"]
 
 
