@@ -20,8 +20,9 @@ from ckptd.tiers.stage import StageDir
 def local_copy(tmp_path, data: bytes) -> FlushFile:
     local = str(tmp_path / "stage" / "f.distcp")
     write_small_file(local, data, checksum=True)
-    import zlib
-    return FlushFile(local, str(tmp_path / "target" / "f.distcp"), len(data), zlib.crc32(data))
+    from ckptd.checksum import checksum_bytes
+    crc = checksum_bytes(data, knobs.CHECKSUM.get()).value  # as the writer recorded it
+    return FlushFile(local, str(tmp_path / "target" / "f.distcp"), len(data), crc)
 
 
 def test_a_copy_reaches_the_target_with_its_checksum_record(tmp_path):
