@@ -202,3 +202,27 @@ def test_a_stopped_daemon_ends_the_wait_and_never_commits_afterwards(daemon, mon
     finally:
         checkpoint.close()
     assert torch.load(path, weights_only=True)["w"][0] == 2.0
+
+
+def test_the_whole_save_deadline_fails_a_save_that_overstays(start_daemon):
+    """Writers SIGSTOPped (a silent writer, the stall limit left long): the whole-save
+    deadline fires instead, naming the phase; the file written once the writer resumes is
+    removed, and the next save succeeds."""
+    daemon = start_daemon(writers=1, env={"CKPTD_SAVE_DEADLINE": "2"})
+    path = os.path.join(daemon.roots[0], "late.pt")
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
+    try:
+        with writers_paused(daemon):
+            checkpoint.async_save({"w": torch.ones(1 << 12)}, path)
+            with pytest.raises(CheckpointException) as raised:
+                checkpoint.finalize_async_save(blocking=True)
+        message = str(raised.value)
+        assert "rank 0" in message and "CKPTD_SAVE_DEADLINE" in message
+        assert "phase 'writing'" in message
+        wait_for(lambda: daemon.status()["writers"][0]["jobs"] == 0, 60, "the late write")
+        assert not os.path.exists(path), "the late file of a failed save stayed"
+        checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
+        checkpoint.finalize_async_save(blocking=True)
+    finally:
+        checkpoint.close()
+    assert torch.load(path, weights_only=True)["w"][0] == 2.0
