@@ -166,7 +166,7 @@ def load_phase(rank: int, world: int, roots: list, session: str, factor: int) ->
         if report["source"] == "daemon_memory":
             out["memcpy_fresh_s"], out["memcpy_prealloc_s"] = _fresh_copy_seconds(report["bytes"])
         elif report["source"] == "local_disk":
-            out["raw_read_s"] = _raw_read_seconds(manager._found.own_parts[rank]["path"])
+            out["raw_read_s"] = _raw_read_seconds(manager._found.own_parts[rank].path)
     dist.barrier()
     return out
 

@@ -81,3 +81,23 @@ class DaemonRequestError(RuntimeError):
         self.body = body
         text = body.get("message", "request refused")
         super().__init__(f"{text}. {self.hint}" if self.hint else text)
+
+
+class DaemonReplyError(DaemonUnavailableError):
+    """The daemon answered with a reply this ``ckpt_client`` cannot read.
+
+    A field missing, renamed or of another type: the daemon runs another ckptd version
+    than the trainer (or has a bug). A kind of :class:`DaemonUnavailableError`, since no
+    request to that daemon can be trusted to work.
+
+    Attributes
+    ----------
+    socket_path : str
+        The daemon's socket.
+    """
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        self.socket_path = socket_path
+        RuntimeError.__init__(
+            self, f"{reason}. Run the same ckptd version for the daemon and the trainers "
+                  f"(restart the daemon on {socket_path} from this environment)")

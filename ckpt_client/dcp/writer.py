@@ -217,13 +217,13 @@ class DaemonStorageWriter(_StorageWriterBase):
         for save in (saves if isinstance(saves, (list, tuple)) else (saves,)):
             file_items = {entry[0]: entry[1] for entry in save.files}
             plan_index = getattr(save, "items", None) or list(range(len(plan.items)))
-            written_files = ([{"name": n, "items": p} for n, p in save.placements.items()]
-                             if predicted else save.last.get("written", []))
-            for written in written_files:
-                for index, (offset, length) in zip(file_items[written["name"]], written["items"]):
+            files = (list(save.placements.items()) if predicted
+                     else [(w.name, w.items) for w in save.last.written])
+            for name, placed in files:
+                for index, (offset, length) in zip(file_items[name], placed):
                     item = plan.items[plan_index[index]]
                     results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(written["name"],
+                                               storage_data=_StorageInfo(name,
                                                                          offset, length)))
         return results
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError
-from ckptd.protocol import MessageType
+from ckptd.protocol import HeldPart, LocalInventoryReply, MessageType
 from ckpt_client.errors import DaemonUnavailableError
 from ckpt_client.local.part_file import read_part, read_resident
 
@@ -35,7 +35,7 @@ class Latest:
 
     iteration: int = -1
     holders: dict = field(default_factory=dict)    # owner -> holder addresses, fetch order
-    own_parts: dict = field(default_factory=dict)  # owner -> this node's inventory entry
+    own_parts: dict[int, HeldPart] = field(default_factory=dict)  # owner -> part held here
     incomplete: tuple | None = None                # (newer iteration, owners held nowhere)
 
     def missing_text(self) -> str:
@@ -47,7 +47,7 @@ class Latest:
                 f"{lost} any more (all the nodes of their clique lost them)")
 
 
-def choose_latest(gathered: list, own_inventory: dict, world_size: int,
+def choose_latest(gathered: list, own_inventory: LocalInventoryReply, world_size: int,
                   order_holders: Callable[[int, list], list]) -> Latest:
     """The newest committed iteration every part of which some node holds, verified.
 
@@ -55,7 +55,7 @@ def choose_latest(gathered: list, own_inventory: dict, world_size: int,
     ----------
     gathered : list
         ``(rank, inventory, error)`` of every rank (inventories of one node repeat).
-    own_inventory : dict
+    own_inventory : ckptd.protocol.LocalInventoryReply
         This rank's daemon's inventory.
     order_holders : callable
         ``order_holders(owner, nodes)``: the holders of a part in fetch order.
@@ -64,15 +64,15 @@ def choose_latest(gathered: list, own_inventory: dict, world_size: int,
     committed: set = set()
     seen: set = set()
     for other, inventory, _ in gathered:
-        node = inventory["address"] or f"node of rank {other}"  # no peer socket: no sharing
+        node = inventory.address or f"node of rank {other}"  # no peer socket: no sharing
         if node in seen:
             continue  # several ranks share a daemon
         seen.add(node)
-        for part in inventory["parts"]:
-            if part["committed"]:
-                committed.add(part["iteration"])
-            if part["verified"]:
-                holders.setdefault((part["iteration"], part["owner"]), []).append(node)
+        for part in inventory.parts:
+            if part.committed:
+                committed.add(part.iteration)
+            if part.verified:
+                holders.setdefault((part.iteration, part.owner), []).append(node)
     latest = Latest()
     for iteration in sorted(committed, reverse=True):
         lost = [owner for owner in range(world_size) if (iteration, owner) not in holders]
@@ -83,8 +83,8 @@ def choose_latest(gathered: list, own_inventory: dict, world_size: int,
     if latest.iteration >= 0:
         latest.holders = {owner: order_holders(owner, holders[(latest.iteration, owner)])
                           for owner in range(world_size)}
-        latest.own_parts = {p["owner"]: p for p in own_inventory["parts"]
-                            if p["iteration"] == latest.iteration and p["verified"]}
+        latest.own_parts = {p.owner: p for p in own_inventory.parts
+                            if p.iteration == latest.iteration and p.verified}
     return latest
 
 
@@ -112,12 +112,12 @@ class PartLoader:
         part = latest.own_parts.get(rank)
         loaded = self._from_memory(rank, part)
         if loaded is not None:
-            report.update(source="daemon_memory", bytes=int(part["resident"]["size"]))
+            report.update(source="daemon_memory", bytes=int(part.resident["size"]))
             return (*loaded, None)
-        path, damage = (part or {}).get("path"), None
+        path, damage = part.path if part is not None else None, None
         if path is not None:
             try:
-                loaded = read_part(path, part.get("identity"))
+                loaded = read_part(path, part.identity)
             except ChecksumMismatchError as exc:  # corrupted since find_latest: heal it
                 damage = exc
                 log.warning("rank %d: own part of iteration %d is corrupted (%s); fetching a "
@@ -132,13 +132,13 @@ class PartLoader:
         report["bytes"] = os.path.getsize(path)
         return (*loaded, path)
 
-    def _from_memory(self, rank: int, part: dict | None) -> tuple | None:
+    def _from_memory(self, rank: int, part: HeldPart | None) -> tuple | None:
         """This rank's part copied out of the daemon's staging pool, or None (not there, or
         the memory changed since: the copy failed its checksum)."""
-        if not part or not part.get("resident"):
+        if part is None or not part.resident:
             return None
         try:
-            return read_resident(self._connect().pool, part["resident"],
+            return read_resident(self._connect().pool, part.resident,
                                  f"rank {rank}'s part in the daemon's memory")
         except (ChecksumMismatchError, ValueError, DaemonUnavailableError, OSError) as exc:
             log.warning("rank %d: loading from the daemon's memory failed (%s); reading the "
@@ -161,9 +161,9 @@ class PartLoader:
             MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
                                       "owner": rank, "holders": holders},
             timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
-        if reply.get("moved_aside"):
+        if reply.moved_aside:
             log.warning("rank %d: the corrupted part was moved aside to %s (kept for "
-                        "inspection, never loaded)", rank, reply["moved_aside"])
-        report.update(source="peer", holder=reply.get("holder"), tried=reply.get("tried", []),
-                      moved_aside=reply.get("moved_aside"))
-        return reply["path"], reply.get("identity")
+                        "inspection, never loaded)", rank, reply.moved_aside)
+        report.update(source="peer", holder=reply.holder, tried=reply.tried,
+                      moved_aside=reply.moved_aside)
+        return reply.path, reply.identity

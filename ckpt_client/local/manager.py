@@ -295,7 +295,7 @@ class LocalCheckpointManager:
 
     def _finalize_save(self, iteration: int, daemon_save) -> None:
         """Every rank's part is durable: report replication, commit on this node."""
-        replication = daemon_save.last.get("replication") or {}
+        replication = daemon_save.last.replication or {}
         holders = replication.get("holders", {})
         replicated_to = sorted(a for a, h in holders.items() if h["state"] == "done")
         own = self._session.address_of(daemon_save.connection.rank) or "this node"

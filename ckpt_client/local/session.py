@@ -107,14 +107,14 @@ class SessionRegistration:
 
     def _register(self, connection: DaemonConnection | None, error: str | None) -> None:
         rank, world_size = rank_and_world()
-        info = {}
+        info = None
         try:
             if connection is not None:
                 info = connection.call(MessageType.PEER_INFO)
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             error = str(exc)
-        gathered = all_gather({k: info.get(k) for k in ("address", "public_key", "bulk_address",
-                                                         "encryption", "network")})
+        gathered = all_gather({k: getattr(info, k, None) for k in (
+            "address", "public_key", "bulk_address", "encryption", "network")})
         self.table = [[g["address"], g["public_key"], g["bulk_address"]] if g["address"] else None
                       for g in gathered]
         raise_if_any_failed("local checkpoints: asking the daemons for their peer keys failed",

@@ -174,10 +174,9 @@ class _DaemonWriteRunner:
             if self._error:
                 self.results.put(self._error)
             else:
-                written = save.last.get("written", [])
                 self.results.put(WriteResultList(
                     DaemonStorageWriter.write_results(save, self.staged.plan),
-                    {w["name"]: [w["crc32"], w["size"]] for w in written}))
+                    {w.name: [w.crc32, w.size] for w in save.last.written}))
         return True, None
 
     def cleanup(self, failed: bool) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from ckptd.protocol import MessageType
+from ckptd.protocol import MessageType, TraceSpans
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def report(saves) -> None:
             spans.extend(s for s in save.spans if s not in spans)
     for connection, ids, spans in by_connection.values():
         try:
-            connection.call(MessageType.TRACE_SPANS, {"request_ids": ids, "spans": spans},
+            connection.call(MessageType.TRACE_SPANS, TraceSpans(request_ids=ids, spans=spans),
                             timeout=REPORT_TIMEOUT)
         except (DaemonRequestError, DaemonUnavailableError) as exc:
             log.debug("spans of requests %s not reported: %s", ids, exc)

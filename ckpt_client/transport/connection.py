@@ -5,6 +5,11 @@ this rank's identity, and maps the daemon's staging pool once. For single-node u
 can start a daemon itself (the "embedded default"), serialised between the ranks of one
 node by a lock file so exactly one is started. Every wait checks that the daemon process
 is still alive, so a dead daemon becomes an error within a bounded time, not a hang.
+
+Every reply is turned into its typed body here (:func:`read_reply`, with the type
+:data:`ckptd.protocol.REPLIES` declares for the request), so the rest of the library
+reads attributes the protocol declares and a reply it cannot read is one clear
+:class:`DaemonReplyError`, not a ``KeyError`` somewhere later.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.protocol import process_alive
 from ckpt_client.collectives import initialized, rank_and_world
-from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
+from ckpt_client.errors import DaemonReplyError, DaemonRequestError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -54,23 +59,25 @@ class DaemonConnection:
         this process stage their CUDA tensors through shared memory.
     """
 
-    def __init__(self, socket_path: str, channel: protocol.Channel, hello: dict, rank: int) -> None:
+    def __init__(self, socket_path: str, channel: protocol.Channel, hello: protocol.HelloReply,
+                 rank: int) -> None:
         self.socket_path = socket_path
         self.channel = channel
         self.rank = rank
-        self.daemon_pid = hello["daemon_pid"]
-        self.incarnation = hello.get("incarnation")
+        self.daemon_pid = hello.daemon_pid
+        self.incarnation = hello.incarnation
+        self.daemon_version = hello.version
         self.closed = False
-        self.pool_path = hello["pool_path"]
-        self.pool_size = hello["pool_size"]
-        self.has_cuda = bool(hello.get("cuda"))
+        self.pool_path = hello.pool_path
+        self.pool_size = hello.pool_size
+        self.has_cuda = hello.cuda
         #: UUIDs of the GPUs the daemon can open IPC handles on.
-        self.cuda_devices = list(hello.get("cuda_devices") or [])
+        self.cuda_devices = list(hello.cuda_devices)
         self.ipc_denied: str | None = None
-        self.writers = int(hello.get("writers", 1))
-        self.host = hello.get("host")
+        self.writers = hello.writers
+        self.host = hello.host
         #: The daemon stages saves on node-local disk first (``--stage-dir``).
-        self.tiered = bool(hello.get("tiered"))
+        self.tiered = hello.tiered
         self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
 
@@ -86,15 +93,18 @@ class DaemonConnection:
             self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) serving "
                               f"{self.socket_path} {what}")
 
-    def call(self, msg_type: str, body: dict | None = None, frames=(),
-             timeout: float | None = None) -> dict:
-        """Send one request and return the reply body.
+    def call(self, msg_type: str, body: dict | protocol.Body | None = None, frames=(),
+             timeout: float | None = None):
+        """Send one request and return its reply, as the body type the protocol declares
+        for ``msg_type`` (:data:`ckptd.protocol.REPLIES`).
 
         Raises
         ------
         DaemonUnavailableError
             If the daemon died, was restarted, or did not answer in ``timeout`` seconds;
             also for any failure of the transport itself.
+        DaemonReplyError
+            If the reply is not the body the protocol declares (another ckptd version).
         DaemonRequestError
             If the daemon refused the request.
         """
@@ -103,9 +113,11 @@ class DaemonConnection:
                 self.socket_path, f"this connection to the ckptd daemon (pid {self.daemon_pid}) "
                                   "was closed: that daemon is gone or was restarted")
         timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
+        if isinstance(body, protocol.Body):
+            body = body.to_wire()
         body = {**(body or {}), "incarnation": self.incarnation}
         try:
-            return self.channel.call(msg_type, body, frames, timeout, self.ensure_daemon_alive).body
+            reply = self.channel.call(msg_type, body, frames, timeout, self.ensure_daemon_alive)
         except protocol.ErrorReply as exc:
             raise DaemonRequestError(exc.body) from None
         except protocol.ReplyTimeout:
@@ -117,6 +129,7 @@ class DaemonConnection:
             raise DaemonUnavailableError(
                 self.socket_path, f"talking to the ckptd daemon (pid {self.daemon_pid}) "
                                   f"failed: {exc}") from None
+        return read_reply(self.socket_path, self.daemon_pid, msg_type, reply.body)
 
     # ------------------------------------------------------------------ staging pool
     @property
@@ -157,6 +170,26 @@ class DaemonConnection:
 
 
 _connections: dict[str, DaemonConnection] = {}
+
+
+def read_reply(socket_path: str, daemon_pid: int | None, msg_type: str, body: dict):
+    """The reply to a ``msg_type`` request as its typed body (``dict``: status document).
+
+    Raises
+    ------
+    DaemonReplyError
+        If a field is missing or has another type: the daemon speaks another version.
+    """
+    reply_type = protocol.reply_type_for(msg_type)
+    if reply_type is dict:
+        return body
+    try:
+        return reply_type.from_wire(body)
+    except protocol.ProtocolError as exc:
+        daemon = f"the ckptd daemon (pid {daemon_pid})" if daemon_pid else "the ckptd daemon"
+        raise DaemonReplyError(socket_path, f"{daemon} on {socket_path} answered a {msg_type} "
+                                            f"request with a reply this ckpt_client cannot "
+                                            f"read: {exc.message}") from None
 
 
 def connect(socket: str | os.PathLike | None = None, auto_start: bool | None = None,
@@ -222,7 +255,13 @@ def _hello(socket_path: str, rank: int, world_size: int) -> DaemonConnection | N
     except protocol.ErrorReply as exc:
         channel.close()
         raise DaemonRequestError(exc.body) from None
-    return DaemonConnection(socket_path, channel, reply.body, rank)
+    try:
+        hello = read_reply(socket_path, reply.body.get("daemon_pid"), protocol.MessageType.HELLO,
+                           reply.body)
+    except DaemonReplyError:
+        channel.close()
+        raise
+    return DaemonConnection(socket_path, channel, hello, rank)
 
 
 def _start_local_daemon(socket_path: str) -> None:

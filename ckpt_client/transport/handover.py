@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptd import knobs, protocol
-from ckptd.protocol import ErrorCode, MessageType, Phase
+from ckptd.protocol import ErrorCode, MessageType, Phase, RequestState
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.flatten import describe
@@ -64,7 +64,7 @@ class DaemonSave:
     request_id: int | None
     path: str
     files: list = field(default_factory=list)
-    last: dict = field(default_factory=dict)
+    last: RequestState = field(default_factory=lambda: RequestState(phase=PENDING))
     transport_bytes: dict = field(default_factory=dict)
     items: list | None = None  # DCP chunks: the plan item of each staged buffer
     spans: list = field(default_factory=list)  # the trainer's own [name, start, end] spans
@@ -84,7 +84,7 @@ class DaemonSave:
         if error is not None:
             self._staging_error = error if error.startswith(f"rank {self.rank}: ") \
                 else f"rank {self.rank}: staging {self.path} failed: {error}"
-            self.last = {"phase": Phase.FAILED, "error": self._staging_error}
+            self.last = RequestState(phase=Phase.FAILED, error=self._staging_error)
         self._staged.set()
 
     @property
@@ -110,39 +110,39 @@ class DaemonSave:
                                       {self.rank: self._staging_error})
 
     # ------------------------------------------------------------------ outcome
-    def poll(self) -> dict:
+    def poll(self) -> RequestState:
         """Ask the daemon for this request's phase.
 
         The request belongs to the daemon incarnation that accepted it (the connection
         names it in every call): if that daemon died or was restarted, or does not know
         the request, the save reads as failed ("lost"), never as somebody else's result.
         """
-        if self.last.get("phase") in Phase.FINISHED:
+        if self.last.phase in Phase.FINISHED:
             return self.last
         if not self._staged.is_set():
-            return {"phase": PENDING}
+            return RequestState(phase=PENDING)
         try:
             reply = self.connection.call(MessageType.POLL, {"request_ids": [self.request_id]})
-            self.last = reply["requests"][self.request_id]
-            if self.last.get("stale_of"):
+            self.last = reply.requests[self.request_id]
+            if self.last.stale_of:
                 log.warning("rank %d: the save of %s has the very bytes of the previous save "
                             "%s (every file's checksum repeats although the path moved on): "
                             "are the tensors being saved stale (a cache never refreshed, the "
-                            "wrong buffers)?", self.rank, self.path, self.last["stale_of"])
+                            "wrong buffers)?", self.rank, self.path, self.last.stale_of)
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
                 raise
             if isinstance(exc, DaemonUnavailableError):
                 return self._give_up(exc)
-            self.last = {"phase": "unknown", "error": str(exc)}
-        if self.last.get("phase") == "unknown":
-            self.last = {"phase": Phase.FAILED, "error": (
+            self.last = RequestState(phase="unknown", error=str(exc))
+        if self.last.phase == "unknown":
+            self.last = RequestState(phase=Phase.FAILED, error=(
                 f"rank {self.rank}: save of {self.path} lost: the ckptd daemon that "
                 f"accepted it (pid {self.connection.daemon_pid}) no longer has it: "
-                f"{self.last.get('error')}; save again")}
+                f"{self.last.error}; save again"))
         return self.last
 
-    def _give_up(self, exc: DaemonUnavailableError) -> dict:
+    def _give_up(self, exc: DaemonUnavailableError) -> RequestState:
         """The daemon did not answer (dead, or stopped: SIGSTOP, a hung node): this rank's
         wait ends here. An abort is left queued on the connection, so a daemon that resumes
         drops the save instead of committing what this rank reports as failed."""
@@ -152,25 +152,25 @@ class DaemonSave:
                 "reason": "the trainer gave up waiting: the daemon did not answer"})
         except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
             pass
-        self.last = {"phase": Phase.FAILED, "error": (
+        self.last = RequestState(phase=Phase.FAILED, error=(
             f"rank {self.rank}: gave up on the save of {self.path}: {exc}. The daemon is "
             f"dead or stopped (check: ckptd status --socket {self.connection.socket_path}); "
             f"the save is abandoned and the previous checkpoint is intact; save again once "
-            f"a daemon answers")}
+            f"a daemon answers"))
         return self.last
 
     @property
     def finished(self) -> bool:
         """Whether the daemon is done with it (successfully or not)."""
-        return self.poll().get("phase") in Phase.FINISHED
+        return self.poll().phase in Phase.FINISHED
 
     @property
     def error(self) -> str | None:
         """Why it failed, or ``None`` if it succeeded (only meaningful when finished)."""
         state = self.last
-        if state.get("phase") == Phase.DONE:
+        if state.phase == Phase.DONE:
             return None
-        return state.get("error") or f"save of {self.path} ended {state.get('phase')}"
+        return state.error or f"save of {self.path} ended {state.phase}"
 
     def forget(self, delete_files: bool) -> None:
         """Tell the daemon the outcome was consumed (and drop files of a failed save)."""
@@ -214,7 +214,7 @@ class RefusedSave:
     def __init__(self, rank: int, error: str) -> None:
         self.error = error if error.startswith(f"rank {rank}: ") else f"rank {rank}: {error}"
         self.rank = rank
-        self.last = {"phase": Phase.FAILED, "error": self.error}
+        self.last = RequestState(phase=Phase.FAILED, error=self.error)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """The refusal, as a staging failure."""
@@ -328,15 +328,15 @@ class _StagingJob:
                 self.plan.withdraw()
             return None
         reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
-        save.request_id = reply["request_id"]
-        save.placements = reply.get("placements")
+        save.request_id = reply.request_id
+        save.placements = reply.placements
         buffers = self.body["buffers"]
         ours = [i for i in range(len(buffers)) if self.specs is None or self.specs[i] is None]
         try:
             if save._cancelled:
                 raise InterruptedError("the save was aborted while it was staged")
             offsets, _ = protocol.layout_extent([b[2] for b in buffers])
-            _copier(connection).copy(reply["offset"], offsets, buffers, self.sources, ours)
+            _copier(connection).copy(reply.offset, offsets, buffers, self.sources, ours)
         except BaseException as exc:
             save.abort(f"the trainer's copy into the staging pool failed: "
                        f"{type(exc).__name__}: {exc}")
@@ -350,7 +350,7 @@ class _StagingJob:
             self._again_through_shm(exc)
             return None
         save.transport_bytes = _transport_bytes(buffers, self.specs)
-        return staged.get("ipc_kept") or []
+        return staged.ipc_kept
 
     def _again_through_shm(self, denial: DaemonRequestError) -> None:
         """The kernel refused the daemon our CUDA memory: stage this save (and, through

@@ -7,6 +7,7 @@ One concern a module, the way jupyter_client keeps framing, endpoints and channe
 - :mod:`~ckptd.protocol.framing` — header + raw frames, msgpack extension types, size limits
 - :mod:`~ckptd.protocol.body` — typed bodies (:class:`Body`, :func:`check`, :class:`Empty`)
 - :mod:`~ckptd.protocol.messages` — the client channel's request bodies
+- :mod:`~ckptd.protocol.replies` — the client channel's reply bodies, and which answers which
 - :mod:`~ckptd.protocol.layout` — where tensors sit in a staging extent
 - :mod:`~ckptd.protocol.part` — the local-checkpoint part file header
 - :mod:`~ckptd.protocol.rules` — session ids, replica holder order, loopback addresses
@@ -32,6 +33,7 @@ from ckptd.protocol.liveness import *  # noqa: F401,F403
 from ckptd.protocol.messages import *  # noqa: F401,F403
 from ckptd.protocol.names import *  # noqa: F401,F403
 from ckptd.protocol.part import *  # noqa: F401,F403
+from ckptd.protocol.replies import *  # noqa: F401,F403
 from ckptd.protocol.rules import *  # noqa: F401,F403
 
 __all__ = [
@@ -44,6 +46,11 @@ __all__ = [
     "Body", "Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile",
     "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Empty",
     "Trace", "TraceSpans",
+    # typed reply bodies of the client channel, and which request each answers
+    "HelloReply", "StageReply", "StagedReply", "WrittenFile", "RequestState", "PollReply",
+    "ForgetReply", "AbortReply", "CommitFileReply", "HandoverReply", "PingReply",
+    "PeerInfoReply", "LocalSessionReply", "HeldPart", "LocalInventoryReply", "LocalFetchReply",
+    "LocalCommitReply", "TraceSpansReply", "REPLIES", "reply_type_for",
     # staging layout and local parts
     "align_up", "layout_extent", "tensor_alignment", "encode_part_header", "decode_part_header",
     "read_part_header", "PART_FRAME_BYTES",

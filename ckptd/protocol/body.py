@@ -2,7 +2,9 @@
 
 Owns :class:`Body` (the schema is the dataclass's fields; :meth:`Body.from_wire` checks a
 received map, :meth:`Body.to_wire` gives the map a sender sends), :func:`check` (a field
-with a rule beyond its type) and :class:`Empty`. Every channel's vocabulary is built from
+with a rule beyond its type) and :class:`Empty`. A field may hold bodies itself (``Entry``,
+``list[Entry]``, ``dict[int, Entry]``, ``Entry | None``): they are built and checked on
+receipt and turned back into maps on sending, so a nested entry is as typed as its parent. Every channel's vocabulary is built from
 these, so no handler checks a dict by hand. It must not name any particular channel's
 messages.
 """
@@ -32,6 +34,12 @@ def _conforms(value: Any, annotation: Any) -> bool:
     if origin is list:
         (item,) = typing.get_args(annotation) or (Any,)
         return isinstance(value, list) and all(_conforms(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(annotation) or (Any, Any)
+        return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item)
+                                               for k, v in value.items())
+    if isinstance(annotation, type) and issubclass(annotation, Body):
+        return isinstance(value, annotation)
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if annotation is float:
@@ -89,6 +97,9 @@ class Body:
                 raise ProtocolError(ErrorCode.BAD_REQUEST,
                                     f"{cls.message_type or cls.__name__} needs '{f.name}'",
                                     "install the same ckptd version for daemon and trainers")
+            if f.name in _nested_fields(cls):
+                value = _build(value, hints[f.name], f"{cls.message_type or cls.__name__}."
+                                                     f"{f.name}")
             predicate = f.metadata.get("check")
             if not _conforms(value, hints[f.name]) or (predicate and not predicate(value)):
                 expected = f.metadata.get("expected") or str(hints[f.name])
@@ -104,8 +115,10 @@ class Body:
         """Checks that involve several fields; raise :class:`ProtocolError` (override)."""
 
     def to_wire(self) -> dict:
-        """The body as a msgpack-encodable map."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The body as a msgpack-encodable map (bodies it holds become maps too)."""
+        nested = _nested_fields(type(self))
+        return {f.name: _unbuild(getattr(self, f.name)) if f.name in nested
+                else getattr(self, f.name) for f in fields(self)}
 
 
 _hint_cache: dict[type, dict] = {}
@@ -115,6 +128,54 @@ def _hints(cls: type) -> dict:
     if cls not in _hint_cache:
         _hint_cache[cls] = typing.get_type_hints(cls)
     return _hint_cache[cls]
+
+
+def _holds_bodies(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, Body):
+        return True
+    return any(_holds_bodies(a) for a in typing.get_args(annotation))
+
+
+_nested_cache: dict[type, frozenset] = {}
+
+
+def _nested_fields(cls: type) -> frozenset:
+    """Names of the fields of ``cls`` whose type holds bodies (built on receipt)."""
+    if cls not in _nested_cache:
+        hints = _hints(cls)
+        _nested_cache[cls] = frozenset(f.name for f in fields(cls) if _holds_bodies(hints[f.name]))
+    return _nested_cache[cls]
+
+
+def _build(value: Any, annotation: Any, where: str) -> Any:
+    """Turn the maps of a received value into the bodies its annotation declares; a value
+    of the wrong shape is left as it is, for the caller's type check to name."""
+    if isinstance(annotation, type) and issubclass(annotation, Body):
+        if not isinstance(value, dict):
+            return value
+        try:
+            return annotation.from_wire(value)
+        except ProtocolError as exc:
+            raise ProtocolError(exc.code, f"{where}: {exc.message}", exc.hint) from None
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        option = next((a for a in args if _holds_bodies(a)), None)
+        return value if value is None or option is None else _build(value, option, where)
+    if origin is list and isinstance(value, list):
+        return [_build(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict and isinstance(value, dict):
+        return {k: _build(v, args[1], f"{where}[{k!r}]") for k, v in value.items()}
+    return value
+
+
+def _unbuild(value: Any) -> Any:
+    if isinstance(value, Body):
+        return value.to_wire()
+    if isinstance(value, list):
+        return [_unbuild(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _unbuild(v) for k, v in value.items()}
+    return value
 
 
 def _short(value: Any) -> str:

@@ -3,10 +3,12 @@
 Owns the socket trainers (and ``ckptd status``) talk to. :meth:`ClientEndpoint.serve_one`
 decodes a message, checks its body against the typed schema of its type
 (:class:`ckptd.protocol.Body`), and calls the handler registered for it with a
-:class:`Call`: the handle to answer that one request. A handler returns a reply body, or
-:data:`DEFERRED` when the answer comes later (staging space freed, a file durable, a part
-fetched) through ``call.reply`` / ``call.fail``; whoever holds the call owes the answer.
-Any exception becomes a structured error reply and the endpoint keeps serving.
+:class:`Call`: the handle to answer that one request. A handler returns a reply body (the
+type :data:`ckptd.protocol.REPLIES` declares for that request), or :data:`DEFERRED` when
+the answer comes later (staging space freed, a file durable, a part fetched) through
+``call.reply`` / ``call.fail``; whoever holds the call owes the answer. Any exception
+becomes a structured error reply and the endpoint keeps serving; so does a reply of the
+wrong type, which is a daemon bug the trainer must hear about rather than misread.
 
 A request may name the daemon *incarnation* it was made for (every ``ckpt_client``
 request does, from its hello): one that names another incarnation was meant for a daemon
@@ -26,7 +28,7 @@ from typing import Callable
 import zmq
 
 from ckptd import protocol
-from ckptd.protocol import Body, ErrorCode, MessageType
+from ckptd.protocol import Body, ErrorCode, MessageType, reply_type_for
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class Call:
         The request's id, echoed in the answer.
     frames : list
         Raw payload frames that came after the header.
+    reply_type : type
+        The body that answers this request (``dict``: the status document).
     """
 
     endpoint: "ClientEndpoint"
@@ -61,10 +65,22 @@ class Call:
     msg_id: int
     frames: list = field(default_factory=list)
     answered: bool = False
+    reply_type: type = dict
 
-    def reply(self, body: dict) -> None:
-        """Answer with a reply body (ignored if already answered)."""
-        self._answer(MessageType.REPLY, body)
+    def reply(self, body: Body | dict) -> None:
+        """Answer with the request's reply body (ignored if already answered).
+
+        A body of another type is not sent: the trainer gets an ``internal`` error reply
+        naming both types, since it could not read the body anyway.
+        """
+        if type(body) is not self.reply_type:
+            log.error("daemon bug: message %d answered with a %s, not a %s", self.msg_id,
+                      type(body).__name__, self.reply_type.__name__)
+            self.fail(ErrorCode.INTERNAL, f"the daemon answered with a {type(body).__name__} "
+                      f"where a {self.reply_type.__name__} is due",
+                      "this is a ckptd bug; the daemon keeps serving")
+            return
+        self._answer(MessageType.REPLY, body if isinstance(body, dict) else body.to_wire())
 
     def fail(self, code: str, message: str, hint: str = "", **context) -> None:
         """Answer with an error reply (ignored if already answered)."""
@@ -97,11 +113,18 @@ class ClientEndpoint:
         self.socket = context.socket(zmq.ROUTER)
         self.socket.linger = 0
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._routes: dict[str, tuple[type, Handler]] = {}
+        self._routes: dict[str, tuple[type, Handler, type]] = {}
 
     def route(self, body_type: type, handler: Handler, message_type: str | None = None) -> None:
-        """Send messages of ``body_type`` (or named ``message_type``) to ``handler``."""
-        self._routes[message_type or body_type.message_type] = (body_type, handler)
+        """Send messages of ``body_type`` (or named ``message_type``) to ``handler``.
+
+        Raises
+        ------
+        KeyError
+            If the protocol declares no reply body for that message type.
+        """
+        message_type = message_type or body_type.message_type
+        self._routes[message_type] = (body_type, handler, reply_type_for(message_type))
 
     def bind(self, endpoint: str) -> None:
         """Bind the socket."""
@@ -120,7 +143,7 @@ class ClientEndpoint:
             if route is None:
                 raise RequestError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {message.type!r}",
                                    f"known types: {', '.join(sorted(self._routes))}")
-            body_type, handler = route
+            body_type, handler, call.reply_type = route
             result = handler(call, body_type.from_wire(message.body))
         except (protocol.ProtocolError, RequestError) as exc:
             log.warning("refused a message from %s: %s", routing_id.hex(), exc.message)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from ckptd.protocol import CommitFile, ErrorCode, Handover
+from ckptd.protocol import CommitFile, CommitFileReply, ErrorCode, Handover, HandoverReply
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.storage.jobs import WriteBytes, WriteJob, WriteResult
 from ckptd.storage.roots import PathRefusedError
@@ -42,7 +42,7 @@ class FileCommits:
                                "frame (the file's bytes)")
         return rank, path
 
-    def on_handover(self, call: Call, body: Handover) -> dict:
+    def on_handover(self, call: Call, body: Handover) -> HandoverReply:
         """A tiered DCP save's commit, given at staging time."""
         _, path = self._checked_path(call, body.path)
         if self.daemon.tier is None:
@@ -63,7 +63,7 @@ class FileCommits:
                 self.daemon.table.timeline.add_file_commit(
                     path, job.writer, result.started_at, result.synced_at or result.started_at,
                     result.started_at + result.seconds)
-                call.reply({"path": path, "size": result.size})
+                call.reply(CommitFileReply(path=path, size=result.size))
             else:
                 call.fail(ErrorCode.WRITE_FAILED, f"could not write {path}: {result.error}",
                           "check free space and permissions of the checkpoint directory",

@@ -30,8 +30,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from ckptd.protocol import (Empty, ErrorCode, LocalCommit, LocalFetch, LocalInventory,
-                            LocalSession, SaveFormat, holder_order)
+from ckptd.protocol import (Empty, ErrorCode, HeldPart, LocalCommit, LocalCommitReply,
+                            LocalFetch, LocalFetchReply, LocalInventory, LocalInventoryReply,
+                            LocalSession, LocalSessionReply, PeerInfoReply, SaveFormat,
+                            holder_order)
 from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDone, PartRef,
                                         Push, PushDone, SetPeers)
 from ckptd.replication.replicator import Replicator
@@ -171,19 +173,19 @@ class LocalService:
         except LocalStoreError as exc:
             raise RequestError(ErrorCode.NOT_CONFIGURED, str(exc)) from None
 
-    def on_peer_info(self, call: Call, body: Empty) -> dict:
+    def on_peer_info(self, call: Call, body: Empty) -> PeerInfoReply:
         """This daemon's peer addresses, CURVE public key and bulk protection (``None``
         without peers), and where it runs (host and network namespace: a loopback address
         is reachable only from the same pair)."""
         replicator = self.replicator
-        return {"address": self.address,
-                "public_key": replicator.public_key if replicator else None,
-                "bulk_address": replicator.bulk_address if replicator else None,
-                "encryption": replicator.protection if replicator else None,
-                "local_dir": self.daemon.config.local_dir, "host": host_name(),
-                "network": network_namespace_id(), "pid": os.getpid()}
+        return PeerInfoReply(address=self.address,
+                             public_key=replicator.public_key if replicator else None,
+                             bulk_address=replicator.bulk_address if replicator else None,
+                             encryption=replicator.protection if replicator else None,
+                             local_dir=self.daemon.config.local_dir, host=host_name(),
+                             network=network_namespace_id(), pid=os.getpid())
 
-    def on_local_session(self, call: Call, body: LocalSession) -> dict:
+    def on_local_session(self, call: Call, body: LocalSession) -> LocalSessionReply:
         """Register a session's root, its peer table and cliques."""
         rank = self.daemon.ranks.of(call.routing_id)
         if any(len(c) > 1 for c in body.cliques) and self.replicator is None:
@@ -201,9 +203,9 @@ class LocalService:
             mates = set().union(*(sp.mates_of(self.address) for sp in self.sessions.values()))
             self.replicator.command(SetPeers(sorted({tuple(p) for p in body.peers if p}),
                                              sorted({p[1] for p in every}), sorted(mates)))
-        return {"directory": session.directory, "address": self.address}
+        return LocalSessionReply(directory=session.directory, address=self.address)
 
-    def on_local_inventory(self, call: Call, body: LocalInventory) -> dict:
+    def on_local_inventory(self, call: Call, body: LocalInventory) -> LocalInventoryReply:
         """The parts this node holds for a session, each verified against its checksum."""
         session = self._session(body.session)
         if self.replicator is not None:  # every daemon has the key table by now: dial peers
@@ -212,11 +214,13 @@ class LocalService:
         for part in parts:
             part["resident"] = self.resident.lookup(session.session_id, part["owner"],
                                                     part["iteration"])
-        return {"address": self.address, "host": host_name(),
-                "parts": [{k: p[k] for k in ("iteration", "owner", "size", "verified", "committed",
-                                             "path", "identity", "resident")} for p in parts]}
+        return LocalInventoryReply(
+            address=self.address, host=host_name(),
+            parts=[HeldPart(**{k: p[k] for k in ("iteration", "owner", "size", "verified",
+                                                 "committed", "path", "identity", "resident")})
+                   for p in parts])
 
-    def on_local_commit(self, call: Call, body: LocalCommit) -> dict:
+    def on_local_commit(self, call: Call, body: LocalCommit) -> LocalCommitReply:
         """Every rank's save of an iteration is durable: mark it and drop older iterations
         before answering, so that when the trainer's save returns the older files are gone
         (what users of the reference API check)."""
@@ -226,7 +230,7 @@ class LocalService:
         self.resident.committed(session.session_id, body.iteration)
         log.info("rank %d committed iteration %d of session %r", rank.rank, body.iteration,
                  session.session_id)
-        return {"removed": older}
+        return LocalCommitReply(removed=older)
 
     def on_local_fetch(self, call: Call, body: LocalFetch):
         """Fetch a part this node lacks from the holders, in the order the client gave."""
@@ -257,9 +261,9 @@ class LocalService:
         if event.ok:
             log.info("got rank %d's part of iteration %d from %s", body.owner, body.iteration,
                      event.holder)
-            call.reply({"path": event.path, "holder": event.holder, "tried": event.tried,
-                        "moved_aside": moved_aside,
-                        "identity": self.store.verified_file_identity(event.path)})
+            call.reply(LocalFetchReply(path=event.path, holder=event.holder, tried=event.tried,
+                                       moved_aside=moved_aside,
+                                       identity=self.store.verified_file_identity(event.path)))
             return
         tried = "; ".join(f"{t['holder']}: {t['error']}" for t in event.tried) or "none"
         message = (f"rank {body.owner}'s part of iteration {body.iteration} (session "

@@ -15,7 +15,8 @@ import os
 import time
 
 from ckptd import __version__, knobs
-from ckptd.protocol import Empty, Hello, MessageType, Trace, TraceSpans
+from ckptd.protocol import (Empty, Hello, HelloReply, MessageType, PingReply, Trace, TraceSpans,
+                            TraceSpansReply)
 from ckptd.server.endpoint import Call
 from ckptd.server.ranks import RankInfo
 from ckptd.server.requests import host_name
@@ -44,19 +45,19 @@ class ProcessMessages:
                 MessageType.TRACE: (Trace, self.on_trace),
                 MessageType.TRACE_SPANS: (TraceSpans, self.on_trace_spans)}
 
-    def on_hello(self, call: Call, body: Hello) -> dict:
+    def on_hello(self, call: Call, body: Hello) -> HelloReply:
         """Register a trainer process."""
         daemon = self.daemon
         rank = daemon.ranks.register(call.routing_id, body)
         log.info("rank %d registered (pid %d)", rank.rank, rank.pid)
-        return {"daemon_pid": os.getpid(), "incarnation": daemon.incarnation,
-                "version": __version__, "pool_path": daemon.pool.path,
-                "pool_size": daemon.pool.size, "writers": daemon.config.writers,
-                "host": host_name(), "cuda": daemon.cuda is not None,
-                "cuda_devices": sorted(daemon.cuda.devices) if daemon.cuda is not None else [],
-                "tiered": daemon.tier is not None}
+        return HelloReply(daemon_pid=os.getpid(), incarnation=daemon.incarnation,
+                          version=__version__, pool_path=daemon.pool.path,
+                          pool_size=daemon.pool.size, writers=daemon.config.writers,
+                          host=host_name(), cuda=daemon.cuda is not None,
+                          cuda_devices=sorted(daemon.cuda.devices) if daemon.cuda is not None
+                          else [], tiered=daemon.tier is not None)
 
-    def on_goodbye(self, call: Call, body: Empty) -> dict:
+    def on_goodbye(self, call: Call, body: Empty) -> Empty:
         """A trainer disconnects: space reserved for copies that will never come is freed;
         writes already under way finish."""
         rank = self.daemon.ranks.remove(call.routing_id)
@@ -64,7 +65,7 @@ class ProcessMessages:
             log.info("rank %d said goodbye", rank.rank)
             self._abandon(rank, "the trainer disconnected before staging finished",
                           only_unstaged=True)
-        return {}
+        return Empty()
 
     def drop_gone_trainers(self) -> None:
         """Forget trainer processes that exited, and abort their in-flight saves."""
@@ -82,25 +83,26 @@ class ProcessMessages:
         if daemon.cuda is not None:
             daemon.cuda.forget_process(rank.pid)
 
-    def on_ping(self, call: Call, body: Empty) -> dict:
+    def on_ping(self, call: Call, body: Empty) -> PingReply:
         """Liveness."""
-        return {"pid": os.getpid()}
+        return PingReply(pid=os.getpid())
 
     def on_status(self, call: Call, body: Empty) -> dict:
-        """The status document."""
+        """The status document (a map: its schema is its own, documented for operators)."""
         return self.status()
 
     def on_trace(self, call: Call, body: Trace) -> dict:
-        """The last saves' spans, as a Chrome trace-event document."""
+        """The last saves' spans, as a Chrome trace-event document (a map: its schema is
+        Chrome's, not a reply body)."""
         return {"traceEvents": self.daemon.table.timeline.trace_events(body.last),
                 "displayTimeUnit": "ms"}
 
-    def on_trace_spans(self, call: Call, body: TraceSpans) -> dict:
+    def on_trace_spans(self, call: Call, body: TraceSpans) -> TraceSpansReply:
         """A trainer's own spans of a save it made through this daemon."""
         rank = self.daemon.ranks.of(call.routing_id)
         kept = self.daemon.table.timeline.add_trainer_spans(body.request_ids, rank.rank,
                                                             rank.pid, body.spans)
-        return {"kept": kept}
+        return TraceSpansReply(kept=kept)
 
     def status(self) -> dict:
         """The status document ``ckptd status --json`` prints."""

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ckptd import knobs
-from ckptd.protocol import ErrorCode, Phase
+from ckptd.protocol import ErrorCode, Phase, RequestState, WrittenFile
 from ckptd.server.stale import StaleSaveDetector
 from ckptd.server.timeline import Timeline
 
@@ -223,19 +223,16 @@ class SaveRequest:
         progress["target"] = self.path
         return progress
 
-    def poll_entry(self) -> dict:
+    def poll_entry(self) -> RequestState:
         """What ``poll`` answers about this request."""
-        entry = {"phase": self.phase, "bytes_total": self.bytes_total,
-                 "bytes_written": self.bytes_written, "error": self.error, "errors": self.errors,
-                 "transport_bytes": self.transport_bytes}
-        if self.phase == Phase.DONE:
-            entry["written"] = self.written
-            entry["stale_of"] = self.stale_of
-        if self.replicas is not None:
-            entry["replication"] = self.replicas.to_wire()
-        if self.tiered:
-            entry["flush"] = self.flush_progress()
-        return entry
+        return RequestState(
+            phase=self.phase, bytes_total=self.bytes_total, bytes_written=self.bytes_written,
+            error=self.error, errors=list(self.errors), transport_bytes=self.transport_bytes,
+            written=[WrittenFile(**entry) for entry in self.written]
+            if self.phase == Phase.DONE else [],
+            stale_of=self.stale_of if self.phase == Phase.DONE else None,
+            replication=self.replicas.to_wire() if self.replicas is not None else None,
+            flush=self.flush_progress() if self.tiered else None)
 
 
 class RequestTable:

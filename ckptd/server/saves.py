@@ -18,8 +18,9 @@ import logging
 import os
 
 from ckptd import protocol
-from ckptd.protocol import (Abort, CommitFile, ErrorCode, Forget, Handover, Phase, Poll,
-                            SaveFormat, Stage, Staged)
+from ckptd.protocol import (Abort, AbortReply, CommitFile, ErrorCode, Forget, ForgetReply,
+                            Handover, Phase, Poll, PollReply, RequestState, SaveFormat, Stage,
+                            Staged, StagedReply, StageReply)
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.file_commits import FileCommits
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
@@ -155,12 +156,10 @@ class SaveService:
         return request
 
     @staticmethod
-    def _extent_reply(request: SaveRequest) -> dict:
-        reply = {"request_id": request.id, "offset": request.extent.offset,
-                 "length": request.extent.length, "phase": request.phase}
-        if request.placements is not None:
-            reply["placements"] = request.placements
-        return reply
+    def _extent_reply(request: SaveRequest) -> StageReply:
+        return StageReply(request_id=request.id, offset=request.extent.offset,
+                          length=request.extent.length, phase=request.phase,
+                          placements=request.placements)
 
     def _own_request(self, routing_id: bytes, request_id) -> SaveRequest:
         request = self.table.get(request_id)
@@ -190,24 +189,25 @@ class SaveService:
         return self._staged_reply(request)
 
     @staticmethod
-    def _staged_reply(request: SaveRequest) -> dict:
+    def _staged_reply(request: SaveRequest) -> StagedReply:
         """Every byte is staged; ``ipc_kept``: buffers whose CUDA export the daemon holds
         open, which the trainer may send again (it exports the others afresh)."""
-        return {"request_id": request.id, "phase": request.phase, "ipc_kept": request.ipc_kept}
+        return StagedReply(request_id=request.id, phase=request.phase,
+                           ipc_kept=list(request.ipc_kept))
 
-    def on_poll(self, call: Call, body: Poll) -> dict:
+    def on_poll(self, call: Call, body: Poll) -> PollReply:
         """Phase and results of this connection's requests."""
-        return {"requests": {rid: self._poll_entry(call.routing_id, rid)
-                             for rid in body.request_ids}}
+        return PollReply(requests={rid: self._poll_entry(call.routing_id, rid)
+                                   for rid in body.request_ids})
 
-    def _poll_entry(self, routing_id: bytes, request_id: int) -> dict:
+    def _poll_entry(self, routing_id: bytes, request_id: int) -> RequestState:
         request = self.table.get(request_id)
         if request is None or request.routing_id != routing_id:  # never another client's
-            return {"phase": "unknown", "error": f"ckptd (pid {os.getpid()}) has no request "
-                    f"{request_id}; the daemon that took it is gone"}
+            return RequestState(phase="unknown", error=f"ckptd (pid {os.getpid()}) has no "
+                                f"request {request_id}; the daemon that took it is gone")
         return request.poll_entry()
 
-    def on_forget(self, call: Call, body: Forget) -> dict:
+    def on_forget(self, call: Call, body: Forget) -> ForgetReply:
         """Drop finished requests (and the files of failed ones, when asked)."""
         forgotten = []
         for request_id in body.request_ids:
@@ -218,9 +218,9 @@ class SaveService:
                 self.remove_outputs(request)
             self.table.forget(request_id)
             forgotten.append(request_id)
-        return {"forgotten": forgotten}
+        return ForgetReply(forgotten=forgotten)
 
-    def on_abort(self, call: Call, body: Abort) -> dict:
+    def on_abort(self, call: Call, body: Abort) -> AbortReply:
         """Drop in-flight requests of this connection."""
         self.ranks.of(call.routing_id)
         aborted = []
@@ -228,7 +228,7 @@ class SaveService:
             if body.request_ids is None or request.id in body.request_ids:
                 self.lifecycle.abort(request, f"dropped by the trainer: {body.reason}")
                 aborted.append(request.id)
-        return {"aborted": aborted}
+        return AbortReply(aborted=aborted)
 
     # ------------------------------------------------------------------ ranks that leave
     def abort_connection(self, routing_id: bytes, reason: str, only_unstaged: bool = False) -> None:

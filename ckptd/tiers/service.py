@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ckptd import knobs
 from ckptd.checksum import Checksum
-from ckptd.protocol import ErrorCode, Phase, SaveFormat
+from ckptd.protocol import CommitFileReply, ErrorCode, HandoverReply, Phase, SaveFormat
 from ckptd.server.endpoint import Call, RequestError
 from ckptd.storage.durable import write_small_file
 from ckptd.tiers.copy import FlushFile, remove_at_target
@@ -84,7 +84,7 @@ class PendingCommit:
 def answer_commit(call: Call, commit: PendingCommit) -> None:
     """The reply ``commit_file`` gets for a finished commit."""
     if commit.outcome == "committed":
-        call.reply({"path": commit.path, "size": commit.size})
+        call.reply(CommitFileReply(path=commit.path, size=commit.size))
     else:
         call.fail(ErrorCode.WRITE_FAILED, f"could not commit {commit.path}: {commit.error}",
                   "the checkpoint is not committed; earlier checkpoints are intact",
@@ -256,13 +256,13 @@ class TierService:
             self._budget_freed()
 
     # ------------------------------------------------------------------ commits
-    def on_handover(self, call: Call, body, path: str) -> dict:
+    def on_handover(self, call: Call, body, path: str) -> HandoverReply:
         """A coordinator hands over its checkpoint's commit (``handover``)."""
         metadata_path = os.path.join(path, METADATA_NAME)
         commit = self._new_commit(metadata_path, bytes(call.frames[0]), list(body.files),
                                   not body.stock_files)
         log.info("commit of %s handed over: %d file(s) to wait for", path, len(commit.files))
-        return {"path": metadata_path, "files": len(commit.files)}
+        return HandoverReply(path=metadata_path, files=len(commit.files))
 
     def on_commit_file(self, call: Call, path: str, data: bytes, stock: bool):
         """``commit_file`` on a tiered daemon: the handed-over commit's outcome, or a new
