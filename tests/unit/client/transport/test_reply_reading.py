@@ -1,0 +1,110 @@
+"""The trainer reads every reply through its typed body: a reply it cannot read (another
+ckptd version) is one clear :class:`DaemonReplyError` naming the field, never a KeyError.
+
+A daemon-like ROUTER socket on a real unix socket answers with the bodies each test
+gives it, through the real framing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import zmq
+
+from ckptd import protocol
+from ckptd.protocol import HelloReply, MessageType
+from ckpt_client.errors import DaemonReplyError, DaemonUnavailableError
+from ckpt_client.transport.connection import connect
+from ckpt_client.transport.handover import DaemonSave
+
+
+class FakeDaemon:
+    """Answers each request type with a fixed body (a map, sent as it is)."""
+
+    def __init__(self, socket_path: str, answers: dict) -> None:
+        self.answers = answers
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.linger = 0
+        self.socket.bind(f"ipc://{socket_path}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.socket.poll(50):
+                continue
+            routing_id, *frames = self.socket.recv_multipart()
+            message = protocol.decode(frames)
+            body = self.answers.get(message.type, {})
+            self.socket.send_multipart([routing_id, *protocol.encode(MessageType.REPLY,
+                                                                     message.id, body)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.socket.close(0)
+        self.context.term()
+
+
+@pytest.fixture
+def daemon_at(tmp_path):
+    made = []
+    pool = tmp_path / "pool"
+    pool.write_bytes(b"\0" * 4096)
+    hello = HelloReply(daemon_pid=os.getpid(), incarnation="inc-1", version="0.0",
+                       pool_path=str(pool), pool_size=4096).to_wire()
+
+    def start(answers: dict) -> str:
+        made.append(FakeDaemon(str(tmp_path / "d.sock"), {MessageType.HELLO: hello, **answers}))
+        return str(tmp_path / "d.sock")
+
+    yield start
+    for fake in made:
+        fake.close()
+
+
+def test_a_well_formed_reply_arrives_as_its_typed_body(daemon_at):
+    socket = daemon_at({MessageType.PING: {"pid": 5, "added_by_a_newer_daemon": True}})
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        assert conn.call(MessageType.PING) == protocol.PingReply(pid=5)
+        assert conn.incarnation == "inc-1" and conn.pool_size == 4096
+    finally:
+        conn.close()
+
+
+def test_a_malformed_reply_is_a_clear_error_naming_the_field(daemon_at):
+    socket = daemon_at({MessageType.POLL: {"requests": {1: {"bytes_total": 3}}}})
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        with pytest.raises(DaemonReplyError) as info:
+            conn.call(MessageType.POLL, {"request_ids": [1]}, timeout=5)
+        text = str(info.value)
+        assert f"pid {os.getpid()}" in text and socket in text and "poll request" in text
+        assert "PollReply.requests[1]: RequestState needs 'phase'" in text
+        assert "same ckptd version" in text
+        assert isinstance(info.value, DaemonUnavailableError)  # no request there can work
+    finally:
+        conn.close()
+
+
+def test_a_save_whose_poll_reply_is_unreadable_fails_with_that_reason(daemon_at):
+    socket = daemon_at({MessageType.POLL: {"requests": {1: {"phase": "done",
+                                                            "written": [{"size": 3}]}}}})
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        save = DaemonSave(conn, 1, "/ckpt/x")
+        save.mark_staged()
+        assert save.finished and "WrittenFile needs 'name'" in save.error
+    finally:
+        conn.close()
+
+
+def test_a_malformed_hello_reply_refuses_the_connection(daemon_at):
+    socket = daemon_at({MessageType.HELLO: {"daemon_pid": os.getpid(), "pool_path": "/p"}})
+    with pytest.raises(DaemonReplyError, match="HelloReply needs 'incarnation'"):
+        connect(socket, auto_start=False, rank=0)
