@@ -9,7 +9,7 @@ import pytest
 
 from ckptd import protocol
 from ckptd.protocol import (REPLIES, AbortReply, CommitFileReply, Empty, ErrorCode, ForgetReply,
-                            HeldPart, HelloReply, LocalCommitReply, LocalFetchReply,
+                            HandoverReply, HeldPart, HelloReply, LocalCommitReply, LocalFetchReply,
                             LocalInventoryReply, LocalSessionReply, MessageType, PeerInfoReply,
                             PingReply, PollReply, ProtocolError, RequestState, StagedReply,
                             StageReply, WrittenFile, reply_type_for)
@@ -21,8 +21,10 @@ PART = HeldPart(iteration=4, owner=1, size=4096, verified=True, committed=False,
 #: One filled-in body of every reply type (every field away from its default).
 SAMPLES = [
     HelloReply(daemon_pid=10, incarnation="abc", version="0.1", pool_path="/dev/shm/p",
-               pool_size=1 << 20, writers=4, host="node1", cuda=True, cuda_devices=["GPU-1"]),
-    StageReply(request_id=3, offset=4096, length=128, phase="staging"),
+               pool_size=1 << 20, writers=4, host="node1", cuda=True, cuda_devices=["GPU-1"],
+               tiered=True),
+    StageReply(request_id=3, offset=4096, length=128, phase="staging",
+               placements={"__0_0.distcp": [[0, 64], [64, 64]]}),
     StagedReply(request_id=3, phase="writing", ipc_kept=[0, 2]),
     PollReply(requests={3: RequestState(
         phase="done", bytes_total=128, bytes_written=128, error=None,
@@ -30,11 +32,14 @@ SAMPLES = [
         transport_bytes={"shm": 64, "cuda": 64},
         written=[WrittenFile(name="__0_0.distcp", path="/c/__0_0.distcp", size=128, crc32=7,
                              items=[[0, 64], [64, 64]], file_id=[1, 2])],
-        replication={"wanted": 1, "reduced_redundancy": False, "holders": {}}),
+        replication={"wanted": 1, "reduced_redundancy": False, "holders": {}},
+        flush={"attempt": 2, "next_retry_at": None, "bytes_done": 64, "bytes_total": 128,
+               "target": "/c", "last_error": "EIO"}),
         4: RequestState(phase="unknown", error="gone")}),
     ForgetReply(forgotten=[3]),
     AbortReply(aborted=[5, 6]),
     CommitFileReply(path="/c/.metadata", size=12),
+    HandoverReply(path="/c/.metadata", files=3),
     PingReply(pid=10),
     PeerInfoReply(address="tcp://10.0.0.1:7000", public_key="k" * 40,
                   bulk_address="10.0.0.1:7001", encryption="aes-256-gcm", local_dir="/local",
@@ -46,6 +51,10 @@ SAMPLES = [
                     moved_aside="/local/s/iter_4/rank_1.part.corrupt", identity=[1, 2, 3]),
     LocalCommitReply(removed=[1, 2]),
 ]
+
+
+def sample(body_type: type):
+    return next(s for s in SAMPLES if type(s) is body_type)
 
 
 def test_every_request_type_has_a_declared_reply():
@@ -71,13 +80,13 @@ def test_a_reply_round_trips_through_the_real_framing(body):
 
 
 def test_nested_entries_become_bodies_on_receipt_and_maps_on_sending():
-    wire = SAMPLES[3].to_wire()
+    wire = sample(PollReply).to_wire()
     assert isinstance(wire["requests"][3], dict) and isinstance(wire["requests"][3]["written"][0],
                                                                 dict)
     poll = PollReply.from_wire(wire)
     assert isinstance(poll.requests[3].written[0], WrittenFile)
     assert poll.requests[3].written[0].name == "__0_0.distcp"
-    inventory = LocalInventoryReply.from_wire(SAMPLES[10].to_wire())
+    inventory = LocalInventoryReply.from_wire(sample(LocalInventoryReply).to_wire())
     assert inventory.parts == [PART]
 
 
@@ -117,23 +126,24 @@ def test_a_bad_nested_entry_is_refused_naming_where_it_is(wire, complaint):
 
 
 def test_a_field_of_the_wrong_type_is_refused_naming_it():
-    wire = {**SAMPLES[0].to_wire(), "pool_size": "1G"}
+    wire = {**sample(HelloReply).to_wire(), "pool_size": "1G"}
     with pytest.raises(ProtocolError, match="HelloReply: 'pool_size' = '1G'"):
         HelloReply.from_wire(wire)
 
 
 def test_unknown_keys_are_ignored_so_a_newer_daemon_can_add_optional_fields():
-    wire = SAMPLES[3].to_wire()
+    wire = sample(PollReply).to_wire()
     wire["newer_field"] = {"anything": 1}
     wire["requests"][3]["deadline_s"] = 12.5
     wire["requests"][3]["written"][0]["tier"] = "nvme"
-    assert PollReply.from_wire(wire) == SAMPLES[3]  # read, and the extra keys dropped
+    assert PollReply.from_wire(wire) == sample(PollReply)  # read, and the extra keys dropped
     assert "newer_field" not in PollReply.from_wire(wire).to_wire()
 
 
 def test_an_older_daemon_without_an_optional_field_is_still_read():
-    wire = SAMPLES[0].to_wire()
-    for optional in ("writers", "host", "cuda", "cuda_devices"):
+    wire = sample(HelloReply).to_wire()
+    for optional in ("writers", "host", "cuda", "cuda_devices", "tiered"):
         del wire[optional]
     hello = HelloReply.from_wire(wire)
-    assert (hello.writers, hello.host, hello.cuda, hello.cuda_devices) == (1, None, False, [])
+    assert (hello.writers, hello.host, hello.cuda, hello.cuda_devices, hello.tiered) == \
+        (1, None, False, [], False)
