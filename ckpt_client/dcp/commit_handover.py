@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from ckptd.protocol import MessageType
+from ckptd.protocol import Handover, MessageType
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def hand_over(writer, saves, plan, metadata, group) -> bool:
     data = writer.metadata_bytes(dataclasses.replace(metadata), [g[0] for g in gathered])
     files = [name for g in gathered for name in g[1]]
     try:
-        writer.connection.call(MessageType.HANDOVER, {"path": writer.path, "files": files},
+        writer.connection.call(MessageType.HANDOVER, Handover(path=writer.path, files=files),
                                frames=[data])
     except (DaemonRequestError, DaemonUnavailableError) as exc:
         # The finalize step's commit still commits it (or reports why not).

@@ -39,7 +39,7 @@ from torch.futures import Future
 
 from ckptd import knobs, protocol
 from ckptd.checksum import verify_file
-from ckptd.protocol import MessageType, SaveFormat
+from ckptd.protocol import CommitFile, MessageType, SaveFormat
 from ckpt_client.queue.calls_queue import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.collectives import Group
 from ckpt_client.transport.connection import DaemonConnection, connect
@@ -263,7 +263,7 @@ class DaemonStorageWriter(_StorageWriterBase):
         """Commit ``.metadata`` through the daemon (temp file, fsync, rename); a tiered
         daemon answers once every file it names is durable at the target."""
         self.connection.call(MessageType.COMMIT_FILE,
-                             {"path": os.path.join(self.path, METADATA_NAME)},
+                             CommitFile(path=os.path.join(self.path, METADATA_NAME)),
                              frames=[self.metadata_bytes(metadata, results)],
                              timeout=knobs.FLUSH_DEADLINE.get() if self.connection.tiered
                              else None)

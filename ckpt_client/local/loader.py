@@ -22,7 +22,7 @@ from typing import Callable
 
 from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError
-from ckptd.protocol import HeldPart, LocalInventoryReply, MessageType
+from ckptd.protocol import HeldPart, LocalFetch, LocalInventoryReply, MessageType
 from ckpt_client.errors import DaemonUnavailableError
 from ckpt_client.local.part_file import read_part, read_resident
 
@@ -158,8 +158,8 @@ class PartLoader:
         log.info("rank %d: part of iteration %d %s here; fetching from %s", rank, iteration,
                  "corrupted" if damage else "missing", holders)
         reply = self._connect().call(
-            MessageType.LOCAL_FETCH, {"session": self.session_id, "iteration": iteration,
-                                      "owner": rank, "holders": holders},
+            MessageType.LOCAL_FETCH, LocalFetch(session=self.session_id, iteration=iteration,
+                                                owner=rank, holders=holders),
             timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
         if reply.moved_aside:
             log.warning("rank %d: the corrupted part was moved aside to %s (kept for "

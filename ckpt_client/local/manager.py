@@ -38,7 +38,7 @@ from pathlib import Path
 
 
 from ckptd import knobs, protocol
-from ckptd.protocol import MessageType, SaveFormat
+from ckptd.protocol import LocalCommit, LocalInventory, MessageType, SaveFormat
 from ckpt_client.queue.calls_queue import AsyncCallsQueue, AsyncRequest
 from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
 from ckpt_client.transport.connection import DaemonConnection, connect
@@ -313,7 +313,7 @@ class LocalCheckpointManager:
                         self.last_save_report["failed"] or "clique mates share this node")
         try:
             self._connection().call(MessageType.LOCAL_COMMIT,
-                                    {"session": self.session_id, "iteration": iteration})
+                                    LocalCommit(session=self.session_id, iteration=iteration))
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             # The part is durable and the other nodes' commit marks stand for it.
             log.warning("rank %d: could not mark iteration %d committed on this node: %s",
@@ -340,7 +340,8 @@ class LocalCheckpointManager:
         rank, world_size = rank_and_world()
         inventory, error = None, None
         try:
-            inventory = connection.call(MessageType.LOCAL_INVENTORY, {"session": self.session_id},
+            inventory = connection.call(MessageType.LOCAL_INVENTORY,
+                                        LocalInventory(session=self.session_id),
                                         timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             error = f"rank {rank}: listing local parts failed: {exc}"

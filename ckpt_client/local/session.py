@@ -18,7 +18,7 @@ import logging
 from typing import Callable
 
 from ckptd import protocol
-from ckptd.protocol import MessageType
+from ckptd.protocol import LocalSession, MessageType
 from ckpt_client.collectives import all_gather, any_rank, raise_if_any_failed, rank_and_world
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
@@ -123,9 +123,9 @@ class SessionRegistration:
         if any(len(c) > 1 for c in cliques):
             check_peer_table(gathered)
         try:
-            connection.call(MessageType.LOCAL_SESSION, {
-                "session": self.session_id, "root": self.root, "world_size": world_size,
-                "peers": self.table, "cliques": cliques})
+            connection.call(MessageType.LOCAL_SESSION, LocalSession(
+                session=self.session_id, root=self.root, world_size=world_size,
+                peers=self.table, cliques=cliques))
         except (DaemonUnavailableError, DaemonRequestError, AttributeError) as exc:
             error = f"rank {rank}: registering local session {self.session_id!r} at {self.root} " \
                     f"failed: {exc}"

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptd import protocol
-from ckptd.protocol import MessageType, SaveFormat
+from ckptd.protocol import CommitFile, MessageType, SaveFormat
 from ckpt_client.queue.calls_queue import AsyncRequest, HelperOptions, _NoopRunner, _ProcessRunner
 from ckpt_client.collectives import rank_and_world
 from ckpt_client.transport.connection import connect
@@ -480,7 +480,7 @@ class FileSystemWriterAsync(FileSystemWriter):
                                     getattr(rank_results, "file_checksums", {}).items()}
         path = os.path.join(self._directory, METADATA_NAME)
         connect(self.socket).call(MessageType.COMMIT_FILE,
-                                  {"path": path, protocol.STOCK_FILES: True},
+                                  CommitFile(path=path, stock_files=True),
                                   frames=[pickle.dumps(metadata)])
 
 

@@ -6,7 +6,8 @@ can start a daemon itself (the "embedded default"), serialised between the ranks
 node by a lock file so exactly one is started. Every wait checks that the daemon process
 is still alive, so a dead daemon becomes an error within a bounded time, not a hang.
 
-Every reply is turned into its typed body here (:func:`read_reply`, with the type
+Every request is sent as the typed body its sender built (:mod:`ckptd.protocol.messages`),
+and every reply is turned into its typed body here (:func:`read_reply`, with the type
 :data:`ckptd.protocol.REPLIES` declares for the request), so the rest of the library
 reads attributes the protocol declares and a reply it cannot read is one clear
 :class:`DaemonReplyError`, not a ``KeyError`` somewhere later.
@@ -93,10 +94,13 @@ class DaemonConnection:
             self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) serving "
                               f"{self.socket_path} {what}")
 
-    def call(self, msg_type: str, body: dict | protocol.Body | None = None, frames=(),
+    def call(self, msg_type: str, body: protocol.Body | None = None, frames=(),
              timeout: float | None = None):
         """Send one request and return its reply, as the body type the protocol declares
         for ``msg_type`` (:data:`ckptd.protocol.REPLIES`).
+
+        ``body`` is the request's typed body (``None``: an empty one), built by the
+        sender, so a field the protocol does not declare fails here, not at the daemon.
 
         Raises
         ------
@@ -113,9 +117,9 @@ class DaemonConnection:
                 self.socket_path, f"this connection to the ckptd daemon (pid {self.daemon_pid}) "
                                   "was closed: that daemon is gone or was restarted")
         timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
-        if isinstance(body, protocol.Body):
-            body = body.to_wire()
-        body = {**(body or {}), "incarnation": self.incarnation}
+        if body is not None and body.message_type not in ("", msg_type):
+            raise TypeError(f"a {type(body).__name__} body is not a {msg_type} request")
+        body = {**(body.to_wire() if body is not None else {}), "incarnation": self.incarnation}
         try:
             reply = self.channel.call(msg_type, body, frames, timeout, self.ensure_daemon_alive)
         except protocol.ErrorReply as exc:
@@ -247,7 +251,8 @@ def _hello(socket_path: str, rank: int, world_size: int) -> DaemonConnection | N
     channel = protocol.Channel(protocol.endpoint_for(socket_path))
     try:
         reply = channel.call(protocol.MessageType.HELLO,
-                             {"rank": rank, "pid": os.getpid(), "world_size": world_size},
+                             protocol.Hello(rank=rank, pid=os.getpid(),
+                                            world_size=world_size).to_wire(),
                              timeout=knobs.HELLO_TIMEOUT.get())
     except protocol.ReplyTimeout:
         channel.close()

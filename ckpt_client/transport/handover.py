@@ -22,6 +22,7 @@ one ``torch._foreach_copy_`` call, so many small tensors cost little more than o
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -35,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ckptd import knobs, protocol
-from ckptd.protocol import ErrorCode, MessageType, Phase, RequestState
+from ckptd.protocol import (Abort, ErrorCode, Forget, MessageType, Phase, Poll, RequestState,
+                            Stage, Staged)
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.flatten import describe
@@ -122,7 +124,7 @@ class DaemonSave:
         if not self._staged.is_set():
             return RequestState(phase=PENDING)
         try:
-            reply = self.connection.call(MessageType.POLL, {"request_ids": [self.request_id]})
+            reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]))
             self.last = reply.requests[self.request_id]
             if self.last.stale_of:
                 log.warning("rank %d: the save of %s has the very bytes of the previous save "
@@ -177,8 +179,9 @@ class DaemonSave:
         if self.request_id is None:
             return
         try:
-            self.connection.call(MessageType.FORGET, {"request_ids": [self.request_id],
-                                                      "delete_files": delete_files}, timeout=5.0)
+            self.connection.call(MessageType.FORGET, Forget(request_ids=[self.request_id],
+                                                            delete_files=delete_files),
+                                 timeout=5.0)
         except (DaemonUnavailableError, DaemonRequestError):
             pass  # a daemon that is gone keeps nothing to forget
 
@@ -195,8 +198,9 @@ class DaemonSave:
         self._cancelled = True
         if self.request_id is not None:
             try:
-                self.connection.call(MessageType.ABORT, {"request_ids": [self.request_id],
-                                                         "reason": reason[:1000]}, timeout=5.0)
+                self.connection.call(MessageType.ABORT, Abort(request_ids=[self.request_id],
+                                                              reason=reason[:1000]),
+                                     timeout=5.0)
             except (DaemonUnavailableError, DaemonRequestError):
                 pass
         self.forget(delete_files=True)
@@ -293,7 +297,7 @@ class _StagingJob:
     """The exchange that stages one save (run inline, or on the background thread)."""
 
     save: DaemonSave
-    body: dict
+    body: Stage
     sources: list
     plan: object | None   # ckpt_client.transport.cuda_exports.IpcPlan, or None: every buffer via shm
     events: list = field(default_factory=list)  # producer events, alive until staged
@@ -330,7 +334,7 @@ class _StagingJob:
         reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
         save.request_id = reply.request_id
         save.placements = reply.placements
-        buffers = self.body["buffers"]
+        buffers = self.body.buffers
         ours = [i for i in range(len(buffers)) if self.specs is None or self.specs[i] is None]
         try:
             if save._cancelled:
@@ -342,7 +346,7 @@ class _StagingJob:
                        f"{type(exc).__name__}: {exc}")
             raise
         try:
-            staged = connection.call(MessageType.STAGED, {"request_id": save.request_id},
+            staged = connection.call(MessageType.STAGED, Staged(request_id=save.request_id),
                                      timeout=knobs.STAGE_TIMEOUT.get())
         except DaemonRequestError as exc:
             if exc.code != ErrorCode.IPC_DENIED or self.specs is None:
@@ -365,7 +369,7 @@ class _StagingJob:
         self.save.request_id = None
         self.plan.settle(None)
         self.plan, self.events = None, []
-        self.body = {**self.body, "cuda": None}
+        self.body = dataclasses.replace(self.body, cuda=None)
         self._exchange()
 
 
@@ -461,7 +465,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     skeleton, files
         Format-specific: the torch state-dict skeleton; DCP ``[name, [indices]]``.
     extra : dict, optional
-        More format-specific request fields (local checkpoints: session, iteration).
+        More format-specific :class:`ckptd.protocol.Stage` fields (local checkpoints:
+        session, iteration).
     allow_cuda_ipc : bool
         ``False``: copy CUDA tensors into the pool here even when the daemon could open
         CUDA IPC handles (the reference's CPU shared-memory mode).
@@ -486,10 +491,10 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
         if not zero_stall and connection in _stagers:
             _stagers[connection].wait_idle()
         plan, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
-        body = {"format": fmt, "path": os.path.abspath(path), "buffers": buffers,
-                "skeleton": skeleton, "files": files or [],
-                "cuda": plan.specs if plan is not None else None, **(extra or {})}
-        save = DaemonSave(connection, None, body["path"], body["files"])
+        body = Stage(format=fmt, path=os.path.abspath(path), buffers=buffers,
+                     skeleton=skeleton, files=files or [],
+                     cuda=plan.specs if plan is not None else None, **(extra or {}))
+        save = DaemonSave(connection, None, body.path, body.files)
         job = _StagingJob(save, body, sources, plan, events)
         if zero_stall:
             _background_stager(connection).submit(job)

@@ -1,4 +1,5 @@
-"""The trainer reads every reply through its typed body: a reply it cannot read (another
+"""The trainer sends the typed request bodies it builds and reads every reply through its
+typed body: a reply it cannot read (another
 ckptd version) is one clear :class:`DaemonReplyError` naming the field, never a KeyError.
 
 A daemon-like ROUTER socket on a real unix socket answers with the bodies each test
@@ -25,10 +26,12 @@ class FakeDaemon:
 
     def __init__(self, socket_path: str, answers: dict) -> None:
         self.answers = answers
+        self.received: list = []  # (message type, body) of each request
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.linger = 0
         self.socket.bind(f"ipc://{socket_path}")
+        self.socket_path = socket_path
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -39,6 +42,7 @@ class FakeDaemon:
                 continue
             routing_id, *frames = self.socket.recv_multipart()
             message = protocol.decode(frames)
+            self.received.append((message.type, message.body))
             body = self.answers.get(message.type, {})
             self.socket.send_multipart([routing_id, *protocol.encode(MessageType.REPLY,
                                                                      message.id, body)])
@@ -62,6 +66,8 @@ def daemon_at(tmp_path):
         made.append(FakeDaemon(str(tmp_path / "d.sock"), {MessageType.HELLO: hello, **answers}))
         return str(tmp_path / "d.sock")
 
+    start.made = made
+
     yield start
     for fake in made:
         fake.close()
@@ -82,7 +88,7 @@ def test_a_malformed_reply_is_a_clear_error_naming_the_field(daemon_at):
     conn = connect(socket, auto_start=False, rank=0)
     try:
         with pytest.raises(DaemonReplyError) as info:
-            conn.call(MessageType.POLL, {"request_ids": [1]}, timeout=5)
+            conn.call(MessageType.POLL, protocol.Poll(request_ids=[1]), timeout=5)
         text = str(info.value)
         assert f"pid {os.getpid()}" in text and socket in text and "poll request" in text
         assert "PollReply.requests[1]: RequestState needs 'phase'" in text
@@ -108,3 +114,19 @@ def test_a_malformed_hello_reply_refuses_the_connection(daemon_at):
     socket = daemon_at({MessageType.HELLO: {"daemon_pid": os.getpid(), "pool_path": "/p"}})
     with pytest.raises(DaemonReplyError, match="HelloReply needs 'incarnation'"):
         connect(socket, auto_start=False, rank=0)
+
+
+def test_requests_go_out_as_the_typed_bodies_their_senders_built(daemon_at):
+    socket = daemon_at({MessageType.FORGET: {"forgotten": [4]}})
+    conn = connect(socket, auto_start=False, rank=3)
+    try:
+        assert conn.call(MessageType.FORGET, protocol.Forget(request_ids=[4])).forgotten == [4]
+        with pytest.raises(TypeError, match="a Poll body is not a forget request"):
+            conn.call(MessageType.FORGET, protocol.Poll(request_ids=[4]))
+    finally:
+        conn.close()
+    received = dict(daemon_at.made[0].received)
+    assert protocol.Hello.from_wire(received[MessageType.HELLO]).rank == 3
+    forget = received[MessageType.FORGET]
+    assert protocol.Forget.from_wire(forget) == protocol.Forget(request_ids=[4])
+    assert forget["incarnation"] == "inc-1"  # every request names the daemon it was made for
