@@ -117,6 +117,9 @@ class DaemonConnection:
                 self.socket_path, f"this connection to the ckptd daemon (pid {self.daemon_pid}) "
                                   "was closed: that daemon is gone or was restarted")
         timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
+        if body is not None and not isinstance(body, protocol.Body):
+            raise TypeError(f"a {msg_type} request takes its typed body (ckptd.protocol's "
+                            f"request bodies), not a {type(body).__name__}")
         if body is not None and body.message_type not in ("", msg_type):
             raise TypeError(f"a {type(body).__name__} body is not a {msg_type} request")
         body = {**(body.to_wire() if body is not None else {}), "incarnation": self.incarnation}

@@ -123,6 +123,8 @@ def test_requests_go_out_as_the_typed_bodies_their_senders_built(daemon_at):
         assert conn.call(MessageType.FORGET, protocol.Forget(request_ids=[4])).forgotten == [4]
         with pytest.raises(TypeError, match="a Poll body is not a forget request"):
             conn.call(MessageType.FORGET, protocol.Poll(request_ids=[4]))
+        with pytest.raises(TypeError, match="takes its typed body"):
+            conn.call(MessageType.FORGET, {"request_ids": [4]})
     finally:
         conn.close()
     received = dict(daemon_at.made[0].received)
