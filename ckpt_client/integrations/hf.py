@@ -36,7 +36,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints  # noqa: E402
 from transformers.utils import WEIGHTS_NAME  # noqa: E402
 
-from ckptd.protocol import MessageType  # noqa: E402
+from ckptd.protocol import CommitFile, MessageType  # noqa: E402
 from ckpt_client import connect  # noqa: E402
 from ckpt_client import TorchAsyncCheckpoint  # noqa: E402
 
@@ -64,7 +64,7 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 def _commit_marker(directory: str, socket: str | None) -> None:
     connect(socket).call(MessageType.COMMIT_FILE,
-                         {"path": os.path.join(directory, COMPLETE_MARKER)},
+                         CommitFile(path=os.path.join(directory, COMPLETE_MARKER)),
                          frames=[b"complete\n"])
 
 
