@@ -12,7 +12,7 @@ from ckptd.protocol import (REPLIES, AbortReply, CommitFileReply, Empty, ErrorCo
                             HandoverReply, HeldPart, HelloReply, LocalCommitReply, LocalFetchReply,
                             LocalInventoryReply, LocalSessionReply, MessageType, PeerInfoReply,
                             PingReply, PollReply, ProtocolError, RequestState, StagedReply,
-                            StageReply, WrittenFile, reply_type_for)
+                            StageReply, TraceSpansReply, WrittenFile, reply_type_for)
 
 PART = HeldPart(iteration=4, owner=1, size=4096, verified=True, committed=False,
                 path="/local/s/iter_4/rank_1.part", identity=[4096, 17, 99],
@@ -31,7 +31,10 @@ SAMPLES = [
         errors=[{"rank": 0, "path": "/c", "errno": None, "message": "rank 0: x"}],
         transport_bytes={"shm": 64, "cuda": 64},
         written=[WrittenFile(name="__0_0.distcp", path="/c/__0_0.distcp", size=128, crc32=7,
-                             items=[[0, 64], [64, 64]], file_id=[1, 2])],
+                             items=[[0, 64], [64, 64]], file_id=[1, 2],
+                             timing={"writer": 0, "started_at": 1.0, "synced_at": 2.0,
+                                     "ended_at": 2.5})],
+        stale_of="/c/previous",
         replication={"wanted": 1, "reduced_redundancy": False, "holders": {}},
         flush={"attempt": 2, "next_retry_at": None, "bytes_done": 64, "bytes_total": 128,
                "target": "/c", "last_error": "EIO"}),
@@ -50,6 +53,7 @@ SAMPLES = [
                     tried=[{"holder": "tcp://10.0.0.3:7000", "error": "refused"}],
                     moved_aside="/local/s/iter_4/rank_1.part.corrupt", identity=[1, 2, 3]),
     LocalCommitReply(removed=[1, 2]),
+    TraceSpansReply(kept=True),
 ]
 
 
@@ -62,6 +66,7 @@ def test_every_request_type_has_a_declared_reply():
                 if not k.startswith("_") and v not in (MessageType.REPLY, MessageType.ERROR)}
     assert set(REPLIES) == requests
     assert REPLIES[MessageType.STATUS] is dict  # the status document keeps its own schema
+    assert REPLIES[MessageType.TRACE] is dict  # so does the Chrome trace document
     assert reply_type_for(MessageType.GOODBYE) is Empty
     with pytest.raises(KeyError, match="no reply body is declared for 'frobnicate'"):
         reply_type_for("frobnicate")
