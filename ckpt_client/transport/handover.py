@@ -149,9 +149,10 @@ class DaemonSave:
         wait ends here. An abort is left queued on the connection, so a daemon that resumes
         drops the save instead of committing what this rank reports as failed."""
         try:
+            abort = Abort(request_ids=[self.request_id],
+                          reason="the trainer gave up waiting: the daemon did not answer")
             self.connection.channel.send(MessageType.ABORT, {
-                "request_ids": [self.request_id], "incarnation": self.connection.incarnation,
-                "reason": "the trainer gave up waiting: the daemon did not answer"})
+                **abort.to_wire(), "incarnation": self.connection.incarnation})
         except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
             pass
         self.last = RequestState(phase=Phase.FAILED, error=(
