@@ -69,7 +69,8 @@ class WrittenFile(Body):
     name: str | None  # the DCP file name; None for a torch file or a local part
     path: str
     size: int
-    crc32: int = 0
+    crc32: int = 0  # the file's checksum, by ``algorithm``
+    algorithm: str = "crc32"  # of that checksum record (crc32, or crc32c where computed so)
     items: list | None = None  # [offset in the file, length] of each buffer
     file_id: list | None = None  # [st_dev, st_ino]
     timing: dict | None = None  # {writer, started_at, synced_at, ended_at}: the trace's spans

@@ -30,7 +30,7 @@ SAMPLES = [
         phase="done", bytes_total=128, bytes_written=128, error=None,
         errors=[{"rank": 0, "path": "/c", "errno": None, "message": "rank 0: x"}],
         transport_bytes={"shm": 64, "cuda": 64},
-        written=[WrittenFile(name="__0_0.distcp", path="/c/__0_0.distcp", size=128, crc32=7,
+        written=[WrittenFile(name="__0_0.distcp", path="/c/__0_0.distcp", size=128, crc32=7, algorithm="crc32c",
                              items=[[0, 64], [64, 64]], file_id=[1, 2],
                              timing={"writer": 0, "started_at": 1.0, "synced_at": 2.0,
                                      "ended_at": 2.5})],
