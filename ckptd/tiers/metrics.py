@@ -7,6 +7,20 @@ or stalling, saves waiting for the budget, bytes that reached their targets.
 
 from __future__ import annotations
 
+# Families with one unlabelled sample, each read from one key of the ``tier`` section.
+_ONE_SAMPLE = (
+    ("ckptd_stage_waiting_saves", "gauge",
+     "Saves waiting for stage budget (the target is slower than the save cadence).",
+     "waiting_saves"),
+    ("ckptd_flushes_in_flight", "gauge", "Saves and commits still flushing to targets.", "flushes"),
+    ("ckptd_flush_retries", "counter", "Flush copies started again after a failure.", "retries"),
+    ("ckptd_flush_stalls", "counter",
+     "Flush copies abandoned for making no progress (a stalled target).", "stalls"),
+    ("ckptd_flushed_bytes", "counter", "Bytes made durable at their targets.", "bytes_flushed"),
+    ("ckptd_flush_commits", "counter", "DCP checkpoints committed at their targets.",
+     "commits_done"),
+)
+
 
 def tier_families(out, doc: dict) -> None:
     """Add the tier families to ``out`` (a ``ckptd.metrics._Families``)."""
@@ -18,20 +32,9 @@ def tier_families(out, doc: dict) -> None:
                ("state",))
     out.sample(int(tier["used_bytes"]), state="used")
     out.sample(int(tier["budget_bytes"]), state="budget")
-    out.family("ckptd_stage_waiting_saves", "gauge",
-               "Saves waiting for stage budget (the target is slower than the save cadence).")
-    out.sample(int(tier["waiting_saves"]))
-    out.family("ckptd_flushes_in_flight", "gauge", "Saves and commits still flushing to targets.")
-    out.sample(int(tier["flushes"]))
-    out.family("ckptd_flush_retries", "counter", "Flush copies started again after a failure.")
-    out.sample(int(tier["retries"]))
-    out.family("ckptd_flush_stalls", "counter",
-               "Flush copies abandoned for making no progress (a stalled target).")
-    out.sample(int(tier["stalls"]))
-    out.family("ckptd_flushed_bytes", "counter", "Bytes made durable at their targets.")
-    out.sample(int(tier["bytes_flushed"]))
-    out.family("ckptd_flush_commits", "counter", "DCP checkpoints committed at their targets.")
-    out.sample(int(tier["commits_done"]))
+    for name, kind, help_text, key in _ONE_SAMPLE:
+        out.family(name, kind, help_text)
+        out.sample(int(tier[key]))
     out.family("ckptd_flush_pending_bytes", "gauge", "Bytes of flushing saves not yet at target.")
     out.sample(sum(max(r["flush"]["bytes_total"] - r["flush"]["bytes_done"], 0)
                    for r in doc["requests"] if r.get("flush")))
