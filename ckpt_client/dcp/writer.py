@@ -23,6 +23,7 @@ import io
 import os
 import pickle
 import secrets
+import threading
 import time
 from functools import partial
 
@@ -172,7 +173,8 @@ class DaemonStorageWriter(_StorageWriterBase):
 
     # ------------------------------------------------------------------ writing
     def stage(self, plan: SavePlan, planner: SavePlanner, zero_stall: bool = False,
-              sources: list | None = None) -> tuple[DaemonSave, ...]:
+              sources: list | None = None,
+              hold: threading.Event | None = None) -> tuple[DaemonSave, ...]:
         """Hand this rank's items to the daemon; returns once they are staged (or queued,
         with ``zero_stall``).
 
@@ -181,6 +183,7 @@ class DaemonStorageWriter(_StorageWriterBase):
         requests, each at most the pool's size, each staged when the previous ones have
         made room (back-pressure). Only a single item larger than the whole pool is
         refused. ``sources``: the items' data when the caller resolved them already.
+        ``hold`` (zero-stall only): nothing reaches the writers before it is set.
         """
         if sources is None:
             sources = resolve_items(plan, planner)
@@ -200,7 +203,7 @@ class DaemonStorageWriter(_StorageWriterBase):
             try:
                 saves.append(stage(connection, SaveFormat.DCP, self.path,
                                    [sources[i] for i in members], files=files,
-                                   zero_stall=zero_stall))
+                                   zero_stall=zero_stall, hold=hold))
             except BaseException:
                 for earlier in saves:  # a save is whole or nothing: drop the chunks before
                     earlier.abort(f"chunk {len(saves) + 1} of {len(chunks)} of the same save "
@@ -406,17 +409,20 @@ class _EarlyStaging:
     The global plan of DCP's default planner only assigns the rank's file prefix and may
     drop replicated items another rank writes; the items themselves come from the local
     plan. So the copy (on the background stager, with the GIL released) can start right
-    after the local plan and overlap the plan collectives. The early saves are kept when
-    the final plan has exactly the staged items under the same prefix; otherwise they
-    are aborted and the final plan is staged (and the next save of that group stages
-    after planning).
+    after the local plan and overlap the plan collectives. The copied bytes are held back
+    from the writers (no STAGED yet) until the final plan is known: they are released
+    when it has exactly the staged items under the same prefix; otherwise they are
+    aborted unwritten and the final plan is staged (and the next save of that group
+    stages after planning). A replicated model is so written once on the first save
+    too, not once per rank.
     """
 
     def __init__(self, local_plan: SavePlan, writer: DaemonStorageWriter,
                  planner: SavePlanner, group: Group) -> None:
         self.plan = dataclasses.replace(local_plan, storage_data=_StoragePrefix(f"__{group.rank}_"))
         self.key = _cache_key(group, planner)
-        self.saves = writer.stage(self.plan, planner, zero_stall=True)
+        self.release = threading.Event()
+        self.saves = writer.stage(self.plan, planner, zero_stall=True, hold=self.release)
 
     @staticmethod
     def worthwhile(planner: SavePlanner, group: Group) -> bool:
@@ -433,6 +439,7 @@ class _EarlyStaging:
             return self._abort("early staging dropped: the global plan differs from the "
                                "local one (items deduplicated or moved to another rank); "
                                "the final plan is staged instead")
+        self.release.set()
         if not zero_stall:
             try:
                 for save in self.saves:
@@ -446,7 +453,13 @@ class _EarlyStaging:
     def _abort(self, reason: str) -> None:
         for save in self.saves:
             save.abort(reason)
+        self.release.set()  # after the aborts: the held jobs see them and stop unwritten
         return None
+
+    def drop(self, exc: BaseException) -> None:
+        """Planning failed: the held saves must never be written."""
+        self._abort(f"early staging dropped: planning the save failed "
+                    f"({type(exc).__name__}: {exc})")
 
 
 def _finalize(writer: DaemonStorageWriter, saves: tuple, plan: SavePlan,
@@ -511,8 +524,13 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
             early = _EarlyStaging(local_plan, writer, planner, group)
         except (DaemonRequestError, DaemonUnavailableError):
             early = None  # the direct staging below meets (and reports) the same refusal
-    central_plan, metadata = _global_plan(local_plan, writer, planner, group, enable_cache)
-    final_plan = planner.finish_plan(central_plan)
+    try:
+        central_plan, metadata = _global_plan(local_plan, writer, planner, group, enable_cache)
+        final_plan = planner.finish_plan(central_plan)
+    except BaseException as exc:
+        if early is not None:
+            early.drop(exc)
+        raise
     planned = time.time()
     try:
         saves = early.adopt(final_plan, zero_stall) if early is not None else None

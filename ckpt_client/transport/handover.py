@@ -302,6 +302,7 @@ class _StagingJob:
     sources: list
     plan: object | None   # ckpt_client.transport.cuda_exports.IpcPlan, or None: every buffer via shm
     events: list = field(default_factory=list)  # producer events, alive until staged
+    hold: threading.Event | None = None  # set: the copied bytes may go to the writers
 
     @property
     def specs(self) -> list | None:
@@ -346,6 +347,7 @@ class _StagingJob:
             save.abort(f"the trainer's copy into the staging pool failed: "
                        f"{type(exc).__name__}: {exc}")
             raise
+        self._wait_for_release()
         try:
             staged = connection.call(MessageType.STAGED, Staged(request_id=save.request_id),
                                      timeout=knobs.STAGE_TIMEOUT.get())
@@ -356,6 +358,16 @@ class _StagingJob:
             return None
         save.transport_bytes = _transport_bytes(buffers, self.specs)
         return staged.ipc_kept
+
+    def _wait_for_release(self) -> None:
+        """Keep the copied bytes from the writers until the caller releases them: STAGED
+        is what starts the writes, so a save dropped before it costs no disk I/O."""
+        if self.hold is None:
+            return
+        self.hold.wait()
+        if self.save._cancelled:  # abort() told the daemon: request_id was set by now
+            raise InterruptedError("the save was dropped before its bytes were released "
+                                   "to the writers")
 
     def _again_through_shm(self, denial: DaemonRequestError) -> None:
         """The kernel refused the daemon our CUDA memory: stage this save (and, through
@@ -452,7 +464,8 @@ def _reason(exc: BaseException) -> str:
 
 def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
           skeleton: bytes = b"", files: list | None = None, extra: dict | None = None,
-          allow_cuda_ipc: bool = True, zero_stall: bool = False) -> DaemonSave:
+          allow_cuda_ipc: bool = True, zero_stall: bool = False,
+          hold: threading.Event | None = None) -> DaemonSave:
     """Hand ``sources`` to the daemon: staged on return, or (``zero_stall``) queued.
 
     Parameters
@@ -474,6 +487,10 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     zero_stall : bool
         Return once the work is queued; the bytes are staged in the background (see
         :meth:`DaemonSave.wait_staged`). The sources must not change until then.
+    hold : threading.Event, optional
+        Zero-stall only: the bytes are copied into the pool at once, but the daemon is
+        told they are staged (and starts writing them) only once ``hold`` is set; a save
+        aborted before that is dropped without a byte written.
 
     Raises
     ------
@@ -485,6 +502,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
     """
     from ckpt_client.transport.cuda_exports import plan_ipc
 
+    if hold is not None and not zero_stall:
+        raise ValueError("stage(hold=...) needs zero_stall=True: the caller sets hold later")
     buffers = [describe(s) for s in sources]
     # Saves reach the daemon in the order they were planned: a CUDA export may be re-sent
     # only on the daemon's word after the save before it (see cuda_export.ExportCache).
@@ -496,7 +515,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list,
                      skeleton=skeleton, files=files or [],
                      cuda=plan.specs if plan is not None else None, **(extra or {}))
         save = DaemonSave(connection, None, body.path, body.files)
-        job = _StagingJob(save, body, sources, plan, events)
+        job = _StagingJob(save, body, sources, plan, events, hold)
         if zero_stall:
             _background_stager(connection).submit(job)
             return save

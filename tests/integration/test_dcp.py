@@ -165,8 +165,8 @@ def test_early_staging_is_dropped_when_the_global_plan_moves_items_and_then_not_
     # Staging starts from the local plan, before the global plan. Deduplication gives the
     # replicated items to one rank, so the other rank's early staging must be dropped
     # (its copy of 'bias' written by nobody, not twice), and that rank must stage after
-    # planning from then on, not drop every save. The dropped save is 'aborted', or
-    # 'done' when it was written before the abort arrived (its files are deleted then).
+    # planning from then on, not drop every save. The dropped save is 'aborted' before a
+    # byte of it is written (tests/integration/test_first_save.py holds it to that).
     assert values(run_ranks(replicated_saves, 2, daemon.socket, tmp_path,
                             args=(daemon.roots[0],))) == [True, True]
     wait_for(lambda: all(r["phase"] in Phase.FINISHED for r in daemon.status()["requests"]),
