@@ -100,6 +100,8 @@ class SaveRequest:
     jobs_pending: int = 0
     bytes_written: int = 0
     written: list = field(default_factory=list)  # results of finished jobs
+    #: path -> where the file it replaces is kept until the save ends (put back if it fails)
+    previous: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
     replicas: ReplicaSet | None = None
     placements: dict | None = None  # tiered DCP: where the writers will put each item

@@ -4,9 +4,10 @@ Handlers (registered on the client endpoint): ``stage`` (build a request, reserv
 for staging space, or hand CUDA handles to the stager), ``staged`` (the trainer's copy is
 in), ``poll``, ``forget``, ``abort``, and ``commit_file`` / ``handover`` (a checkpoint's
 commit, by :class:`ckptd.server.file_commits.FileCommits`). It also implements
-:class:`ckptd.server.lifecycle.SaveEffects`: answering
-a queued STAGE, turning a staged request into writer jobs, removing what a failed save
-wrote, and feeding writer results and device-copy results back to the lifecycle.
+:class:`ckptd.server.lifecycle.SaveEffects`: answering a queued STAGE, turning a staged
+request into writer jobs, removing what a failed save wrote (putting back the files it
+replaced, :mod:`ckptd.storage.previous`), and feeding writer results and device-copy
+results back to the lifecycle.
 
 Phases and extents are the lifecycle's; files are the writers'; replication is the local
 service's. This module decides *what* to write for each save format.
@@ -28,6 +29,7 @@ from ckptd.server.ranks import RankInfo, RankRegistry
 from ckptd.server.requests import RequestTable, SaveRequest
 from ckptd.staging.pool import PoolTooSmallError
 from ckptd.storage.durable import remove_written
+from ckptd.storage.previous import drop_previous, previous_name, restore_previous
 from ckptd.storage.layout import check_prediction, predict_placements
 from ckptd.storage.jobs import WriteItems, WriteJob, WriteResult, WriteTorch
 from ckptd.storage.roots import AllowedRoots, PathRefusedError
@@ -276,7 +278,9 @@ class SaveService:
         """Submit a staged request's writer jobs; returns how many (a tiered save's files
         are written into the stage directory)."""
         place = self.daemon.tier.place(request) if request.tiered else None
-        jobs = list(jobs_for(request, self._job_done(request), place))
+        keep = None if request.tiered else lambda path: request.previous.setdefault(
+            path, previous_name(path))  # a tiered save's local copy replaces nothing
+        jobs = list(jobs_for(request, self._job_done(request), place, keep))
         request.jobs = list(jobs)
         for job in jobs:
             job.on_stuck = lambda job, pid: self.lifecycle.writer_stuck(request, pid)
@@ -297,8 +301,19 @@ class SaveService:
         if request.tiered:
             self.daemon.tier.discard(request)
         for entry in request.written:
+            previous = request.previous.pop(entry["path"], None)
+            if previous is not None:  # the file it replaced goes back (a later one stays)
+                restore_previous(entry["path"], previous, entry.get("file_id"))
             remove_written(entry["path"], entry.get("file_id"))
         request.written = []
+        self.drop_kept_files(request)  # what it kept of files it never replaced
+
+    def drop_kept_files(self, request: SaveRequest) -> None:
+        """Drop what a save kept of the files it replaced (it is done, or they are back),
+        except for files still being written: their writers answer later."""
+        writing = {job.path for job in request.jobs}
+        for path in [p for p in request.previous if p not in writing]:
+            drop_previous(request.previous.pop(path))
 
     def flush(self, request: SaveRequest) -> None:
         """A tiered save is durable locally: hand it to the flusher."""
@@ -337,8 +352,13 @@ class SaveService:
                            "timing": {"writer": job.writer, "started_at": result.started_at,
                                       "synced_at": result.synced_at or result.started_at,
                                       "ended_at": result.started_at + result.seconds}}
+            if not result.ok and job.path in request.previous:  # renamed, then failed or died?
+                # Put the old file back now, while no later save of the path can have begun.
+                restore_previous(job.path, request.previous.pop(job.path), None)
             self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
                                     job.nbytes, result.error, result.errno)
+            if request.phase == Phase.DONE:
+                self.drop_kept_files(request)
         return on_done
 
     def _note_write_mode(self, path: str, mode: str) -> None:
@@ -349,11 +369,13 @@ class SaveService:
             self.write_modes[root] = mode
 
 
-def jobs_for(request: SaveRequest, on_done, place=None):
+def jobs_for(request: SaveRequest, on_done, place=None, keep=None):
     """The writer jobs of a staged request: what each save format writes, and where
-    (``place(target path) -> path written``: a tiered save's local copy)."""
+    (``place(target path) -> path written``: a tiered save's local copy; ``keep(path) ->
+    name``: where the writer keeps the file it replaces, :mod:`ckptd.storage.previous`)."""
     base = request.extent.offset
     place = place or (lambda path: path)
+    keep = keep or (lambda path: "")
 
     def item(index: int) -> list:
         dtype, shape, nbytes = request.buffers[index]
@@ -367,13 +389,13 @@ def jobs_for(request: SaveRequest, on_done, place=None):
     elif request.format == SaveFormat.TORCH:
         yield WriteJob(WriteTorch(place(request.path), request.skeleton,
                                   [item(i) for i in range(len(request.buffers))],
-                                  request.bytes_total), on_done)
+                                  request.bytes_total, previous=keep(request.path)), on_done)
     else:
         for name, indices in request.files:
-            yield WriteJob(WriteItems(place(os.path.join(request.path, name)), name,
-                                      [item(i) for i in indices],
+            path = os.path.join(request.path, name)
+            yield WriteJob(WriteItems(place(path), name, [item(i) for i in indices],
                                       sum(request.buffers[i][2] for i in indices),
-                                      stock=request.stock_files), on_done)
+                                      stock=request.stock_files, previous=keep(path)), on_done)
 
 
 class DeviceCopies:

@@ -25,6 +25,7 @@ class WriteTorch(Body, message="write_torch"):
     skeleton: bytes
     tensors: list  # [offset, nbytes, dtype, shape] per tensor, in skeleton order
     nbytes: int
+    previous: str = ""  # where to keep the file it replaces (ckptd.storage.previous)
 
 
 class WriteItems(Body, message="write_items"):
@@ -38,6 +39,7 @@ class WriteItems(Body, message="write_items"):
     items: list
     nbytes: int
     stock: bool = False  # torch's zip CRCs, no checksum record (protocol.STOCK_FILES)
+    previous: str = ""  # where to keep the file it replaces (ckptd.storage.previous)
 
 
 class WriteBytes(Body, message="write_bytes"):

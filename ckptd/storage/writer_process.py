@@ -31,6 +31,7 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.checksum import ChecksumWriter
 from ckptd.storage.durable import write_file_atomically
+from ckptd.storage.previous import keep_aside
 from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
                                 WriteProgress, WriterReady, WriteResult, WriteTorch)
@@ -164,6 +165,8 @@ class Writer:
             if msg.type not in JOB_TYPES:
                 raise ValueError(f"{msg.type!r} is not a writer job")
             job = JOB_TYPES[msg.type].from_wire(msg.body)
+            if getattr(job, "previous", ""):  # the daemon puts it back if the save fails
+                keep_aside(job.path, job.previous)
             done = self.handlers[type(job)](job, msg.frames)
             result = WriteResult(ok=True, path=done["path"], size=done["size"],
                                  crc32=done["crc32"], algorithm=done["algorithm"],

@@ -1,0 +1,90 @@
+"""Keeping a replaced file aside, and putting it back, on real files."""
+
+import os
+
+from ckptd.checksum import verify_file
+from ckptd.storage.durable import write_file_atomically
+from ckptd.storage.previous import drop_previous, keep_aside, previous_name, restore_previous
+
+
+def write(path, data: bytes) -> list:
+    return write_file_atomically(str(path), lambda f: f.write(data))["file_id"]
+
+
+def names(directory) -> list:
+    return sorted(os.listdir(directory))
+
+
+def test_nothing_is_kept_for_a_new_path_or_a_new_directory(tmp_path):
+    assert not keep_aside(str(tmp_path / "new.pt"), previous_name(str(tmp_path / "new.pt")))
+    missing = str(tmp_path / "no" / "dir" / "new.pt")
+    assert not keep_aside(missing, previous_name(missing))
+    assert names(tmp_path) == []
+
+
+def test_a_failed_overwrite_puts_the_old_file_and_its_record_back(tmp_path):
+    path = tmp_path / "last.pt"
+    write(path, b"old")
+    previous = previous_name(str(path))
+    assert keep_aside(str(path), previous)
+    new_id = write(path, b"new")
+    assert restore_previous(str(path), previous, new_id)
+    assert path.read_bytes() == b"old"
+    verify_file(str(path))
+    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+
+
+def test_a_done_overwrite_drops_what_it_kept(tmp_path):
+    path = tmp_path / "last.pt"
+    write(path, b"old")
+    previous = previous_name(str(path))
+    keep_aside(str(path), previous)
+    write(path, b"new")
+    drop_previous(previous)
+    assert path.read_bytes() == b"new"
+    verify_file(str(path))
+    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+
+
+def test_a_later_saves_file_is_never_replaced(tmp_path):
+    path = tmp_path / "last.pt"
+    write(path, b"old")
+    previous = previous_name(str(path))
+    keep_aside(str(path), previous)
+    ours = write(path, b"aborted")
+    write(path, b"later")  # another save of the path committed after ours
+    assert not restore_previous(str(path), previous, ours)
+    assert path.read_bytes() == b"later"
+    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+
+
+def test_a_writer_that_died_before_its_rename_leaves_the_old_file_alone(tmp_path):
+    path = tmp_path / "last.pt"
+    old_id = write(path, b"old")
+    previous = previous_name(str(path))
+    keep_aside(str(path), previous)
+    assert not restore_previous(str(path), previous, None)
+    assert path.read_bytes() == b"old" and list(os.stat(path)[1:2]) == old_id[1:]
+    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+
+
+def test_a_writer_that_died_after_its_rename_is_rolled_back(tmp_path):
+    path = tmp_path / "last.pt"
+    write(path, b"old")
+    previous = previous_name(str(path))
+    keep_aside(str(path), previous)
+    write(path, b"new")
+    assert restore_previous(str(path), previous, None)  # no file id: its writer never answered
+    assert path.read_bytes() == b"old"
+    verify_file(str(path))
+
+
+def test_an_old_file_without_a_record_gets_no_stale_record_back(tmp_path):
+    path = tmp_path / "stock.distcp"
+    path.write_bytes(b"old")  # as stock DCP writes: no ckptd record
+    previous = previous_name(str(path))
+    keep_aside(str(path), previous)
+    new_id = write(path, b"new")  # ckptd's file comes with a record
+    assert restore_previous(str(path), previous, new_id)
+    assert path.read_bytes() == b"old"
+    assert names(tmp_path) == ["stock.distcp"]
