@@ -85,6 +85,21 @@ class TorchAsyncCheckpoint:
         request = async_torch_save(state_dict, path, connect(self._socket), zero_stall=zero_stall)
         self._queue.schedule_async_request(request)
 
+    def get_num_unfinalized_calls(self) -> int:
+        """Number of saves handed over and not yet finalized.
+
+        A save stays counted, even once durable, until :meth:`finalize_async_save`
+        finalizes it; so after ``finalize_async_save(blocking=False)`` a count of 0 means
+        every save handed over so far is durable (or failed and was raised or, under
+        ``failure_policy="warn"``, recorded in :attr:`failed_calls`).
+
+        Returns
+        -------
+        int
+            Saves scheduled by :meth:`async_save` that are not finalized yet.
+        """
+        return self._queue.get_num_unfinalized_calls()
+
     def wait_for_staging(self, timeout: float | None = None) -> None:
         """Return once every scheduled save's bytes are staged (at once if they are).
 

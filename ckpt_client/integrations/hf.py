@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 from typing import Any
 
 from ckpt_client.integrations.versions import require
@@ -100,7 +101,8 @@ class CkptdTrainer(Trainer):
         self._ckptd_socket = ckptd_socket
         self._ckptd = TorchAsyncCheckpoint(socket=ckptd_socket)
         self._ckptd_pending: _Pending | None = None
-        self._ckptd_saving: str | None = None
+        self._ckptd_saving: str | None = None  # "checkpoint-N" while Trainer saves it
+        self._ckptd_directory: str | None = None
         self.add_callback(_CommitWhenDurable(self))
 
     # -------------------------------------------------------------- overrides
@@ -118,19 +120,28 @@ class CkptdTrainer(Trainer):
         if not self._through_daemon():
             return super()._save_checkpoint(model, trial)
         self.commit_checkpoints(blocking=True)  # one checkpoint in flight at a time
-        run_dir = self._get_output_dir(trial=trial)
-        directory = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         limit, self.args.save_total_limit = self.args.save_total_limit, None
-        self._ckptd_saving = directory
+        # Trainer names the directory (its run directory depends on the trial); the
+        # overrides below see it and note it.
+        self._ckptd_saving = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        self._ckptd_directory = None
         try:  # rotation waits until this checkpoint is durable: commit_checkpoints runs it
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit, self._ckptd_saving = limit, None
-        self._ckptd_pending = _Pending(directory, run_dir, limit)
+        directory = self._ckptd_directory
+        if directory is not None:
+            self._ckptd_pending = _Pending(directory, os.path.dirname(directory), limit)
+
+    def _is_checkpoint_directory(self, output_dir: str | None) -> bool:
+        if self._ckptd_saving is None or output_dir is None \
+                or os.path.basename(os.path.normpath(output_dir)) != self._ckptd_saving:
+            return False
+        self._ckptd_directory = output_dir
+        return True
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if self._ckptd_saving is None or output_dir != self._ckptd_saving \
-                or not hasattr(self.model, "config"):
+        if not self._is_checkpoint_directory(output_dir) or not hasattr(self.model, "config"):
             return super()._save(output_dir, state_dict)
         os.makedirs(output_dir, exist_ok=True)
         self.model.config.save_pretrained(output_dir)
@@ -144,7 +155,7 @@ class CkptdTrainer(Trainer):
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self._ckptd_saving is None:
+        if not self._is_checkpoint_directory(output_dir):
             return super()._save_optimizer_and_scheduler(output_dir)
         self._ckptd.async_save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
         self._ckptd.async_save(self.lr_scheduler.state_dict(),
@@ -163,7 +174,7 @@ class CkptdTrainer(Trainer):
         if pending is None:
             return
         self._ckptd.finalize_async_save(blocking=blocking, no_dist=True)
-        if not blocking and self._ckptd._queue.get_num_unfinalized_calls():
+        if not blocking and self._ckptd.get_num_unfinalized_calls():
             return
         self._ckptd_pending = None
         _commit_marker(pending.directory, self._ckptd_socket)
@@ -224,9 +235,13 @@ def load_state(accelerator, input_dir: str, socket: str | None = None, **kwargs:
         handle.remove()
 
 
+#: Each Accelerator's saves in flight (kept here: an Accelerator's attributes are its own).
+_ACCELERATE_CHECKPOINTS: "weakref.WeakKeyDictionary[Any, TorchAsyncCheckpoint]" = \
+    weakref.WeakKeyDictionary()
+
+
 def _accelerate_checkpoint(accelerator, socket: str | None) -> TorchAsyncCheckpoint:
-    checkpoint = getattr(accelerator, "_ckptd_checkpoint", None)
+    checkpoint = _ACCELERATE_CHECKPOINTS.get(accelerator)
     if checkpoint is None:
-        checkpoint = TorchAsyncCheckpoint(socket=socket)
-        accelerator._ckptd_checkpoint = checkpoint
+        checkpoint = _ACCELERATE_CHECKPOINTS[accelerator] = TorchAsyncCheckpoint(socket=socket)
     return checkpoint

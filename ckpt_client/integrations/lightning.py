@@ -11,9 +11,10 @@ removed; ``teardown`` drains and carries out the deferred removals. The files ar
 ``torch.save`` files: stock Lightning (``TorchCheckpointIO``) and ``torch.load`` read
 them.
 
-A save over an existing file (``last.ckpt`` every time) is written beside it under a
-hidden name and renamed over it once durable: an interrupted overwrite (the trainer
-killed mid-save) leaves the previous file whole, never a gap where ``last.ckpt`` was.
+A save over an existing file (``last.ckpt`` every time) goes to the path itself: the
+daemon keeps the previous file until the new one is durable and puts it back if the save
+fails or is aborted (the trainer killed mid-save), so there is never a gap where
+``last.ckpt`` was.
 
 Lightning calls the plugin on global rank 0 only, so this plugin never takes part in a
 collective. A checkpoint holding a value ckptd's format cannot store without pickling
@@ -33,7 +34,6 @@ require("lightning")
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
-from lightning.fabric.utilities.cloud_io import _load as pl_load  # noqa: E402
 from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
 
 from ckpt_client import TorchAsyncCheckpoint  # noqa: E402
@@ -59,7 +59,6 @@ class CkptdCheckpointIO(CheckpointIO):
         self._checkpoint: TorchAsyncCheckpoint | None = None
         self._in_flight: set[str] = set()
         self._removals: list[str] = []
-        self._renames: dict[str, str] = {}  # hidden file being written -> the path it replaces
         self._fallback = TorchCheckpointIO()
 
     @property
@@ -87,12 +86,8 @@ class CkptdCheckpointIO(CheckpointIO):
         self._removals = [p for p in self._removals if p != path]  # saved anew: keep it
         self._finalize(blocking=False)
         get_filesystem(path).makedirs(os.path.dirname(path), exist_ok=True)
-        target = path
-        if os.path.exists(path):  # overwrite: never remove the old file before the new is durable
-            directory, name = os.path.split(path)
-            target = os.path.join(directory, f".{name}.ckptd-next")
         try:
-            self._async.async_save(checkpoint, target)
+            self._async.async_save(checkpoint, path)
         except TypeError as exc:  # a value our format cannot hold without pickling
             log.warning("%s; writing %s with Lightning's synchronous TorchCheckpointIO",
                         exc, path)
@@ -100,17 +95,13 @@ class CkptdCheckpointIO(CheckpointIO):
             self._fallback.save_checkpoint(checkpoint, path)
             return
         self._in_flight.add(path)
-        if target != path:
-            self._renames[target] = path
 
     def load_checkpoint(self, path, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Wait until saves in flight are durable, then load ``path`` as Lightning does."""
         self.wait_until_durable()
-        path = os.fspath(path)
-        if not get_filesystem(path).exists(path):
-            raise FileNotFoundError(f"Checkpoint file not found: {path}")
-        return pl_load(path, map_location=map_location, weights_only=weights_only)
+        return self._fallback.load_checkpoint(os.fspath(path), map_location=map_location,
+                                              weights_only=weights_only)
 
     def remove_checkpoint(self, path) -> None:
         """Remove ``path`` (and its ckptd checksum record) once no save is in flight.
@@ -143,16 +134,9 @@ class CkptdCheckpointIO(CheckpointIO):
     def _finalize(self, blocking: bool) -> None:
         if self._checkpoint is not None:
             self._checkpoint.finalize_async_save(blocking=blocking, no_dist=True)
-            if self._checkpoint._queue.get_num_unfinalized_calls():
+            if self._checkpoint.get_num_unfinalized_calls():
                 return
         self._in_flight.clear()
-        renames, self._renames = self._renames, {}
-        for target, path in renames.items():
-            if os.path.exists(target):  # a failed save left nothing to rename
-                for suffix in ("", ".ckptd-sum"):  # the file is the commit, its record follows
-                    if os.path.exists(target + suffix):
-                        os.replace(target + suffix, path + suffix)
-                _fsync_directory(os.path.dirname(path))
         removals, self._removals = self._removals, []
         for path in removals:
             fs = get_filesystem(path)
@@ -160,10 +144,3 @@ class CkptdCheckpointIO(CheckpointIO):
                 if fs.exists(name):
                     fs.rm(name, recursive=True)
 
-
-def _fsync_directory(directory: str) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

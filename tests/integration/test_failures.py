@@ -268,7 +268,7 @@ def test_close_with_abort_drops_in_flight_saves_and_the_queue_works_again(daemon
     with writers_paused(daemon):
         checkpoint.async_save({"w": torch.ones(1 << 16)}, path)
         checkpoint.close(abort=True)
-        assert checkpoint._queue.get_num_unfinalized_calls() == 0
+        assert checkpoint.get_num_unfinalized_calls() == 0
     assert "dropped by the trainer: the trainer called AsyncCallsQueue.close(abort=True)" \
         in daemon.log()
     wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "the aborted save's slot")
