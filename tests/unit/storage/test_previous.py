@@ -15,6 +15,14 @@ def names(directory) -> list:
     return sorted(os.listdir(directory))
 
 
+def overwrite(path, new: bytes = b"new") -> tuple[str, list]:
+    """``path`` holds b"old"; a save keeps it aside and commits ``new`` over it."""
+    write(path, b"old")
+    previous = previous_name(str(path))
+    assert keep_aside(str(path), previous)
+    return previous, write(path, new)
+
+
 def test_nothing_is_kept_for_a_new_path_or_a_new_directory(tmp_path):
     assert not keep_aside(str(tmp_path / "new.pt"), previous_name(str(tmp_path / "new.pt")))
     missing = str(tmp_path / "no" / "dir" / "new.pt")
@@ -24,10 +32,7 @@ def test_nothing_is_kept_for_a_new_path_or_a_new_directory(tmp_path):
 
 def test_a_failed_overwrite_puts_the_old_file_and_its_record_back(tmp_path):
     path = tmp_path / "last.pt"
-    write(path, b"old")
-    previous = previous_name(str(path))
-    assert keep_aside(str(path), previous)
-    new_id = write(path, b"new")
+    previous, new_id = overwrite(path)
     assert restore_previous(str(path), previous, new_id)
     assert path.read_bytes() == b"old"
     verify_file(str(path))
@@ -36,10 +41,7 @@ def test_a_failed_overwrite_puts_the_old_file_and_its_record_back(tmp_path):
 
 def test_a_done_overwrite_drops_what_it_kept(tmp_path):
     path = tmp_path / "last.pt"
-    write(path, b"old")
-    previous = previous_name(str(path))
-    keep_aside(str(path), previous)
-    write(path, b"new")
+    previous, _ = overwrite(path)
     drop_previous(previous)
     assert path.read_bytes() == b"new"
     verify_file(str(path))
@@ -48,10 +50,7 @@ def test_a_done_overwrite_drops_what_it_kept(tmp_path):
 
 def test_a_later_saves_file_is_never_replaced(tmp_path):
     path = tmp_path / "last.pt"
-    write(path, b"old")
-    previous = previous_name(str(path))
-    keep_aside(str(path), previous)
-    ours = write(path, b"aborted")
+    previous, ours = overwrite(path, b"aborted")
     write(path, b"later")  # another save of the path committed after ours
     assert not restore_previous(str(path), previous, ours)
     assert path.read_bytes() == b"later"
@@ -70,10 +69,7 @@ def test_a_writer_that_died_before_its_rename_leaves_the_old_file_alone(tmp_path
 
 def test_a_writer_that_died_after_its_rename_is_rolled_back(tmp_path):
     path = tmp_path / "last.pt"
-    write(path, b"old")
-    previous = previous_name(str(path))
-    keep_aside(str(path), previous)
-    write(path, b"new")
+    previous, _ = overwrite(path)
     assert restore_previous(str(path), previous, None)  # no file id: its writer never answered
     assert path.read_bytes() == b"old"
     verify_file(str(path))
