@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckpt_client.arrivals import MARKS, lost_ranks_failure
 from ckpt_client.errors import CheckpointException
 
 
@@ -79,6 +80,10 @@ def raise_if_any_failed(what: str, error: str | None, group=None) -> None:
 def agree_on_completion(done: bool, error: str | None, no_dist: bool) -> tuple[bool, dict]:
     """Combine every rank's (done, error) with one small all-reduce.
 
+    A collective broken by a lost rank (gloo's "Connection closed by peer") ends the
+    save as failed, naming the ranks that never reached this check
+    (:mod:`ckpt_client.arrivals`), instead of escaping as the backend's error.
+
     Returns
     -------
     (all_done, failures)
@@ -88,12 +93,17 @@ def agree_on_completion(done: bool, error: str | None, no_dist: bool) -> tuple[b
     if dist is None:
         rank, _ = rank_and_world()
         return done, ({rank: error} if done and error else {})
-    not_done, failed = all_reduce_ints([0 if done else 1, 1 if error else 0])
-    if not_done:
-        return False, {}
-    if not failed:
-        return True, {}
-    return True, {rank: why for rank, why in all_gather((dist.get_rank(), error)) if why}
+    rank, world_size = rank_and_world()
+    MARKS.entering(rank)
+    try:
+        not_done, failed = all_reduce_ints([0 if done else 1, 1 if error else 0])
+        if not_done:
+            return False, {}
+        failures = {r: why for r, why in all_gather((rank, error)) if why} if failed else {}
+    except RuntimeError as exc:  # gloo/NCCL: a peer is gone; the group cannot be used again
+        failures = lost_ranks_failure(exc, rank, world_size)
+    MARKS.agreed_done()
+    return True, failures
 
 
 class Group:
