@@ -422,7 +422,9 @@ class BulkSender:
         progress; a cut link is not)."""
         for lane, job in self.jobs():
             if now - max(job.last_progress, lane.last_activity()) > timeout:
-                reason = (f"{job.peer} made no progress for {timeout:.0f}s (link down or peer "
+                what = "phase 'replicating'" if job.kind == "push" else "serving a fetch"
+                reason = (f"{what}: rank {job.owner}'s part of iteration {job.iteration} to "
+                          f"{job.peer} made no progress for {timeout:.0f}s (link down or peer "
                           f"stuck; last connection error: {lane.last_error or 'none'})")
                 with lane.lock:
                     self.log_end(job, reason)

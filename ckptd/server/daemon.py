@@ -256,6 +256,7 @@ class Daemon:
             self.writers.reap_dead()
             self.predecessors.tick()
         self.deadlines.check()
+        self.local.note_push_progress()
         self.process.drop_gone_trainers()
         self.table.forget_unclaimed(time.time())
         if self.tier is not None:

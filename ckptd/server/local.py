@@ -115,6 +115,7 @@ class LocalService:
         # answered on FetchDone: (call, request, where a corrupted copy was set aside)
         self._fetches: dict[int, tuple[Call, LocalFetch, str | None]] = {}
         self._next_fetch = 1
+        self._pushed: dict[tuple, int] = {}  # (request id, peer) -> bytes acknowledged
 
     def routes(self) -> dict:
         """Message body type -> handler (``PEER_INFO`` has an empty body)."""
@@ -322,6 +323,21 @@ class LocalService:
         self.store.note_verified(request.path)  # its writer checksummed these very bytes
         self.resident.keep(request)
         self.redundancy.record(request, self.address)
+
+    def note_push_progress(self) -> None:
+        """A save whose pushes still move bytes is making progress (for status's stuck flag):
+        only a push that stopped, as one over a cut link does, leaves its save stalled."""
+        if self.replicator is None:
+            return
+        requests, pushed = self.daemon.table.requests, {}
+        for stream in self.replicator.snapshot["streams"]:
+            if stream["direction"] != "out" or stream.get("request_id") is None:
+                continue
+            key = (stream["request_id"], stream["peer"])
+            pushed[key] = stream["bytes_done"]
+            if pushed[key] > self._pushed.get(key, 0) and key[0] in requests:
+                requests[key[0]].moved()
+        self._pushed = pushed
 
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop a save's pushes (they answer with failed outcomes)."""
