@@ -39,6 +39,7 @@ from pathlib import Path
 
 from ckptd import knobs, protocol
 from ckptd.protocol import LocalCommit, LocalInventory, MessageType, SaveFormat
+from ckpt_client.queue import spans
 from ckpt_client.queue.calls_queue import AsyncCallsQueue, AsyncRequest
 from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
 from ckpt_client.transport.connection import DaemonConnection, connect
@@ -51,6 +52,10 @@ from ckpt_client.local.tensor_aware import (NestedTensorAwareStateDict, TensorAw
                                       part_state_dict, restore_from_part)
 
 log = logging.getLogger(__name__)
+
+#: The trainer's span of a save call in ``ckptd trace`` (staging, or with a blocking save
+#: the whole save up to its commit).
+BLOCKED_SPAN = "blocked in LocalCheckpointManager.save"
 
 #: ``(iteration, rank, session_id)``: which part ``load`` returned.
 CkptID = tuple[int, int, str]
@@ -273,6 +278,7 @@ class LocalCheckpointManager:
         """
         if not isinstance(iteration, int) or iteration < 0:
             raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
+        started = time.time()
         rank, _ = rank_and_world()
         skeleton, tensors = flatten_state_dict(part_state_dict(ta_state_dict))
         header = bytearray(protocol.encode_part_header(  # writable: torch.frombuffer needs it
@@ -287,10 +293,17 @@ class LocalCheckpointManager:
         request = AsyncRequest(daemon_saves=(daemon_save,),
                                finalize_fns=[partial(self._finalize_save, iteration, daemon_save)])
         if is_async:
+            spans.note((daemon_save,), BLOCKED_SPAN, started, time.time())
             return request
         queue = self._queue
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
+        # A blocking save holds the trainer until its finalize ended, which is after the
+        # queue sent the save's other spans: this one goes on its own.
+        if hasattr(daemon_save, "spans"):
+            daemon_save.spans[:] = []
+        spans.note((daemon_save,), BLOCKED_SPAN, started, time.time())
+        spans.report((daemon_save,))
         return None
 
     def _finalize_save(self, iteration: int, daemon_save) -> None:
