@@ -81,19 +81,28 @@ class PreallocatedCopy(Method):
     """memcpy of every tensor into a pre-faulted shared-memory buffer (ckptd's pool layout).
 
     On CUDA, the buffer is page-locked and the copy is a device-to-host copy.
+
+    With ``one_call`` the destination views are made once (in :meth:`prepare`) and a CPU
+    copy is one ``torch._foreach_copy_`` over every tensor: the bytes moved and nothing
+    else, the strictest bound torch offers. Without it each tensor is sliced, viewed and
+    copied in a Python loop (what a hand-written staging loop does: a few µs a tensor
+    more).
     """
 
     kind = "bound"
     writes = False
 
-    def __init__(self, tensors: list[torch.Tensor], shm_dir: str = "/dev/shm") -> None:
+    def __init__(self, tensors: list[torch.Tensor], shm_dir: str = "/dev/shm",
+                 one_call: bool = False) -> None:
         self.tensors = tensors
         self.offsets, self.size = layout(tensors)
         self.cuda = any(t.is_cuda for t in tensors)
+        self.one_call = one_call
         self.name = "pinned D2H copy (preallocated)" if self.cuda else "memcpy (preallocated)"
         self.shm_path = os.path.join(shm_dir, f"bench-ckpt-{os.getpid()}")
         self.buffer: torch.Tensor | None = None
         self._map: mmap.mmap | None = None
+        self._views: list[torch.Tensor] = []
 
     def prepare(self) -> None:
         fd = os.open(self.shm_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -108,9 +117,20 @@ class PreallocatedCopy(Method):
             status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.size, 0)
             if int(status) != 0:
                 raise RuntimeError(f"cudaHostRegister failed with status {status}")
+        if self.one_call:
+            self._views = [self.buffer[o:o + t.nbytes].view(t.dtype).view(t.shape)
+                           for o, t in zip(self.offsets, self.tensors)]
 
     def start(self, path: str) -> None:
         assert self.buffer is not None
+        if self._views:
+            if self.cuda:
+                for view, t in zip(self._views, self.tensors):
+                    view.copy_(t, non_blocking=True)
+                torch.cuda.synchronize()
+            else:
+                torch._foreach_copy_(self._views, self.tensors)
+            return
         # On CUDA the bound is one non-blocking copy per tensor into page-locked memory
         # and one synchronise at the end, as torchtitan's staging does.
         for offset, t in zip(self.offsets, self.tensors):
@@ -128,6 +148,7 @@ class PreallocatedCopy(Method):
         if self.cuda and self.buffer is not None:
             torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
         self.buffer = None
+        self._views = []
         if self._map is not None:
             try:
                 self._map.close()
