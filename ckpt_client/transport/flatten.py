@@ -18,11 +18,18 @@ from ckptd import protocol
 from ckptd.protocol import TensorRef
 
 
+#: torch dtype -> protocol name, filled on first use (a save names each dtype ~1000 times).
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The protocol's name for a torch dtype."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in protocol.BUFFER_DTYPES:
-        raise TypeError(f"tensors of dtype {dtype} cannot be checkpointed through ckptd")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = str(dtype).removeprefix("torch.")
+        if name not in protocol.BUFFER_DTYPES:
+            raise TypeError(f"tensors of dtype {dtype} cannot be checkpointed through ckptd")
+        _DTYPE_NAMES[dtype] = name
     return name
 
 
@@ -37,6 +44,19 @@ def plain_tensor(value: torch.Tensor, where: str) -> torch.Tensor:
     return value.detach()
 
 
+class _Refused(Exception):
+    """A value flatten cannot save; ``where`` grows as the walk unwinds, so the location
+    string is built only for the value that fails, not for every leaf of every save."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+        self.where = ""
+
+
+_PLAIN_LEAVES = (str, bytes, int, float, bool)
+
+
 def flatten_state_dict(state_dict: Any) -> tuple[bytes, list[torch.Tensor]]:
     """Split a state dict into its msgpack skeleton and its tensors.
 
@@ -48,21 +68,43 @@ def flatten_state_dict(state_dict: Any) -> tuple[bytes, list[torch.Tensor]]:
     """
     tensors: list[torch.Tensor] = []
 
-    def walk(value: Any, where: str) -> Any:
+    def walk(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            tensors.append(plain_tensor(value, where))
+            if (type(value) not in (torch.Tensor, torch.nn.Parameter) or value.is_quantized
+                    or value.layout != torch.strided):
+                raise _Refused(value)
+            tensors.append(value.detach())
             return TensorRef(len(tensors) - 1)
         if isinstance(value, dict):
-            return {k: walk(v, f"{where}.{k}") for k, v in value.items()}
+            out = {}
+            for k, v in value.items():
+                try:
+                    out[k] = walk(v)
+                except _Refused as exc:
+                    exc.where = f".{k}{exc.where}"
+                    raise
+            return out
         if isinstance(value, (list, tuple)):
-            items = [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]
+            items = []
+            for i, v in enumerate(value):
+                try:
+                    items.append(walk(v))
+                except _Refused as exc:
+                    exc.where = f"[{i}]{exc.where}"
+                    raise
             return tuple(items) if isinstance(value, tuple) else items
-        if value is None or isinstance(value, (str, bytes, int, float, bool)):
+        if value is None or isinstance(value, _PLAIN_LEAVES):
             return value
-        raise TypeError(f"state_dict{where} is a {type(value).__name__}, which ckptd cannot "
-                        "store without pickling; store it as a tensor or a plain value")
+        raise _Refused(value)
 
-    skeleton = walk(state_dict, "")
+    try:
+        skeleton = walk(state_dict)
+    except _Refused as exc:
+        if isinstance(exc.value, torch.Tensor):
+            plain_tensor(exc.value, f"state_dict{exc.where}")  # raises with the fix
+        raise TypeError(f"state_dict{exc.where} is a {type(exc.value).__name__}, which ckptd "
+                        "cannot store without pickling; store it as a tensor or a plain "
+                        "value") from None
     return protocol.pack_value(skeleton), tensors
 
 
