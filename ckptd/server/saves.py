@@ -184,6 +184,20 @@ class SaveService:
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"request {request.id} is {request.phase}, not staging")
         if request.lease.has(CLIENT_COPY):
+            if request.phase == Phase.STAGING and request.lease.holds == {CLIENT_COPY}:
+                # The trainer's copy was the last one: every byte is in the extent now.
+                # It is answered before the writers are set up (a job per file, the
+                # format's layout), which the trainer need not wait for; a failure there
+                # fails the request, and the trainer learns it from its next poll.
+                call.reply(StagedReply(request_id=request.id, phase=Phase.WRITING,
+                                       ipc_kept=list(request.ipc_kept)))
+                try:
+                    self.lifecycle.copied(request, CLIENT_COPY)
+                except Exception as exc:
+                    self.lifecycle.fail(request, f"starting its writers failed: "
+                                                 f"{type(exc).__name__}: {exc}")
+                    raise
+                return DEFERRED
             self.lifecycle.copied(request, CLIENT_COPY)
         if request.phase == Phase.STAGING:  # the device copy answers it (staged())
             request.pending_reply = call
