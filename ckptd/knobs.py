@@ -24,6 +24,7 @@ __all__ = [
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
+    "DIRECT_ALLOCATE_BYTES",
     "CHECKSUM",
     "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
@@ -223,6 +224,11 @@ DIRECT_BOUNCE_BYTES = _knob(
 DIRECT_MIN_BYTES = _knob(
     "DIRECT_MIN_BYTES", 64 << 10, parse_size,
     "Tensors written straight from the pool from this size (smaller ones via the bounce buffer)")
+# A direct write past a file's end holds the inode lock alone until the disk answers; into
+# space allocated ahead, the writer's threads write side by side.
+DIRECT_ALLOCATE_BYTES = _knob(
+    "DIRECT_ALLOCATE_BYTES", 256 << 20, parse_size,
+    "Space allocated ahead of a file's direct writes, per step (0: none)")
 CHECKSUM = _knob(
     "CHECKSUM", "crc32c", str,
     "Algorithm of new checksum records: crc32c (the CPU's CRC instruction) or crc32 (zlib)")

@@ -13,7 +13,10 @@ Owns two things a writer needs to write with ``O_DIRECT``:
   releases the GIL), each chunk checksummed by the thread that writes it; everything else
   (zip headers, padding, small tensors, the unaligned tail of a large one) is gathered in
   a small page-aligned bounce buffer written the same way. The file's last page is written
-  whole and the file truncated to its size.
+  whole and the file truncated to its size. Space is allocated ahead of the writes
+  (``fallocate``): a direct write past the end of a file takes the inode's lock alone and
+  waits for the disk under it, so the threads' writes would queue one behind the other;
+  into allocated space they run side by side.
 
 The file layouts cooperate: ckptd's torch files start every record's data on a 4 KiB
 boundary (torch's ``storage_alignment``), DCP items start on one, and the staging extent
@@ -181,6 +184,20 @@ def _threads() -> ThreadPoolExecutor:
     return _executor
 
 
+def _load_fallocate():
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    return function
+
+
+# glibc's fallocate, not os.posix_fallocate: where a filesystem cannot allocate, the latter
+# writes a zero into every block instead (with buffered 1-byte writes O_DIRECT refuses).
+_fallocate = _load_fallocate()
+
+
 def _write_piece(fd: int, view: memoryview, offset: int, checked: int, update) -> tuple:
     """Checksum the first ``checked`` bytes of ``view`` and write all of it at ``offset``."""
     crc = update(view[:checked], 0)
@@ -226,6 +243,9 @@ class DirectFileWriter:
         self._buffers = 0
         self._in_flight: deque[tuple[Future, mmap.mmap | None]] = deque()
         self._pieces: list[tuple[int, int, int]] = []
+        self._allocated = 0     # bytes of the file allocated ahead (0: allocation stopped)
+        self._allocate_step = knobs.DIRECT_ALLOCATE_BYTES.get() // PAGE * PAGE
+        self._allocating = _fallocate is not None and self._allocate_step > 0
 
     def fileno(self) -> int:
         """The file descriptor written to."""
@@ -283,7 +303,19 @@ class DirectFileWriter:
         self._buffers += 1
         return mmap.mmap(-1, self._bounce_size)  # page-aligned, as O_DIRECT needs
 
+    def _allocate_to(self, end: int) -> None:
+        """Allocate the file up to past ``end`` before a write reaches there (see the
+        module's docstring); a filesystem that cannot (or is full) just gets no more: the
+        write itself says ENOSPC if the space is really gone."""
+        target = max(end, self._allocated + self._allocate_step)
+        if _fallocate(self._fd, 0, self._allocated, target - self._allocated) != 0:
+            self._allocating = False
+            return
+        self._allocated = target
+
     def _submit(self, offset: int, view: memoryview, checked: int, buffer) -> None:
+        if self._allocating and offset + view.nbytes > self._allocated:
+            self._allocate_to(offset + view.nbytes)
         while len(self._in_flight) >= self._in_flight_limit:
             self._reap()
         future = _threads().submit(_write_piece, self._fd, view, offset, checked, self._update)
@@ -303,7 +335,7 @@ class DirectFileWriter:
 
     def finish(self) -> None:
         """Write what is left (the last page whole), wait for every write, and cut the
-        file to its size."""
+        file to its size (which also frees what was allocated ahead)."""
         if self._fill:
             padded = -(-self._fill // PAGE) * PAGE
             self._bounce[self._fill:padded] = bytes(padded - self._fill)

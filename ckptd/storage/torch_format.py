@@ -33,6 +33,9 @@ not pay ~150 MB of resident memory for torch just to produce its file format.
 
 from __future__ import annotations
 
+import functools
+import math
+import mmap
 import sys
 from typing import Any, Sequence
 
@@ -42,13 +45,17 @@ from ckptd.storage.torch_pickle import (DTYPES, DtypeFormat, RawTensor, contiguo
 from ckptd.storage.torch_zip import DEFAULT_ALIGNMENT, ArchiveWriter, serialization_names_hash
 
 __all__ = ["DTYPES", "DtypeFormat", "RawTensor", "raw_tensor", "contiguous_strides",
-           "pickle_skeleton", "write_torch_file", "write_tensor_file", "DEFAULT_ALIGNMENT",
-           "PAGE_ALIGNMENT"]
+           "pickle_skeleton", "write_torch_file", "write_tensor_file", "tensor_archive_template",
+           "DEFAULT_ALIGNMENT", "PAGE_ALIGNMENT"]
 
 #: The storage alignment of ckptd's own files: a page, O_DIRECT's unit.
 PAGE_ALIGNMENT = 4096
 _FORMAT_VERSION = b"1"    # records are numbered, not sorted (torch/serialization.py)
 _FILE_VERSION = b"3\n"    # caffe2::serialize::kProducedFileFormatVersion
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+# Below this a tensor item is written in one piece with its records (one copy of a few KiB
+# is cheaper than three writes); from it, its bytes go to the stream from their buffer.
+_ONE_PIECE_BELOW = 64 << 10
 
 
 def write_torch_file(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], *,
@@ -93,6 +100,11 @@ def write_torch_file(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], *
         For a skeleton value that is not one of the types above, or a ``TensorRef`` out of
         range. Nothing has been written then: the pickle is built before the first write.
     """
+    return _write_archive(stream, skeleton, tensors, crc32, max_write, alignment).position
+
+
+def _write_archive(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], crc32: bool,
+                   max_write: int | None, alignment: int) -> ArchiveWriter:
     data_pkl, storages = pickle_skeleton(skeleton, tensors)
     archive = ArchiveWriter(stream, crc32, max_write, alignment)
     archive.record("data.pkl", data_pkl)
@@ -106,14 +118,74 @@ def write_torch_file(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], *
     serialization_id = f"{names_hash:020d}{archive.descriptor_crcs:020d}"
     archive.record(".data/serialization_id", serialization_id.encode())
     archive.close()
-    return archive.position
+    return archive
 
 
 def write_tensor_file(stream: Any, tensor: RawTensor, *, crc32: bool = False,
                       max_write: int | None = None, alignment: int = DEFAULT_ALIGNMENT) -> int:
     """Write one tensor as ``torch.save(tensor, stream)`` would (a DCP tensor item).
 
-    Parameters and result as for :func:`write_torch_file`.
+    Parameters and result as for :func:`write_torch_file`. Without zip CRCs every byte
+    but the tensor's is fixed by its dtype and shape, so those bytes are built once per
+    dtype and shape (:func:`tensor_archive_template`) and the item is three writes:
+    a DCP save of thousands of tensors builds no archive per tensor.
     """
-    return write_torch_file(stream, TensorRef(0), [tensor], crc32=crc32, max_write=max_write,
-                            alignment=alignment)
+    data = tensor.data
+    if crc32 or (data.nbytes >= 8 and data[:4] == _DESCRIPTOR_SIGNATURE):
+        # zip CRCs are data; so is the serialization id of a tensor whose bytes start like
+        # a data descriptor (torch's writer counts such a write as one)
+        return write_torch_file(stream, TensorRef(0), [tensor], crc32=crc32,
+                                max_write=max_write, alignment=alignment)
+    head, tail = tensor_archive_template(tensor.dtype, tensor.shape, alignment)
+    if data.nbytes < _ONE_PIECE_BELOW:
+        stream.write(b"".join((head, data, tail)))
+    else:
+        stream.write(head)
+        step = max_write or data.nbytes
+        for start in range(0, data.nbytes, step):
+            stream.write(data[start:start + step])
+        stream.write(tail)
+    return len(head) + data.nbytes + len(tail)
+
+
+class _TemplateSink:
+    """Keeps what an archive writer writes, except the writes of the tensor's own buffer."""
+
+    def __init__(self, tensor_buffer: Any) -> None:
+        self.buffer, self.tensor_buffer, self.skipped = bytearray(), tensor_buffer, False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.obj is self.tensor_buffer:
+            self.skipped = True
+        else:
+            self.buffer += view
+        return view.nbytes
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_archive_template(dtype: str, shape: tuple, alignment: int) -> tuple[bytes, bytes]:
+    """The bytes of ``torch.save(tensor)`` (no zip CRCs) before and after the tensor's bytes,
+    for a contiguous tensor of ``dtype`` and ``shape`` whose bytes do not start with a zip
+    data descriptor's signature: the archive is written once, around a tensor whose pages
+    are never touched (an anonymous mapping).
+
+    Returns
+    -------
+    (bytes, bytes)
+        The head (records up to the tensor's data, which starts on ``alignment``) and the
+        tail (its data descriptor, the last records and the central directory).
+    """
+    nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    pages = mmap.mmap(-1, max(nbytes, 1))
+    try:
+        view = memoryview(pages)[:nbytes]
+        sink = _TemplateSink(pages)
+        archive = _write_archive(sink, TensorRef(0), [raw_tensor(view, dtype, list(shape))],
+                                 False, None, alignment)
+        view.release()
+    finally:
+        pages.close()
+    start = archive.data_starts[4]  # data.pkl, .format_version, .storage_alignment, byteorder
+    written = bytes(sink.buffer)
+    return written[:start], written[start if sink.skipped else start + nbytes:]

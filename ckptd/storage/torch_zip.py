@@ -91,6 +91,8 @@ class ArchiveWriter:
         self.central = bytearray()
         self.records = 0
         self.descriptor_crcs = 0  # PyTorchStreamWriter::combined_uncomp_crc32_
+        #: Where each record's data starts, in record order.
+        self.data_starts: list[int] = []
         self._gathered = bytearray()
 
     def _write(self, data: Any, gather: bool = True) -> None:
@@ -120,6 +122,7 @@ class ArchiveWriter:
         # (caffe2::serialize::detail::getPadding), after a 4-byte "FB" field header.
         start = offset + _LOCAL_HEADER.size + len(full_name) + 4 + len(zip64)
         padding = -start % self.alignment
+        self.data_starts.append(start + padding)
         extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
         flags = _UTF8_NAMES | (_HAS_DESCRIPTOR if size else 0)
         self._write(_LOCAL_HEADER.pack(0x04034B50, 0, flags, 0, 0, 0, 0, 0, 0,

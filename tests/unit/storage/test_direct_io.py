@@ -61,6 +61,27 @@ def test_sizes_around_a_page_come_out_exact(tmp_path, nbytes):
     assert (tmp_path / "f").read_bytes() == bytes(data) and result["size"] == nbytes
 
 
+@pytest.mark.parametrize("step", [0, PAGE, 1 << 20, 64 << 20])
+def test_space_allocated_ahead_is_given_back_and_the_bytes_are_exact(tmp_path, step):
+    # Writes go into space allocated ahead in steps (so the threads write side by side);
+    # the committed file has exactly its bytes and holds no block past its end.
+    data = page_aligned(3 * (1 << 20) + 5, 9)
+    with knobs.override(DIRECT_ALLOCATE_BYTES=step, DIRECT_CHUNK_BYTES=1 << 20):
+        with DurableFile(str(tmp_path / "f"), direct=True) as durable:
+            if not isinstance(durable.stream, direct_io.DirectFileWriter):
+                pytest.skip(f"{tmp_path} refuses O_DIRECT ({durable.write_mode})")
+            durable.stream.write(b"head")
+            durable.stream.write(bytes(PAGE - 4))
+            durable.stream.write(data)
+            durable.commit()
+    path = tmp_path / "f"
+    assert path.read_bytes() == b"head" + bytes(PAGE - 4) + bytes(data)
+    verify_file(str(path))
+    allocated = os.stat(path).st_blocks * 512
+    assert allocated <= -(-os.path.getsize(path) // PAGE) * PAGE + (1 << 20), \
+        f"{allocated} bytes still allocated to a {os.path.getsize(path)}-byte file"
+
+
 def test_a_failed_direct_write_leaves_nothing(tmp_path):
     def body(stream):
         stream.write(page_aligned(1 << 20, 1))

@@ -240,6 +240,24 @@ def test_a_tensor_archive_equals_torch_save_of_the_tensor(dtype):
         assert bytes(stream.buffer) == torch_save(TensorRef(0), [tensor], crc32, alignment)
 
 
+@pytest.mark.parametrize("nbytes", [0, 4, 65535, 65536, 65537, 3 * 4096 + 1])
+@pytest.mark.parametrize("starts_like_a_descriptor", [False, True])
+def test_a_tensor_item_from_its_template_equals_torch_save(nbytes, starts_like_a_descriptor):
+    # Items of ckptd's own files are built from a per-dtype-and-shape template, except a
+    # tensor whose bytes start with a zip data descriptor's signature (torch's serialization
+    # id then counts them): both must still be torch.save's bytes, in both alignments.
+    tensor = random_tensor("uint8", [nbytes], seed=nbytes)
+    if starts_like_a_descriptor and nbytes >= 8:
+        tensor[:4] = torch.tensor(list(b"PK\x07\x08"), dtype=torch.uint8)
+    for alignment in (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT):
+        for _ in range(2):  # the second write comes from the cached template
+            stream = WriteOnly()
+            size = write_tensor_file(stream, as_raw(tensor), alignment=alignment,
+                                     max_write=4096)
+            assert bytes(stream.buffer) == torch_save(TensorRef(0), [tensor], False, alignment)
+            assert size == len(stream.buffer)
+
+
 def test_the_pickle_is_the_c_picklers():
     shared = "one object, written once"
     values = [
