@@ -304,15 +304,23 @@ def _x_to_the_2_to_the(k: int, polynomial: int) -> int:
     return _multiply(half, half, polynomial)
 
 
-def _shift(crc: int, nbytes: int, polynomial: int) -> int:
-    """``crc`` times x^(8 * nbytes)."""
-    k = 3
+@functools.lru_cache(maxsize=256)
+def _x_to_the_8(nbytes: int, polynomial: int) -> int:
+    """x^(8 * nbytes) modulo the polynomial. Kept per length: a file's pieces are mostly
+    of a few lengths (the write chunk, the bounce buffer), so folding a piece in costs one
+    multiplication instead of one per bit of its length."""
+    power, k = 1 << 31, 3  # x^0, reflected
     while nbytes:
         if nbytes & 1:
-            crc = _multiply(_x_to_the_2_to_the(k, polynomial), crc, polynomial)
+            power = _multiply(_x_to_the_2_to_the(k, polynomial), power, polynomial)
         nbytes >>= 1
         k += 1
-    return crc
+    return power
+
+
+def _shift(crc: int, nbytes: int, polynomial: int) -> int:
+    """``crc`` times x^(8 * nbytes)."""
+    return _multiply(_x_to_the_8(nbytes, polynomial), crc, polynomial)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int, algorithm: str = "crc32") -> int:
