@@ -155,8 +155,10 @@ class DaemonSave:
                 **abort.to_wire(), "incarnation": self.connection.incarnation})
         except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
             pass
+        seen = self.last.phase
         self.last = RequestState(phase=Phase.FAILED, error=(
-            f"rank {self.rank}: gave up on the save of {self.path}: {exc}. The daemon is "
+            f"rank {self.rank}: gave up on the save of {self.path} (last seen in phase "
+            f"{seen!r}): {exc}. The daemon is "
             f"dead or stopped (check: ckptd status --socket {self.connection.socket_path}); "
             f"the save is abandoned and the previous checkpoint is intact; save again once "
             f"a daemon answers"))
