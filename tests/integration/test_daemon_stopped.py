@@ -17,14 +17,10 @@ import signal
 import subprocess
 import sys
 
-import torch
-import torch.distributed.checkpoint as DCP
-from torch.distributed.checkpoint import FileSystemReader
-
 from conftest import wait_for
 from faults import writers_paused
 from multirank import collect, start_ranks, values
-from test_rank_lost import request_of, signal_and_wait, state
+from test_rank_lost import request_of, save_c_and_load_a_and_c, signal_and_wait, state
 
 
 def save_through_a_stopped_daemon(rank, world_size, root, signals):
@@ -44,15 +40,7 @@ def save_through_a_stopped_daemon(rank, world_size, root, signals):
     except CheckpointException as exc:
         outcome = (exc.failing_ranks, exc.failures)
     signal_and_wait(signals, f"b{rank}", "resumed")
-    queue.schedule_async_request(dcp.async_save(state(rank, 3), os.path.join(root, "C")))
-    queue.maybe_finalize_async_calls(blocking=True)
-    queue.close()
-    loaded = []
-    for name in ("A", "C"):
-        into = state(rank, 0)
-        DCP.load(into, storage_reader=FileSystemReader(os.path.join(root, name)))
-        loaded.append(float(into[f"w{rank}"][0]))
-    return outcome, loaded
+    return outcome, save_c_and_load_a_and_c(rank, root, queue)
 
 
 def test_a_stopped_daemon_fails_the_save_on_every_rank_and_never_commits_it(daemon, tmp_path,

@@ -67,9 +67,15 @@ def save_then_lose_rank_1(rank, world_size, root, signals):
 
 def save_and_load_again(rank, world_size, root):
     """A new job after the loss: saves C, loads A and C."""
-    from ckpt_client import AsyncCallsQueue, dcp
+    from ckpt_client import AsyncCallsQueue
 
-    queue = AsyncCallsQueue()
+    return save_c_and_load_a_and_c(rank, root, AsyncCallsQueue())
+
+
+def save_c_and_load_a_and_c(rank: int, root: str, queue) -> list[float]:
+    """Save C on ``queue`` (then closed); this rank's value in A and in C."""
+    from ckpt_client import dcp
+
     queue.schedule_async_request(dcp.async_save(state(rank, 3), os.path.join(root, "C")))
     queue.maybe_finalize_async_calls(blocking=True)
     queue.close()
