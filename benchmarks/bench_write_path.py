@@ -17,6 +17,13 @@ and on the direct path (O_DIRECT from the staging pool, crc32c records), and for
 - the training step started right after the save returns against the same step with
   nothing in flight, measured right before (ratio of medians).
 
+With ``--replication MIB``, instead: the CPU replication costs, in a two-node
+network-namespace bed (``tests/netbed.py``, ``tests/bednodes.py``: a real daemon per node,
+real ranks, unlimited links): rank 0 saves a part of MIB MiB through
+``LocalCheckpointManager`` with factor 2, rank 1 a tiny one; user + system seconds of the
+sender's daemon and writers (staging, its local write, sending) and of the receiver's
+(receiving, checking and writing the replica), per GB of rank 0's part.
+
 Run as root (it drops the page cache), under the machine-wide lock:
 ``python benchmarks/bench_write_path.py --size-gib 1 --repeats 3``. Measures only.
 """
@@ -128,13 +135,91 @@ def summary(name: str, runs: dict) -> str:
             f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f}) |")
 
 
+def save_replicated(rank: int, world: int, roots: list, big_mib: int, iteration: int) -> int:
+    """In a bed node: one local save with factor 2, finalized; rank 0's part is big."""
+    import torch
+    from ckpt_client import (AsyncCallsQueue, BasicTensorAwareStateDict,
+                             CliqueReplicationStrategy, LocalCheckpointManager)
+
+    strategy = CliqueReplicationStrategy.from_replication_params(1, 2)
+    manager = LocalCheckpointManager(roots[rank], session_id="cpu", repl_strategy=strategy)
+    manager.find_latest()
+    numel = (big_mib << 20) // 4 if rank == 0 else 16
+    state = {"w": torch.full((numel,), float(iteration + rank)), "step": iteration}
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(manager.save(BasicTensorAwareStateDict(state), iteration,
+                                              is_async=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    return numel * 4
+
+
+def replication_cpu(big_mib: int, repeats: int) -> str:
+    """CPU-s per GB replicated, sender and receiver (see the module's docstring): each
+    timed save of a ``big_mib`` part is paired with one of a 1 MiB part, and the row is
+    the difference per GB of the difference in bytes (what a byte costs, not what a save
+    costs whatever its size: connecting, agreeing, committing)."""
+    from bednodes import BedNodes, values
+    from netbed import NetBed
+
+    import bench_write_path  # the ranks import the function by its module's name, not __main__
+
+    workdir = tempfile.mkdtemp(prefix="ckpt-writepath-repl-")
+    runs: dict = {"sender": [], "receiver": [], "fixed": []}
+    with NetBed(2, None, f"{4 * big_mib + 256}m", mode="netns") as bed:
+        nodes = BedNodes(bed, workdir, env={"CKPTD_PEER_TIMEOUT": "30"},
+                         pool_size=f"{2 * big_mib + 64}M")
+        try:
+            roots = [nodes.root(0), nodes.root(1)]
+            iteration = 0
+
+            def save(mib: int) -> tuple[int, list[float]]:
+                nonlocal iteration
+                iteration += 1
+                trees = [[p.pid] + list(descendants(p.pid)) for p in nodes.procs]
+                before = [cpu_seconds(tree) for tree in trees]
+                nbytes = values(nodes.run_ranks(bench_write_path.save_replicated, [0, 1],
+                                                args=(roots, mib, iteration),
+                                                name=f"save{iteration}"))[0]
+                return nbytes, [cpu_seconds(tree) - b for tree, b in zip(trees, before)]
+
+            save(big_mib)  # warm-up
+            for _ in range(repeats):
+                big, big_cpu = save(big_mib)
+                small, small_cpu = save(1)
+                gb = (big - small) / GB
+                runs["sender"].append((big_cpu[0] - small_cpu[0]) / gb)
+                runs["receiver"].append((big_cpu[1] - small_cpu[1]) / gb)
+                runs["fixed"].append(small_cpu[0] + small_cpu[1])
+        finally:
+            nodes.stop_all()
+    m.remove_tree(workdir)
+    med = statistics.median
+    return (f"| {big_mib} MiB part, factor 2 | {med(runs['sender']):.3f} "
+            f"({min(runs['sender']):.3f}–{max(runs['sender']):.3f}) | "
+            f"{med(runs['receiver']):.3f} "
+            f"({min(runs['receiver']):.3f}–{max(runs['receiver']):.3f}) | "
+            f"{med(runs['fixed']):.3f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/var/tmp")
     parser.add_argument("--only", default="", help="comma-separated substrings of method names")
+    parser.add_argument("--replication", type=int, default=0, metavar="MIB",
+                        help="measure replication's CPU instead, with a part of MIB MiB")
     args = parser.parse_args(argv)
+    if args.replication:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))), "tests"))
+        row = replication_cpu(args.replication, args.repeats)
+        print("| save | sender CPU-s per GB (min–max) | receiver CPU-s per GB (min–max) | "
+              "both daemons' CPU-s for a 1 MiB save |")
+        print("|---|---|---|---|")
+        print(row)
+        return 0
     nbytes = int(args.size_gib * (1 << 30))
     state, _ = workload.build("training", nbytes)
     tensors = workload.tensors_of(state)
