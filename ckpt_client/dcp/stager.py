@@ -34,8 +34,11 @@ from typing import Any
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+from torch.distributed.checkpoint.stateful import Stateful
+
 from ckptd import knobs
-from ckpt_client.errors import CheckpointException
+from ckpt_client.dcp.stage_ahead import PlanMemory, StagedAhead
+from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +52,17 @@ class StagingTicket:
     the process path when the shared-memory copy is done, or with an error.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plans: PlanMemory | None = None) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._consumer: threading.Thread | None = None
         self._created = time.monotonic()
+        self._plans = plans
+        #: The state dict as DCP plans it (``Stateful`` values turned into their state),
+        #: set when the executor takes the save up.
+        self.state_dict: dict | None = None
+        #: The save's early staging with the remembered plan, if it had one.
+        self.ahead: StagedAhead | None = None
 
     def claim(self) -> None:
         """The calling thread is the one that will stage (or pickle) this save."""
@@ -65,6 +74,27 @@ class StagingTicket:
         if not self._done.is_set():
             self._error = error
             self._done.set()
+
+    def stage_ahead(self, writer) -> None:
+        """DCP's first call into ckptd's writer for this save (before planning): stage it
+        now, with the plan the stager remembered, if the structure is unchanged
+        (:mod:`ckpt_client.dcp.stage_ahead`), and release the trainer."""
+        if self._plans is None or self.ahead is not None or self.punched \
+                or self.state_dict is None:
+            return
+        reusable = self._plans.matching(self.state_dict)
+        if reusable is None:
+            return
+        try:
+            self.ahead = StagedAhead(writer, reusable, self.state_dict)
+        except (DaemonRequestError, DaemonUnavailableError, CheckpointException):
+            return  # write_data's own staging meets (and reports) the same refusal
+        self.punch()
+
+    def remember(self, plan, planner) -> None:
+        """This save was staged with ``plan`` (its final plan): the next may reuse it."""
+        if self._plans is not None and self.ahead is None and self.state_dict is not None:
+            self._plans.remember(plan, self.state_dict, planner)
 
     @property
     def punched(self) -> bool:
@@ -99,6 +129,11 @@ class StagingTicket:
                                       {_rank(): f"{type(self._error).__name__}: {self._error}"})
 
 
+def current_ticket() -> StagingTicket | None:
+    """The ticket of the state dict this thread's ``dcp.save`` is writing, if any (kept)."""
+    return getattr(_current, "ticket", None)
+
+
 def take_ticket() -> StagingTicket | None:
     """The ticket of the state dict this thread's ``dcp.save`` is writing (once), if any.
 
@@ -125,7 +160,11 @@ class TicketedStateDict(dict):
     def items(self):  # noqa: D102 - dict's own
         self.ticket.claim()
         _current.ticket = self.ticket
-        return super().items()
+        if self.ticket.state_dict is None:  # what DCP's _stateful_to_state_dict would make
+            self.ticket.state_dict = {
+                key: value.state_dict() if isinstance(value, Stateful) else value
+                for key, value in super().items()}
+        return self.ticket.state_dict.items()
 
     def __reduce__(self):
         self.ticket.claim()
@@ -185,6 +224,7 @@ class Stager:
         self._shared: dict | None = None
         self._shared_signature = None
         self._closed = False
+        self._plans = PlanMemory()
 
     # AsyncStager's protocol -------------------------------------------------------
     @property
@@ -202,7 +242,7 @@ class Stager:
         """
         if self._closed:
             raise RuntimeError("this ckpt_client.dcp.Stager was closed; make a new one")
-        ticket = StagingTicket()
+        ticket = StagingTicket(self._plans)
         self._tickets = [t for t in self._tickets if not t.punched] + [ticket]
         ticketed = TicketedStateDict(state_dict, ticket, self)
         if not self.zero_stall:
@@ -228,6 +268,7 @@ class Stager:
         """Release the shared-memory buffers of the process path."""
         self._closed = True
         self._shared = None
+        self._plans.forget()
 
     # The process executor's copy ---------------------------------------------------
     def copy_to_shared_memory(self, state_dict: dict) -> dict:

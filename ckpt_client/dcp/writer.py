@@ -46,7 +46,7 @@ from ckpt_client.queue.calls_queue import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.collectives import Group
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
-from ckpt_client.dcp.stager import take_ticket
+from ckpt_client.dcp.stager import current_ticket, take_ticket
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.queue import spans
 from ckpt_client.queue.gcpause import collector_paused
@@ -167,7 +167,11 @@ class DaemonStorageWriter(_StorageWriterBase):
         self.rank = kwargs.get("rank", self.rank)
 
     def storage_meta(self) -> StorageMeta:
-        """Identify this save in the metadata."""
+        """Identify this save in the metadata (for a :class:`Stager`'s save, DCP's first
+        call, before it plans: the save may be staged ahead with the remembered plan)."""
+        ticket = current_ticket()
+        if ticket is not None:
+            ticket.stage_ahead(self)
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -245,21 +249,27 @@ class DaemonStorageWriter(_StorageWriterBase):
         trainer is released as soon as the items are staged, before they are durable.
         """
         ticket = take_ticket()
+        ahead = ticket.ahead if ticket is not None else None
         try:
-            saves = self.stage(plan, planner)
+            saves = ahead.adopt(plan) if ahead is not None else self.stage(plan, planner)
         except BaseException as exc:
             if ticket is not None:
                 ticket.punch(exc)
             raise
         if ticket is not None:
             ticket.punch()
+            ticket.remember(plan, planner)
         try:
             wait_for_daemon_saves(saves)  # not execute_sync: no collective inside write_data
         except CheckpointException as exc:
             raise OSError(f"ckptd could not write rank {self.rank}'s part of {self.path}: "
                           f"{exc}") from None
+        results = self.write_results(saves, ahead.plan if ahead is not None else plan)
+        if ahead is not None:  # staged ahead: items the final plan dropped are not its
+            wanted = {item.index for item in plan.items}
+            results = [r for r in results if r.index in wanted]
         future: Future = Future()
-        future.set_result(self.write_results(saves, plan))
+        future.set_result(results)
         return future
 
     def metadata_bytes(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:

@@ -18,6 +18,10 @@ for the daemon's staging.
 - ``"async_with_pinned_mem"``: zero-stall ``Stager``: returns at once; staging overlaps
   the next forward and backward, and ``maybe_wait_for_staging`` waits for it.
 
+In both async modes the stager remembers the save plan: from the second save of an
+unchanged structure on, the daemon stages the state before DCP plans the save, and DCP's
+planning (its collectives included) runs after the trainer was released.
+
 Saves in Hugging Face safetensors (``last_save_in_hf``) stay torchtitan's own.
 
 Use it by building it instead of torchtitan's manager::
@@ -64,6 +68,9 @@ class CkptdCheckpointManager(CheckpointManager):
         if not self.enable:
             return
         self._socket = getattr(config, "socket", None)
+        # One stager for every save: it remembers the save plan, so a save whose
+        # structure is unchanged is staged before DCP plans it.
+        self._blocking_stager = Stager()
         if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             # Set before torchtitan's _save would create its DefaultStager.
             self.stager = Stager(zero_stall=True)
@@ -80,7 +87,8 @@ class CkptdCheckpointManager(CheckpointManager):
         if async_mode == AsyncMode.DISABLED:
             dcp.save(state_dict, storage_writer=writer)
             return None
-        stager = self.stager if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM else Stager()
+        stager = (self.stager if async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM
+                  else self._blocking_stager)
         # The thread executor: the daemon takes the bytes straight from the tensors; the
         # process executor would first copy them into shared memory for DCP's helper.
         return dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,

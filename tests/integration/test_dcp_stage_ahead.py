@@ -1,0 +1,136 @@
+"""A ``Stager`` that remembers the save plan stages a save before DCP plans it.
+
+Real daemon, stock ``torch.distributed.checkpoint.async_save`` (thread executor) with
+ckptd's writer and one ``Stager`` for every save. The planner is DCP's default one with
+a gate in ``create_global_plan`` (a real planner that waits, not a mock): while the gate
+is shut, a save whose structure is unchanged must still be staged and release the
+trainer, and must hold the values from the moment of the call, loaded by stock
+``dcp.load``. A save whose planning fails after it was staged ahead leaves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as DCP
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from conftest import wait_for
+from ckpt_client import dcp
+
+
+class GatedPlanner(DefaultSavePlanner):
+    """DCP's default planner whose global planning waits for ``gate`` (or fails)."""
+
+    def __init__(self, gate: threading.Event, fail: bool = False) -> None:
+        super().__init__()
+        self.gate, self.fail, self.entered = gate, fail, threading.Event()
+
+    def create_global_plan(self, all_plans):
+        self.entered.set()
+        self.gate.wait(120)
+        if self.fail:
+            raise RuntimeError("global planning failed (test)")
+        return super().create_global_plan(all_plans)
+
+
+def state(model, optimizer) -> dict:
+    return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+
+def loaded(path, like: dict) -> dict:
+    target = {k: torch.zeros_like(v) for k, v in like.items()}
+    DCP.load({"model": target}, storage_reader=FileSystemReader(path))
+    return target
+
+
+@pytest.fixture
+def trained():
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 256)).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def bump(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+
+@pytest.mark.parametrize("zero_stall", [False, True])
+def test_an_unchanged_structure_is_staged_before_dcp_plans_it(daemon, trained, zero_stall,
+                                                              monkeypatch):
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    model, optimizer = trained
+    stager = dcp.Stager(zero_stall=zero_stall)
+    root = daemon.roots[0]
+
+    def save(path, planner):
+        response = DCP.async_save(state(model, optimizer), storage_writer=dcp.StorageWriter(path),
+                                  async_stager=stager, planner=planner)
+        if zero_stall:
+            response.staging_completion.result(timeout=120)
+            return response.upload_completion
+        return response
+
+    open_gate = threading.Event()
+    open_gate.set()
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    save(os.path.join(root, "first"), GatedPlanner(open_gate)).result(timeout=120)
+    assert all(torch.equal(loaded(os.path.join(root, "first"), first)[k], v)
+               for k, v in first.items())
+
+    bump(model)
+    second = {k: v.clone() for k, v in model.state_dict().items()}
+    shut = threading.Event()
+    planner = GatedPlanner(shut)
+    upload = save(os.path.join(root, "second"), planner)  # returns although planning waits
+    assert not upload.done()
+    bump(model)  # training goes on while DCP still plans: the checkpoint must not see it
+    shut.set()
+    upload.result(timeout=120)
+    assert planner.entered.is_set()
+    got = loaded(os.path.join(root, "second"), second)
+    assert all(torch.equal(got[k], v) for k, v in second.items())
+
+    # A changed structure plans from scratch (the gate is open) and is right too.
+    model.add_module("extra", torch.nn.Linear(64, 8))
+    third = {k: v.clone() for k, v in model.state_dict().items()}
+    save(os.path.join(root, "third"), GatedPlanner(open_gate)).result(timeout=120)
+    got = loaded(os.path.join(root, "third"), third)
+    assert all(torch.equal(got[k], v) for k, v in third.items())
+    stager.close()
+
+
+def test_a_save_whose_planning_fails_after_staging_ahead_leaves_nothing(daemon, trained,
+                                                                        monkeypatch):
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    model, optimizer = trained
+    stager = dcp.Stager()
+    gate = threading.Event()
+    gate.set()
+    root = daemon.roots[0]
+    DCP.async_save(state(model, optimizer), storage_writer=dcp.StorageWriter(f"{root}/ok"),
+                   async_stager=stager, planner=GatedPlanner(gate)).result(timeout=120)
+    failing = os.path.join(root, "failing")
+    upload = DCP.async_save(state(model, optimizer), storage_writer=dcp.StorageWriter(failing),
+                            async_stager=stager, planner=GatedPlanner(gate, fail=True))
+    with pytest.raises(DCPCheckpointException) as info:  # carrying the planner's error
+        upload.result(timeout=120)
+    assert "global planning failed" in repr(info.value.args)
+    wait_for(lambda: all(r["phase"] in ("aborted", "done") for r in daemon.status()["requests"])
+             and daemon.status()["pool"]["used_bytes"] == 0, 60,
+             "the daemon to drop the save staged ahead")
+    assert [r["phase"] for r in daemon.status()["requests"]].count("aborted") >= 1
+    assert not os.path.exists(failing) or os.listdir(failing) == [], os.listdir(failing)
+    stager.close()
