@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import sys
+
+import numpy as np
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
@@ -32,6 +35,13 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def rng_state() -> dict:
+    """The RNG state Trainer keeps in ``rng_state.pth`` (its own synchronous writer)."""
+    numpy_state = np.random.get_state()
+    return {"python": random.getstate(), "cpu": torch.get_rng_state(),
+            "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]]}
+
+
 class Record(TrainerCallback):
     def __init__(self, refs: str, gate_dir: str, resume: bool) -> None:
         self.refs, self.gate_dir, self.resume, self.trainer = refs, gate_dir, resume, None
@@ -39,7 +49,8 @@ class Record(TrainerCallback):
 
     def snapshot(self, state, model, optimizer, lr_scheduler) -> dict:
         return copy.deepcopy({"model": model.state_dict(), "optim": optimizer.state_dict(),
-                              "lr": lr_scheduler.state_dict(), "step": state.global_step})
+                              "lr": lr_scheduler.state_dict(), "step": state.global_step,
+                              "rng": rng_state()})
 
     def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
         torch.save(self.snapshot(state, model, optimizer, lr_scheduler),

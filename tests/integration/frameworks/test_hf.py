@@ -4,7 +4,8 @@ A one-layer GPT-2 trains with a checkpoint every 2 steps and ``save_total_limit=
 the daemon writes checkpoint-6 (its writers paused) the trainer is SIGKILLed.
 checkpoint-6 must not be marked complete (stock ``get_last_checkpoint`` would pick it),
 ``train(resume_from_checkpoint=True)`` must restore exactly the model, optimizer and
-scheduler state of checkpoint-4, and rotation must go on deleting durable checkpoints only.
+scheduler state of checkpoint-4, and the RNG state (Python, numpy, torch CPU) Trainer
+keeps in ``rng_state.pth``, and rotation must go on deleting durable checkpoints only.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_killed_mid_save_resumes_from_the_last_complete_checkpoint(daemon, tmp_p
     run.resume(10)
     resumed = run.reference("resumed")
     assert resumed["step"] == 4
-    assert_same(resumed, run.reference("step-4"))
+    assert_same(resumed, run.reference("step-4"))  # RNG state included (resumed["rng"])
     assert checkpoints(output) == ["checkpoint-8", "checkpoint-10"]
     assert all(os.path.exists(os.path.join(output, n, COMPLETE_MARKER))
                for n in checkpoints(output))
