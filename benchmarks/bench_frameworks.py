@@ -252,12 +252,11 @@ def render(report: dict) -> str:
         default = next(n for n in methods if "default" in n)
         lines.append("")
         for name in ckptd:
-            ours = statistics.median(methods[name]["blocking"])
-            lines.append(f"- {name}: {statistics.median(methods[default]['blocking']) / ours:.1f}× "
-                         f"less blocking than {default}" + "".join(
-                             f"; {statistics.median(methods[o]['blocking']) / ours:.1f}× less "
-                             f"than {o}" for o in methods
-                             if o != default and o not in ckptd))
+            ours = methods[name]["blocking"]
+            lines.append(f"- {name} ({summary(ours)}): " + "; ".join(
+                f"{statistics.median(methods[o]['blocking']) / statistics.median(ours):.1f}× "
+                f"less blocking than {o} (bound {summary(methods[o]['blocking'])})"
+                for o in methods if o not in ckptd))
         lines.append("")
     return "\n".join(lines) + "\n"
 
