@@ -12,8 +12,10 @@ Owns two things a writer needs to write with ``O_DIRECT``:
   goes to the disk as it is, in large chunks written by a few threads (``pwritev``
   releases the GIL), each chunk checksummed by the thread that writes it; everything else
   (zip headers, padding, small tensors, the unaligned tail of a large one) is gathered in
-  a small page-aligned bounce buffer written the same way. The file's last page is written
-  whole and the file truncated to its size. Space is allocated ahead of the writes
+  a small page-aligned bounce buffer written the same way. Consecutive pieces (bounce
+  buffers, tensors) are gathered into one ``pwritev`` of up to a chunk, so a file of a
+  thousand records costs about one hand-over to a thread per chunk, not one per record.
+  The file's last page is written whole and the file truncated to its size. Space is allocated ahead of the writes
   (``fallocate``): a direct write past the end of a file takes the inode's lock alone and
   waits for the disk under it, so the threads' writes would queue one behind the other;
   into allocated space they run side by side.
@@ -196,18 +198,29 @@ def _load_fallocate():
 # glibc's fallocate, not os.posix_fallocate: where a filesystem cannot allocate, the latter
 # writes a zero into every block instead (with buffered 1-byte writes O_DIRECT refuses).
 _fallocate = _load_fallocate()
+_MAX_SEGMENTS = 512  # buffers per pwritev, well under the kernel's IOV_MAX (1024)
 
 
-def _write_piece(fd: int, view: memoryview, offset: int, checked: int, update) -> tuple:
-    """Checksum the first ``checked`` bytes of ``view`` and write all of it at ``offset``."""
-    crc = update(view[:checked], 0)
-    done = 0
-    while done < view.nbytes:
-        written = os.pwritev(fd, [view[done:]], offset + done)
+def _write_batch(fd: int, segments: list, offset: int, update) -> tuple:
+    """Checksum each ``(view, checked)`` segment's first ``checked`` bytes and write them
+    all, back to back, at ``offset`` (one ``pwritev`` for the lot, retried on a short one)."""
+    crc, checked_total = 0, 0
+    for view, checked in segments:
+        crc = update(view[:checked], crc)
+        checked_total += checked
+    views = [view for view, _ in segments]
+    done, total = 0, sum(view.nbytes for view in views)
+    while done < total:
+        written = os.pwritev(fd, views, offset + done)
         if not written:
             raise OSError(errno_mod.EIO, "pwritev returned no progress")
         done += written
-    return offset, checked, crc
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if written:
+            views[0] = views[0][written:]
+    return offset, checked_total, crc
 
 
 class DirectFileWriter:
@@ -236,12 +249,21 @@ class DirectFileWriter:
         self._chunk = max(PAGE, knobs.DIRECT_CHUNK_BYTES.get() // PAGE * PAGE)
         self._bounce_size = max(PAGE, knobs.DIRECT_BOUNCE_BYTES.get() // PAGE * PAGE)
         self._in_flight_limit = max(2, 2 * knobs.DIRECT_WRITE_THREADS.get())
+        # bounce buffers in flight, plus those gathered into the batch being built
+        self._buffer_limit = self._in_flight_limit + self._chunk // self._bounce_size + 1
         self._bounce: mmap.mmap | None = None
         self._fill = 0          # bytes in the bounce buffer
         self._bounce_at = 0     # file offset of the bounce buffer's first byte
         self._spare: list[mmap.mmap] = []
         self._buffers = 0
-        self._in_flight: deque[tuple[Future, mmap.mmap | None]] = deque()
+        self._in_flight: deque[tuple[Future, list[mmap.mmap]]] = deque()
+        # Consecutive pieces of the file gathered into one pwritev (one hand-over to a
+        # thread, one system call) up to a chunk: a file of many records would otherwise
+        # cost a thread wake-up per header and per tensor.
+        self._batch: list[tuple[memoryview, int]] = []
+        self._batch_buffers: list[mmap.mmap] = []
+        self._batch_at = 0
+        self._batch_bytes = 0
         self._pieces: list[tuple[int, int, int]] = []
         self._allocated = 0     # bytes of the file allocated ahead (0: allocation stopped)
         self._allocate_step = knobs.DIRECT_ALLOCATE_BYTES.get() // PAGE * PAGE
@@ -266,7 +288,7 @@ class DirectFileWriter:
             self._flush_bounce()
             for start in range(0, body, self._chunk):
                 piece = view[start:min(start + self._chunk, body)]
-                self._submit(self._bounce_at + start, piece, piece.nbytes, None)
+                self._queue(self._bounce_at + start, piece, piece.nbytes, None)
             self._bounce_at += body
             view = view[body:]
         self._copy(view)
@@ -290,14 +312,17 @@ class DirectFileWriter:
         if not self._fill:
             return
         length = padded or self._fill
-        self._submit(self._bounce_at, memoryview(self._bounce)[:length], self._fill,
+        self._queue(self._bounce_at, memoryview(self._bounce)[:length], self._fill,
                      self._bounce)
         self._bounce_at += self._fill
         self._bounce, self._fill = None, 0
 
     def _take_buffer(self) -> mmap.mmap:
-        while not self._spare and self._buffers >= self._in_flight_limit + 1:
-            self._reap()
+        while not self._spare and self._buffers >= self._buffer_limit:
+            if self._in_flight:
+                self._reap()
+            else:
+                self._send_batch()
         if self._spare:
             return self._spare.pop()
         self._buffers += 1
@@ -313,16 +338,32 @@ class DirectFileWriter:
             return
         self._allocated = target
 
-    def _submit(self, offset: int, view: memoryview, checked: int, buffer) -> None:
-        if self._allocating and offset + view.nbytes > self._allocated:
-            self._allocate_to(offset + view.nbytes)
+    def _queue(self, offset: int, view: memoryview, checked: int, buffer) -> None:
+        """Add a piece (it starts where the batch ends) to the batch; send it when full."""
+        if not self._batch:
+            self._batch_at = offset
+        self._batch.append((view, checked))
+        if buffer is not None:
+            self._batch_buffers.append(buffer)
+        self._batch_bytes += view.nbytes
+        if self._batch_bytes >= self._chunk or len(self._batch) >= _MAX_SEGMENTS:
+            self._send_batch()
+
+    def _send_batch(self) -> None:
+        if not self._batch:
+            return
+        end = self._batch_at + self._batch_bytes
+        if self._allocating and end > self._allocated:
+            self._allocate_to(end)
         while len(self._in_flight) >= self._in_flight_limit:
             self._reap()
-        future = _threads().submit(_write_piece, self._fd, view, offset, checked, self._update)
-        self._in_flight.append((future, buffer))
+        future = _threads().submit(_write_batch, self._fd, self._batch, self._batch_at,
+                                   self._update)
+        self._in_flight.append((future, self._batch_buffers))
+        self._batch, self._batch_buffers, self._batch_bytes = [], [], 0
 
     def _reap(self) -> None:
-        future, buffer = self._in_flight.popleft()
+        future, buffers = self._in_flight.popleft()
         try:
             self._pieces.append(future.result())
         except OSError as exc:
@@ -330,8 +371,7 @@ class DirectFileWriter:
             self.abort()
             raise
         finally:
-            if buffer is not None:
-                self._spare.append(buffer)
+            self._spare.extend(buffers)
 
     def finish(self) -> None:
         """Write what is left (the last page whole), wait for every write, and cut the
@@ -340,6 +380,7 @@ class DirectFileWriter:
             padded = -(-self._fill // PAGE) * PAGE
             self._bounce[self._fill:padded] = bytes(padded - self._fill)
             self._flush_bounce(padded)
+        self._send_batch()
         while self._in_flight:
             self._reap()
         if os.fstat(self._fd).st_size != self.size:

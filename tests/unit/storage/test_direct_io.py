@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckptd import knobs
-from ckptd.checksum import checksum_bytes, read_sidecar, verify_file
+from ckptd.checksum import algorithm_named, checksum_bytes, read_sidecar, verify_file
 from ckptd.storage import direct_io
 from ckptd.storage.durable import DurableFile, write_file_atomically
 from ckptd.storage.jobs import WriteTorch
@@ -159,3 +159,27 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes_logged_once(ramfs, 
     assert direct_io.probe_directory(str(ramfs.parent)).mode == "direct"  # ext4 / tmpfs
     assert sorted(os.listdir(ramfs)) == ["a", "a.ckptd-sum", "b", "b.ckptd-sum"]
 
+
+
+def test_a_batch_cut_short_by_the_kernel_is_written_to_its_end(tmp_path, monkeypatch):
+    # pwritev may write less than asked (a signal, a full device making room): the rest of
+    # the batch, from inside a segment, is written at the right offset, checksummed once.
+    segments = [(memoryview(bytes([n]) * size), size) for n, size in
+                enumerate([PAGE, 3 * PAGE, 5, 2 * PAGE + 7])]
+    real = os.pwritev
+    calls = []
+
+    def short(fd, views, offset):
+        calls.append(offset)
+        return real(fd, [memoryview(b"".join(bytes(v) for v in views))[:PAGE + 3]], offset)
+
+    monkeypatch.setattr(direct_io.os, "pwritev", short)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        offset, checked, crc = direct_io._write_batch(fd, segments, 10,
+                                                      algorithm_named("crc32c").update)
+    finally:
+        os.close(fd)
+    expected = b"".join(bytes(v) for v, _ in segments)
+    assert (tmp_path / "f").read_bytes()[10:] == expected and len(calls) > 1
+    assert (offset, checked, crc) == (10, len(expected), checksum_bytes(expected, "crc32c").value)
