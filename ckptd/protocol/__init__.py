@@ -53,7 +53,8 @@ __all__ = [
     "LocalCommitReply", "TraceSpansReply", "REPLIES", "reply_type_for",
     # staging layout and local parts
     "align_up", "layout_extent", "tensor_alignment", "encode_part_header", "decode_part_header",
-    "read_part_header", "PART_FRAME_BYTES",
+    "read_part_header", "part_version", "part_layout", "PART_MAGIC", "PART_MAGIC_V2",
+    "PART_FRAME_BYTES",
     # shared rules
     "check_session_id", "holder_order", "process_alive", "is_loopback_address",
     "ipc_export_id", "release_ipc_counters",

@@ -39,6 +39,7 @@ from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDo
 from ckptd.replication.replicator import Replicator
 from ckptd.server import local_status
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
+from ckptd.server.local_parts import part_ranges
 from ckptd.server.redundancy import RedundancyLedger
 from ckptd.server.requests import ReplicaSet, SaveRequest, host_name
 from ckptd.server.resident import ResidentParts
@@ -307,12 +308,10 @@ class LocalService:
             log.warning("request %d (rank %d): only %d of %d clique mates live on other nodes; "
                         "choose replication_jump = ranks per node", request.id, request.rank,
                         len(holders), wanted)
-        if holders:
-            base = request.extent.offset
+        if holders:  # the bytes of the part file, as the writer writes them
             self.replicator.command(Push(
                 request.id, PartRef(request.session, request.rank, request.iteration), holders,
-                [(base + offset, buffer[2])
-                 for offset, buffer in zip(request.offsets, request.buffers)]))
+                part_ranges(self.daemon.pool, request)))
         return [holder[0] for holder in holders]
 
     def _save_done(self, request: SaveRequest) -> None:

@@ -24,6 +24,7 @@ from ckptd.protocol import (Abort, AbortReply, CommitFile, ErrorCode, Forget, Fo
                             Staged, StagedReply, StageReply)
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.file_commits import FileCommits
+from ckptd.server.local_parts import clear_gaps, part_ranges
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
 from ckptd.server.ranks import RankInfo, RankRegistry
 from ckptd.server.requests import RequestTable, SaveRequest
@@ -294,7 +295,11 @@ class SaveService:
         place = self.daemon.tier.place(request) if request.tiered else None
         keep = None if request.tiered else lambda path: request.previous.setdefault(
             path, previous_name(path))  # a tiered save's local copy replaces nothing
-        jobs = list(jobs_for(request, self._job_done(request), place, keep))
+        ranges = None
+        if request.format == SaveFormat.LOCAL:
+            clear_gaps(self.daemon.pool, request)
+            ranges = part_ranges(self.daemon.pool, request)
+        jobs = list(jobs_for(request, self._job_done(request), place, keep, ranges))
         request.jobs = list(jobs)
         for job in jobs:
             job.on_stuck = lambda job, pid: self.lifecycle.writer_stuck(request, pid)
@@ -383,10 +388,12 @@ class SaveService:
             self.write_modes[root] = mode
 
 
-def jobs_for(request: SaveRequest, on_done, place=None, keep=None):
+def jobs_for(request: SaveRequest, on_done, place=None, keep=None, part_ranges=None):
     """The writer jobs of a staged request: what each save format writes, and where
     (``place(target path) -> path written``: a tiered save's local copy; ``keep(path) ->
-    name``: where the writer keeps the file it replaces, :mod:`ckptd.storage.previous`)."""
+    name``: where the writer keeps the file it replaces, :mod:`ckptd.storage.previous`;
+    ``part_ranges``: the pool ranges of a local part,
+    :func:`ckptd.server.local_parts.part_ranges`)."""
     base = request.extent.offset
     place = place or (lambda path: path)
     keep = keep or (lambda path: "")
@@ -395,9 +402,8 @@ def jobs_for(request: SaveRequest, on_done, place=None, keep=None):
         dtype, shape, nbytes = request.buffers[index]
         return [base + request.offsets[index], nbytes, dtype, shape]
 
-    if request.format == SaveFormat.LOCAL:  # a part is its buffers back to back, raw
-        items = [[base + request.offsets[i], b[2], "bytes", [b[2]]]
-                 for i, b in enumerate(request.buffers)]
+    if request.format == SaveFormat.LOCAL:  # a part is raw pool ranges, header included
+        items = [[offset, nbytes, "bytes", [nbytes]] for offset, nbytes in part_ranges]
         yield WriteJob(WriteItems(request.path, os.path.basename(request.path), items,
                                   request.bytes_total), on_done)
     elif request.format == SaveFormat.TORCH:

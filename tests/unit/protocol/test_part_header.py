@@ -15,12 +15,23 @@ def header(**overrides) -> bytes:
     return protocol.encode_part_header(**fields)
 
 
-def test_the_header_reads_back_and_says_where_the_data_starts():
-    raw = header()
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_header_reads_back_and_says_where_the_data_starts(version):
+    raw = header(version=version)
     parsed, data_offset = protocol.decode_part_header(raw + b"\x01" * 11)
     assert data_offset == len(raw)
     assert parsed == {"skeleton": b"sk", "buffers": [["float32", [2], 8], ["bytes", [3], 3]],
-                      "owner": 4, "iteration": 12, "session": "job"}
+                      "owner": 4, "iteration": 12, "session": "job", "version": version}
+
+
+def test_version_1_parts_put_tensors_back_to_back_version_2_where_the_extent_does():
+    sizes = [3, 70_000, 0, 8]
+    assert protocol.part_layout(1, 100, sizes) == ([100, 103, 70_103, 70_103], 70_111)
+    offsets, size = protocol.part_layout(2, 100, sizes)
+    extent, _ = protocol.layout_extent([100, *sizes])
+    assert offsets == extent[1:] and size == offsets[-1] + 8
+    assert offsets[1] % 4096 == 0 and all(o % 64 == 0 for o in offsets)
+    assert protocol.part_layout(2, 100, []) == ([], 100)
 
 
 def test_the_header_reads_from_a_stream_without_reading_the_data():

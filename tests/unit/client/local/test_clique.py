@@ -57,7 +57,7 @@ def test_part_header_round_trip_and_garbage():
     header, offset = protocol.decode_part_header(encoded + b"tensor bytes")
     assert offset == len(encoded)
     assert header == {"skeleton": b"skel", "buffers": buffers, "owner": 3, "iteration": 42,
-                      "session": "s"}
+                      "session": "s", "version": 2}
     for bad in (b"", b"NOTAPART" + bytes(8), encoded[:-1]):
         with pytest.raises(protocol.ProtocolError):
             protocol.decode_part_header(bad)
