@@ -32,6 +32,7 @@ __all__ = [
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_BULK_PORT", "MEMORY_TIER",
     "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
     "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT", "STUCK_AFTER",
+    "LOAD_READ_MODE", "LOAD_THREADS", "LOAD_READ_BYTES", "LOAD_COPY_BYTES",
     "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
     "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE",
@@ -352,6 +353,20 @@ STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float, "Seconds a save may wait for staging space (back-pressure)")
 LOCAL_LOAD_TIMEOUT = _knob(
     "LOCAL_LOAD_TIMEOUT", 600.0, float, "Seconds to wait for a daemon's inventory or a fetch")
+# Loads of local parts: read with O_DIRECT straight into the tensors' memory (no copy out
+# of the page cache, no cache filled with a checkpoint read once), in large reads on a few
+# threads, each piece checksummed by the thread that read or copied it while it is hot.
+LOAD_READ_MODE = _knob(
+    "LOAD_READ_MODE", "direct", str,
+    "How loads read local parts: direct (O_DIRECT where the filesystem allows) or buffered")
+LOAD_THREADS = _knob(
+    "LOAD_THREADS", 4, int, "Threads a load reads or copies (and checksums) a part with "
+    "(at most the CPUs this process may use)")
+LOAD_READ_BYTES = _knob(
+    "LOAD_READ_BYTES", 8 << 20, parse_size, "Bytes per read call of a load from disk")
+LOAD_COPY_BYTES = _knob(
+    "LOAD_COPY_BYTES", 1 << 20, parse_size,
+    "Bytes a load from the memory tier copies before checksumming them (cache-sized)")
 # Named CKPTD_ROOTS since the first release.
 AUTO_ROOTS = _knob(
     "AUTO_ROOTS", "/", str, "':'-separated roots an auto-started daemon allows", "CKPTD_ROOTS")

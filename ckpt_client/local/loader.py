@@ -4,13 +4,15 @@ part comes from.
 - :func:`choose_latest` turns every node's inventory (all-gathered by ``find_latest``)
   into a :class:`Latest`: the newest committed iteration whose every part is held,
   verified, on some node; who holds each part (in the fetch order); this node's own
-  entries (their file identity as the daemon verified it, and where the daemon still
-  keeps them in memory); and, when a newer committed iteration lost some parts on every
+  entries (where their files are, and where the daemon still keeps them in memory);
+  and, when a newer committed iteration lost some parts on every
   node, which ones (a clear error instead of a silent fallback).
 - :class:`PartLoader` gets this rank's part, in order of cost: from the daemon's staging
-  pool (the memory tier), from this node's disk (read once; not checksummed again when
-  the daemon just verified that very file), or fetched by the daemon from a holder (a
-  corrupted copy here is set aside first). It fills the load report SPEC §3 names.
+  pool (the memory tier), from this node's disk, or fetched by the daemon from a holder
+  (a corrupted copy here is set aside first). Every byte is read once and checked against
+  the part's checksum in the same pass (:mod:`ckpt_client.local.part_file`): a byte that
+  rotted on disk since the daemon last verified the file is caught too. It fills the
+  load report (``LocalCheckpointManager.last_load_report``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from ckpt_client.errors import DaemonUnavailableError
 from ckpt_client.local.part_file import read_part, read_resident
 
 log = logging.getLogger(__name__)
+
+#: How a node whose daemon has no peer socket is named among holders (never fetched from).
+_NO_PEER_SOCKET = "node of rank "
 
 
 @dataclass
@@ -64,7 +69,7 @@ def choose_latest(gathered: list, own_inventory: LocalInventoryReply, world_size
     committed: set = set()
     seen: set = set()
     for other, inventory, _ in gathered:
-        node = inventory.address or f"node of rank {other}"  # no peer socket: no sharing
+        node = inventory.address or f"{_NO_PEER_SOCKET}{other}"  # no sharing without one
         if node in seen:
             continue  # several ranks share a daemon
         seen.add(node)
@@ -117,15 +122,15 @@ class PartLoader:
         path, damage = part.path if part is not None else None, None
         if path is not None:
             try:
-                loaded = read_part(path, part.identity)
+                loaded = read_part(path)
             except ChecksumMismatchError as exc:  # corrupted since find_latest: heal it
                 damage = exc
                 log.warning("rank %d: own part of iteration %d is corrupted (%s); fetching a "
                             "verified copy from a peer", rank, latest.iteration, exc)
         if loaded is None:
-            path, identity = self._fetch(rank, latest, report, damage)
+            path = self._fetch(rank, latest, report, damage)
             try:
-                loaded = read_part(path, identity)
+                loaded = read_part(path)
             except ChecksumMismatchError as exc:
                 raise ChecksumMismatchError(f"rank {rank}, iteration {latest.iteration}: "
                                             f"{exc}") from None
@@ -146,12 +151,12 @@ class PartLoader:
             return None
 
     def _fetch(self, rank: int, latest: Latest, report: dict,
-               damage: ChecksumMismatchError | None) -> tuple[str, list | None]:
+               damage: ChecksumMismatchError | None) -> str:
         """Have the daemon fetch this rank's part from a holder (a corrupted copy here is
-        set aside first); returns where it now is, and its identity as the daemon verified
-        it on arrival."""
+        set aside first); returns where it now is."""
         iteration = latest.iteration
-        holders = [h for h in latest.holders.get(rank, []) if h != self._own_address]
+        holders = [h for h in latest.holders.get(rank, [])
+                   if h != self._own_address and not h.startswith(_NO_PEER_SOCKET)]
         if damage is not None and not holders:
             raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {damage} (and no "
                                         "other node holds a replica)")
@@ -166,4 +171,4 @@ class PartLoader:
                         "inspection, never loaded)", rank, reply.moved_aside)
         report.update(source="peer", holder=reply.holder, tried=reply.tried,
                       moved_aside=reply.moved_aside)
-        return reply.path, reply.identity
+        return reply.path

@@ -281,7 +281,9 @@ class LocalCheckpointManager:
         started = time.time()
         rank, _ = rank_and_world()
         skeleton, tensors = flatten_state_dict(part_state_dict(ta_state_dict))
-        header = bytearray(protocol.encode_part_header(  # writable: torch.frombuffer needs it
+        # Version 2 layout: the file mirrors the staging extent, so the daemon writes it and
+        # loads read it with O_DIRECT, every tensor in place (writable: torch.frombuffer)
+        header = bytearray(protocol.encode_part_header(
             skeleton, [describe(t) for t in tensors], rank, iteration, self.session_id))
         try:
             connection = self._ensure_session(agree=False)
@@ -376,7 +378,7 @@ class LocalCheckpointManager:
 
         The part comes from the daemon's memory when it still keeps it (a trainer
         restarted on a node whose daemon lived on), else from this node's disk (read once,
-        not checksummed again when the daemon just verified that very file), else the
+        with O_DIRECT where the filesystem allows, checksummed in the same pass), else the
         daemon fetches it from a holder. A part missing on this node, or one that fails
         its checksum (it is moved aside, never deleted, with a warning naming it), is
         fetched from the holders (clique mates first); a replica failing its checksum is
