@@ -580,7 +580,47 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def loads_main(argv: list[str]) -> int:
+    """``bench_local.py loads``: the memory tier against local disk (``local_loads.py``);
+    its section of ``--out`` is replaced, the rest of the file kept."""
+    import local_loads
+
+    p = argparse.ArgumentParser(prog="bench_local.py loads",
+                                description=local_loads.__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="48,256,1024", help="part sizes per rank (MiB)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="loads of each kind per round")
+    p.add_argument("--workdir", default=None, help="scratch parent (default: $TMPDIR)")
+    p.add_argument("--out", default=None, help="Markdown report to put the section in")
+    args = p.parse_args(argv)
+    report = local_loads.run([int(s) for s in args.sizes.split(",")], args.rounds,
+                             args.repeats, args.workdir)
+    report["command"] = "python " + " ".join([os.path.relpath(__file__), "loads", *argv])
+    text = local_loads.render(report)
+    print(text)
+    if args.out:
+        write_section(args.out, text, "loads")
+        with open(os.path.splitext(args.out)[0] + "_loads.json", "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def write_section(out: str, text: str, name: str) -> None:
+    """Put ``text`` between this section's markers in ``out`` (appended the first time)."""
+    begin, end = f"<!-- section {name} -->", f"<!-- end section {name} -->"
+    old = open(out).read() if os.path.exists(out) else ""
+    block = f"{begin}\n{text}{end}\n"
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + block + old[old.index(end) + len(end) + 1:]
+    else:
+        new = old + ("\n" if old and not old.endswith("\n\n") else "") + block
+    with open(out, "w") as f:
+        f.write(new)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "loads":
+        sys.exit(loads_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "--loopback-receiver":
         port, protection, streams, per_stream, *keys = sys.argv[2:]
         _loopback_receive(int(port), protection, int(streams), int(per_stream), keys)
