@@ -134,7 +134,16 @@ def trainer_disk(root: str, repeats: int) -> dict:
         raw_cold.append(_raw_read_s(first["path"]))
         raw_warm.append(_raw_read_s(first["path"]))
     return {"first": first, "cold": cold, "warm": warm, "raw_cold_s": raw_cold,
-            "raw_warm_s": raw_warm}
+            "raw_warm_s": raw_warm, "read_mode": _read_mode()}
+
+
+def _read_mode() -> str:
+    """How this process's loads read the part: what the loader decided for its filesystem."""
+    try:
+        from ckpt_client.local import part_io
+    except ImportError:  # a tree from before direct reads
+        return "buffered (page cache; the loader before O_DIRECT reads)"
+    return "direct (O_DIRECT)" if any(part_io._modes.values()) else "buffered (page cache)"
 
 
 # ================================================================ the run
@@ -287,15 +296,12 @@ def render(report: dict) -> str:
 
 def run(sizes: list[int], rounds: int, repeats: int, workdir: str | None) -> dict:
     """Measure every size in a scratch directory on this machine's disk."""
-    sys.path.insert(0, REPO)
-    from ckptd import knobs
     from procmem import loadavg
 
     base = tempfile.mkdtemp(prefix="bench-loads-", dir=workdir)
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "rounds": rounds, "repeats": repeats, "load_start": loadavg(),
-              "read_mode": knobs.LOCAL_READ_MODE.get() if hasattr(knobs, "LOCAL_READ_MODE")
-              else "buffered", "filesystem": _filesystem(base), "raw": []}
+              "filesystem": _filesystem(base), "raw": []}
     try:
         for mib in sizes:
             raw = measure_size(mib, rounds, repeats, os.path.join(base, f"{mib}"))
@@ -304,6 +310,8 @@ def run(sizes: list[int], rounds: int, repeats: int, workdir: str | None) -> dic
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report["sizes"] = [summarize(raw) for raw in report["raw"]]
+    report["read_mode"] = ", ".join(sorted({r["disk"]["read_mode"] for raw in report["raw"]
+                                            for r in raw["rounds"]}))
     report["load_end"] = loadavg()
     return report
 
