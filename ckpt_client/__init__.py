@@ -15,19 +15,21 @@ package (the shared wire, file and tuning contracts; their ``__all__``), never i
 internals.
 """
 
-from ckpt_client.queue.calls_queue import (AsyncCallsQueue, AsyncRequest, abort_async_checkpoints,
-                                     abort_nvrx_checkpoint)
-from ckpt_client.transport.connection import DaemonConnection, connect
+from ckpt_client import dcp
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
-from ckpt_client.megatron.writer import FileSystemWriterAsync
-from ckpt_client.queue.guard import guard_optimizer
 from ckpt_client.local import (BasicTensorAwareStateDict, CliqueReplicationStrategy,
                                LocalCheckpointManager)
+from ckpt_client.local.tensor_aware import TensorAwareStateDict
 from ckpt_client.megatron.saver import (CheckpointMetadataCache, init_checkpoint_metadata_cache,
                                         save_state_dict_async_finalize, save_state_dict_async_plan)
+from ckpt_client.megatron.writer import FileSystemWriterAsync
+from ckpt_client.queue.calls_queue import (AsyncCallsQueue, abort_async_checkpoints,
+                                           abort_nvrx_checkpoint)
+from ckpt_client.queue.guard import guard_optimizer
+from ckpt_client.queue.request import AsyncRequest
 from ckpt_client.state_dicts import preload_tensors, wrap_for_async
-from ckpt_client.local.tensor_aware import TensorAwareStateDict
 from ckpt_client.torch_ckpt import TorchAsyncCheckpoint, async_torch_save
+from ckpt_client.transport.connection import DaemonConnection, connect
 
 __all__ = [
     "AsyncCallsQueue", "AsyncRequest", "BasicTensorAwareStateDict", "CheckpointException",

@@ -8,11 +8,11 @@ does not free CUDA tensors it inherited).
 
 from __future__ import annotations
 
-import functools
-import gc
-from typing import Any, Callable
+from typing import Any
 
 import torch
+
+from ckpt_client.queue.gcpause import collector_paused
 
 
 def diff(x1: Any, x2: Any, prefix: tuple = ()) -> tuple[list, list, list]:
@@ -82,17 +82,6 @@ def preload_tensors(state_dict: Any, non_blocking: bool = True) -> Any:
     return state_dict
 
 
-def wrap_for_async(fn: Callable) -> Callable:
-    """``fn`` with the garbage collector disabled while it runs."""
-
-    @functools.wraps(fn)
-    def without_gc(*args, **kwargs):
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-
-    return without_gc
+#: The reference's name for running a function with the cyclic collector paused (what a
+#: forked helper needs, so that it does not free CUDA tensors it inherited).
+wrap_for_async = collector_paused

@@ -16,11 +16,12 @@ from typing import IO, Any
 import torch
 
 from ckptd.protocol import SaveFormat
-from ckpt_client.queue.calls_queue import AsyncCallsQueue, AsyncRequest, wait_for_daemon_saves
+from ckpt_client.queue import spans
+from ckpt_client.queue.calls_queue import AsyncCallsQueue
+from ckpt_client.queue.gcpause import collector_paused
+from ckpt_client.queue.request import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.flatten import flatten_state_dict
-from ckpt_client.queue import spans
-from ckpt_client.queue.gcpause import collector_paused
 from ckpt_client.transport.handover import stage
 
 

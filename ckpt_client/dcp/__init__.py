@@ -4,14 +4,26 @@ What users call: :func:`async_save` (plan, stage, and an ``AsyncRequest`` whose 
 commits ``.metadata`` last), :class:`StorageWriter` for stock ``dcp.save``,
 :class:`Stager` for stock ``dcp.async_save`` (the daemon stages),
 :class:`VerifyingFileSystemReader` (stock reader that checks ckptd's checksums) and
-:func:`verify_checkpoint`.
+:func:`verify_checkpoint`. The modules:
+
+- :mod:`~ckpt_client.dcp.save` — ``async_save`` and its finalize step
+- :mod:`~ckpt_client.dcp.planning` — local and global plans, their caches, early staging
+- :mod:`~ckpt_client.dcp.plan_reuse` — reusing a local plan while the structure is unchanged
+- :mod:`~ckpt_client.dcp.writer` — the ``StorageWriter`` (stage, write results, finish)
+- :mod:`~ckpt_client.dcp.commit` — the one ``.metadata`` commit, on the coordinator, last
+- :mod:`~ckpt_client.dcp.commit_handover` — a tiered save's commit, given to the
+  coordinator's daemon at staging time
+- :mod:`~ckpt_client.dcp.files` — file names and which items go into which file
+- :mod:`~ckpt_client.dcp.reader` — the checksum-verifying reader
+- :mod:`~ckpt_client.dcp.stager` — the ``Stager`` for stock ``dcp.async_save``
 """
 
+from ckpt_client.dcp.files import (DCP_SUFFIX, METADATA_NAME, chunk_files, item_nbytes,
+                                   resolve_items, split_into_files)
+from ckpt_client.dcp.reader import VerifyingFileSystemReader, verify_checkpoint
+from ckpt_client.dcp.save import async_save
 from ckpt_client.dcp.stager import Stager
-from ckpt_client.dcp.writer import (DCP_SUFFIX, METADATA_NAME, DaemonStorageWriter, StorageWriter,
-                                    VerifyingFileSystemReader, async_save, chunk_files,
-                                    item_nbytes, resolve_items, split_into_files,
-                                    verify_checkpoint)
+from ckpt_client.dcp.writer import DaemonStorageWriter, StorageWriter
 
 __all__ = ["DCP_SUFFIX", "METADATA_NAME", "DaemonStorageWriter", "Stager", "StorageWriter",
            "VerifyingFileSystemReader", "async_save", "chunk_files", "item_nbytes",

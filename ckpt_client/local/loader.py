@@ -1,96 +1,29 @@
-"""The read side of local checkpoints: which iteration is complete, and where this rank's
-part comes from.
+"""Where this rank's local-checkpoint part comes from when it loads, in order of cost.
 
-- :func:`choose_latest` turns every node's inventory (all-gathered by ``find_latest``)
-  into a :class:`Latest`: the newest committed iteration whose every part is held,
-  verified, on some node; who holds each part (in the fetch order); this node's own
-  entries (where their files are, and where the daemon still keeps them in memory);
-  and, when a newer committed iteration lost some parts on every
-  node, which ones (a clear error instead of a silent fallback).
-- :class:`PartLoader` gets this rank's part, in order of cost: from the daemon's staging
-  pool (the memory tier), from this node's disk, or fetched by the daemon from a holder
-  (a corrupted copy here is set aside first). Every byte is read once and checked against
-  the part's checksum in the same pass (:mod:`ckpt_client.local.part_file`): a byte that
-  rotted on disk since the daemon last verified the file is caught too. It fills the
-  load report (``LocalCheckpointManager.last_load_report``).
+:class:`PartLoader` gets the part of a :class:`~ckpt_client.local.latest.Latest`: from
+the daemon's staging pool (the memory tier), from this node's disk, or fetched by the
+daemon from a holder (a corrupted copy here is set aside first). Every byte is read once
+and checked against the part's checksum in the same pass
+(:mod:`ckpt_client.local.part_file`): a byte that rotted on disk since the daemon last
+verified the file is caught too. It fills the load report users read as
+``LocalCheckpointManager.last_load_report``: ``source``, ``holder``, ``bytes``, and what
+the fetch tried.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError
-from ckptd.protocol import HeldPart, LocalFetch, LocalInventoryReply, MessageType
+from ckptd.protocol import HeldPart, LocalFetch, MessageType
 from ckpt_client.errors import DaemonUnavailableError
+from ckpt_client.local.latest import NO_PEER_SOCKET, Latest
 from ckpt_client.local.part_file import read_part, read_resident
 
 log = logging.getLogger(__name__)
-
-#: How a node whose daemon has no peer socket is named among holders (never fetched from).
-_NO_PEER_SOCKET = "node of rank "
-
-
-@dataclass
-class Latest:
-    """What ``find_latest`` found (see :func:`choose_latest`)."""
-
-    iteration: int = -1
-    holders: dict = field(default_factory=dict)    # owner -> holder addresses, fetch order
-    own_parts: dict[int, HeldPart] = field(default_factory=dict)  # owner -> part held here
-    incomplete: tuple | None = None                # (newer iteration, owners held nowhere)
-
-    def missing_text(self) -> str:
-        """Why a newer committed iteration is not loadable ('' when none is)."""
-        if self.incomplete is None:  # choose_latest records only iterations newer than its pick
-            return ""
-        iteration, lost = self.incomplete
-        return (f"iteration {iteration} was committed, but no node holds the parts of ranks "
-                f"{lost} any more (all the nodes of their clique lost them)")
-
-
-def choose_latest(gathered: list, own_inventory: LocalInventoryReply, world_size: int,
-                  order_holders: Callable[[int, list], list]) -> Latest:
-    """The newest committed iteration every part of which some node holds, verified.
-
-    Parameters
-    ----------
-    gathered : list
-        ``(rank, inventory, error)`` of every rank (inventories of one node repeat).
-    own_inventory : ckptd.protocol.LocalInventoryReply
-        This rank's daemon's inventory.
-    order_holders : callable
-        ``order_holders(owner, nodes)``: the holders of a part in fetch order.
-    """
-    holders: dict[tuple, list] = {}
-    committed: set = set()
-    seen: set = set()
-    for other, inventory, _ in gathered:
-        node = inventory.address or f"{_NO_PEER_SOCKET}{other}"  # no sharing without one
-        if node in seen:
-            continue  # several ranks share a daemon
-        seen.add(node)
-        for part in inventory.parts:
-            if part.committed:
-                committed.add(part.iteration)
-            if part.verified:
-                holders.setdefault((part.iteration, part.owner), []).append(node)
-    latest = Latest()
-    for iteration in sorted(committed, reverse=True):
-        lost = [owner for owner in range(world_size) if (iteration, owner) not in holders]
-        if not lost:
-            latest.iteration = iteration
-            break
-        latest.incomplete = latest.incomplete or (iteration, lost)
-    if latest.iteration >= 0:
-        latest.holders = {owner: order_holders(owner, holders[(latest.iteration, owner)])
-                          for owner in range(world_size)}
-        latest.own_parts = {p.owner: p for p in own_inventory.parts
-                            if p.iteration == latest.iteration and p.verified}
-    return latest
 
 
 class PartLoader:
@@ -156,7 +89,7 @@ class PartLoader:
         set aside first); returns where it now is."""
         iteration = latest.iteration
         holders = [h for h in latest.holders.get(rank, [])
-                   if h != self._own_address and not h.startswith(_NO_PEER_SOCKET)]
+                   if h != self._own_address and not h.startswith(NO_PEER_SOCKET)]
         if damage is not None and not holders:
             raise ChecksumMismatchError(f"rank {rank}, iteration {iteration}: {damage} (and no "
                                         "other node holds a replica)")

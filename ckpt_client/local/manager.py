@@ -39,17 +39,21 @@ from pathlib import Path
 
 from ckptd import knobs, protocol
 from ckptd.protocol import LocalCommit, LocalInventory, MessageType, SaveFormat
+from ckpt_client.collectives import all_gather, rank_and_world
 from ckpt_client.queue import spans
-from ckpt_client.queue.calls_queue import AsyncCallsQueue, AsyncRequest
-from ckpt_client.collectives import (all_gather, initialized, rank_and_world)
-from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.local.cliques import CliqueReplicationStrategy
+from ckpt_client.local.latest import Latest, choose_latest
+from ckpt_client.local.loader import PartLoader
 from ckpt_client.local.session import SessionRegistration
-from ckpt_client.local.loader import Latest, PartLoader, choose_latest
+from ckpt_client.local.tensor_aware import (BasicTensorAwareStateDict, TensorAwareStateDict,
+                                            part_state_dict, restore_from_part)
+from ckpt_client.queue.calls_queue import AsyncCallsQueue
+from ckpt_client.queue.request import AsyncRequest
+from ckpt_client.transport.connection import DaemonConnection, connect
+from ckpt_client.transport.daemon_save import RefusedSave
 from ckpt_client.transport.flatten import describe, flatten_state_dict
-from ckpt_client.transport.handover import RefusedSave, stage
-from ckpt_client.local.tensor_aware import (NestedTensorAwareStateDict, TensorAwareStateDict,
-                                      part_state_dict, restore_from_part)
+from ckpt_client.transport.handover import stage
 
 log = logging.getLogger(__name__)
 
@@ -60,112 +64,6 @@ BLOCKED_SPAN = "blocked in LocalCheckpointManager.save"
 #: ``(iteration, rank, session_id)``: which part ``load`` returned.
 CkptID = tuple[int, int, str]
 
-
-class BasicTensorAwareStateDict(NestedTensorAwareStateDict):
-    """A state dict whose tensors are reachable through dicts, lists and tuples.
-
-    Parameters
-    ----------
-    state_dict : dict
-        Tensors (CPU or CUDA) and plain values (str, bytes, numbers, bool, None) nested
-        in dicts, lists and tuples. Anything else is refused at ``save`` time, since
-        parts are stored without pickling.
-
-    Attributes
-    ----------
-    state_dict : dict
-        The wrapped state dict (after ``load``: tensors on the CPU).
-    """
-
-    def __init__(self, state_dict: dict) -> None:
-        self.state_dict = state_dict
-
-    def __repr__(self) -> str:
-        return f"BasicTensorAwareStateDict({len(self.state_dict)} top-level keys)"
-
-
-class CliqueReplicationStrategy:
-    """Replicate each rank's part to the other ranks of its clique.
-
-    Parameters
-    ----------
-    cliques : list of list of int
-        Disjoint groups of ranks covering ``range(world_size)``; each rank's part is kept
-        by every rank (that is, that rank's node) of its clique.
-
-    See Also
-    --------
-    from_replication_params : build the cliques from a jump and a factor.
-    """
-
-    def __init__(self, cliques: list[list[int]]) -> None:
-        ranks = sorted(r for c in cliques for r in c)
-        if ranks != list(range(len(ranks))):
-            raise ValueError(f"cliques {cliques} must cover ranks 0..N-1 exactly once each")
-        self.cliques = [list(c) for c in cliques]
-        self.world_size = len(ranks)
-
-    @classmethod
-    def from_replication_params(cls, replication_jump: int = 1, replication_factor: int = 2,
-                                world_size: int | None = None) -> "CliqueReplicationStrategy":
-        """Cliques of ``replication_factor`` ranks spaced ``replication_jump`` apart.
-
-        The ranks are cut into consecutive blocks of ``replication_jump *
-        replication_factor``; inside a block, rank ``b + o`` (offset ``o <
-        replication_jump``) forms a clique with ``b + o + k * replication_jump`` for
-        ``k < replication_factor``. So jump 1 groups consecutive ranks (0,1), (2,3), ...;
-        with 8 ranks, jump 4 and factor 2 gives (0,4), (1,5), (2,6), (3,7): set the jump
-        to the number of ranks per node so that clique mates live on different nodes.
-
-        The world size must be a multiple of ``replication_jump * replication_factor``;
-        otherwise some cliques would be short (uneven), and the call is refused.
-
-        Parameters
-        ----------
-        replication_jump : int
-            Distance between the ranks of a clique (>= 1).
-        replication_factor : int
-            Ranks per clique, i.e. copies of each part (>= 1; 1 = no replication).
-        world_size : int, optional
-            Default: the size of the initialized default process group.
-
-        Raises
-        ------
-        ValueError
-            For a jump or factor below 1, or a world size that is not a multiple of
-            ``replication_jump * replication_factor``.
-        """
-        if world_size is None:
-            if initialized() is None:
-                raise ValueError("from_replication_params needs world_size= or an initialized "
-                                 "torch.distributed process group")
-            _, world_size = rank_and_world()
-        for name, value in (("replication_jump", replication_jump),
-                            ("replication_factor", replication_factor)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, not {value!r}")
-        block = replication_jump * replication_factor
-        if world_size % block:
-            raise ValueError(
-                f"cannot form even cliques: world size {world_size} is not a multiple of "
-                f"replication_jump x replication_factor = {replication_jump} x "
-                f"{replication_factor} = {block}; choose a jump and factor whose product "
-                f"divides {world_size} (e.g. jump = ranks per node, factor 2)")
-        cliques = [[start + offset + k * replication_jump for k in range(replication_factor)]
-                   for start in range(0, world_size, block) for offset in range(replication_jump)]
-        return cls(cliques)
-
-    def clique_of(self, rank: int) -> list[int]:
-        """The clique ``rank`` belongs to."""
-        return next(c for c in self.cliques if rank in c)
-
-    @property
-    def replication_factor(self) -> int:
-        """Copies of each part (clique size)."""
-        return len(self.cliques[0]) if self.cliques else 1
-
-
-# ------------------------------------------------------------------ the manager
 
 class LocalCheckpointManager:
     """Save, find and load node-local checkpoints through this node's ckptd.
@@ -288,7 +186,7 @@ class LocalCheckpointManager:
         try:
             connection = self._ensure_session(agree=False)
             daemon_save = stage(connection, SaveFormat.LOCAL, self.root, [header, *tensors],
-                                extra={"session": self.session_id, "iteration": iteration})
+                                session=self.session_id, iteration=iteration)
         except (DaemonRequestError, DaemonUnavailableError) as exc:
             log.error("rank %d: local save of iteration %d refused: %s", rank, iteration, exc)
             daemon_save = RefusedSave(rank, str(exc))

@@ -110,7 +110,7 @@ class SessionRegistration:
         info = None
         try:
             if connection is not None:
-                info = connection.call(MessageType.PEER_INFO)
+                info = connection.call(protocol.MessageType.PEER_INFO)
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             error = str(exc)
         gathered = all_gather({k: getattr(info, k, None) for k in (

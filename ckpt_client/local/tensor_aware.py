@@ -4,7 +4,7 @@ checkpoints, and how ``LocalCheckpointManager`` turns one into a part and back.
 - :class:`TensorAwareStateDict` is the abstract interface (separate tensors from the rest,
   move them to the CPU and back), so subclasses written for the reference keep working.
 - :class:`NestedTensorAwareStateDict` implements it over a nested ``state_dict`` (dicts,
-  lists, tuples); ``BasicTensorAwareStateDict`` is one.
+  lists, tuples); :class:`BasicTensorAwareStateDict` is the one users wrap their state in.
 - :func:`part_state_dict` / :func:`restore_from_part`: a nested one is stored as its
   plain values and raw tensors (nothing pickled). Any other subclass is stored as the
   reference stores it: tensors copied to the CPU (``copy_tensors_to_cpu``), then the
@@ -203,3 +203,26 @@ def restore_from_part(state_dict: dict) -> TensorAwareStateDict | None:
     restored = torch.load(io.BytesIO(raw), weights_only=False)
     restored.restore_tensor_device(non_blocking=False)
     return restored
+
+
+class BasicTensorAwareStateDict(NestedTensorAwareStateDict):
+    """A state dict whose tensors are reachable through dicts, lists and tuples.
+
+    Parameters
+    ----------
+    state_dict : dict
+        Tensors (CPU or CUDA) and plain values (str, bytes, numbers, bool, None) nested
+        in dicts, lists and tuples. Anything else is refused at ``save`` time, since
+        parts are stored without pickling.
+
+    Attributes
+    ----------
+    state_dict : dict
+        The wrapped state dict (after ``load``: tensors on the CPU).
+    """
+
+    def __init__(self, state_dict: dict) -> None:
+        self.state_dict = state_dict
+
+    def __repr__(self) -> str:
+        return f"BasicTensorAwareStateDict({len(self.state_dict)} top-level keys)"

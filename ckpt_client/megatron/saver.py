@@ -36,9 +36,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckpt_client.collectives import Group
-from ckpt_client.queue.gcpause import collector_paused
+from ckpt_client.dcp.commit import commit_on_coordinator
 from ckpt_client.errors import CheckpointException
-from ckpt_client.megatron.writer import FileSystemWriterAsync, WorkerFailure, is_wrapped_failure
+from ckpt_client.megatron.results import WorkerFailure, is_wrapped_failure
+from ckpt_client.megatron.writer import FileSystemWriterAsync
+from ckpt_client.queue.gcpause import collector_paused
 
 log = logging.getLogger(__name__)
 
@@ -273,21 +275,19 @@ def save_state_dict_async_finalize(storage_writer: FileSystemWriterAsync,
         the other ranks' name the failing ranks and the cause.
     """
     group = dist_wrapper
-    gathered = group.gather_to_coordinator(storage_writer.retrieve_write_results())
-    errors: dict[int, BaseException] = {}
-    if group.is_coordinator:
-        errors = {group.global_rank(rank): outcome[0] for rank, outcome in enumerate(gathered)
-                  if is_wrapped_failure(outcome)}
-        if not errors:
-            try:
-                if global_metadata is None:
-                    raise RuntimeError("the coordinator has no global metadata; pass what "
-                                       "save_state_dict_async_plan returned unchanged")
-                storage_writer.finish(copy.copy(global_metadata), gathered)
-            except Exception as exc:  # every rank must learn that the commit failed
-                errors[group.coordinator_global] = exc
-    causes = group.broadcast_from_coordinator({rank: _cause(rank, exc)
-                                               for rank, exc in errors.items()})
+
+    def failed_ranks(gathered: list) -> dict:
+        return {group.global_rank(rank): outcome[0] for rank, outcome in enumerate(gathered)
+                if is_wrapped_failure(outcome)}
+
+    def commit(gathered: list) -> None:
+        if global_metadata is None:
+            raise RuntimeError("the coordinator has no global metadata; pass what "
+                               "save_state_dict_async_plan returned unchanged")
+        storage_writer.finish(copy.copy(global_metadata), gathered)
+
+    errors, causes = commit_on_coordinator(group, storage_writer.retrieve_write_results(),
+                                           commit, cause=_cause, rank_failures=failed_ranks)
     if not causes:
         return
     if group.is_coordinator:

@@ -23,109 +23,36 @@ go into ``.metadata`` instead, as its ``ckptd_checksums`` attribute (file -> [cr
 A custom ``open_file`` (the reference's hook for tests) cannot run inside the daemon:
 with one, this trainer writes the files through it, in a forked helper process on a queue
 (in-process for a synchronous run), and commits ``.metadata`` itself as stock DCP does.
+How the save function runs is :mod:`ckpt_client.megatron.write_runners`'s.
 """
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
-import logging
 import os
-import pickle
-import time
-import traceback
 from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import (CURRENT_DCP_VERSION, _StorageInfo,
-                                                     _StoragePrefix)
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptd import protocol
-from ckptd.protocol import CommitFile, MessageType, SaveFormat
-from ckpt_client.queue.calls_queue import AsyncRequest, HelperOptions, _NoopRunner, _ProcessRunner
+from ckptd.protocol import SaveFormat
 from ckpt_client.collectives import rank_and_world
-from ckpt_client.transport.connection import connect
-from ckpt_client.dcp.writer import DaemonStorageWriter, item_nbytes, resolve_items, split_into_files
+from ckpt_client.dcp.commit import commit_metadata
+from ckpt_client.dcp.files import DCP_SUFFIX, item_nbytes, resolve_items, split_into_files
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
-from ckpt_client.transport.handover import RefusedSave, stage
-
-log = logging.getLogger(__name__)
-
-METADATA_NAME = ".metadata"
-DCP_SUFFIX = ".distcp"
-INVALID_SETUP = ("Invalid Setup! FileSystemWriterAsync(is_multiproc_io=True) asks for writer "
-                 "child processes, which the daemonic helper of AsyncCallsQueue(is_daemon=True) "
-                 "cannot start (the reference refuses this combination too); use "
-                 "AsyncCallsQueue(is_daemon=False) or is_multiproc_io=False")
-
-
-class WorkerFailure(RuntimeError):
-    """Why the background write of one rank failed (what ``retrieve_write_results`` wraps).
-
-    Parameters
-    ----------
-    reason : str
-        What failed, with the rank and file where known.
-    """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"Worker failure: {self.reason}"
-
-
-def wrap_failure(reason: str) -> tuple:
-    """``reason`` as DCP's wrapped exception: ``(WorkerFailure, StackSummary)``, picklable."""
-    return WorkerFailure(reason), traceback.StackSummary()
-
-
-def is_wrapped_failure(value: Any) -> bool:
-    """Whether ``value`` is a wrapped exception (DCP's ``(exception, StackSummary)``)."""
-    return (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], BaseException)
-            and isinstance(value[1], traceback.StackSummary))
-
-
-class WriteResultList(list):
-    """One rank's DCP write results, plus the checksums ckptd computed per file.
-
-    Attributes
-    ----------
-    file_checksums : dict of str to [int, int]
-        File name -> ``[crc32, size]`` (empty when the trainer wrote the files itself).
-    """
-
-    def __init__(self, results=(), file_checksums: dict | None = None) -> None:
-        super().__init__(results)
-        self.file_checksums = dict(file_checksums or {})
-
-
-class WriteResultsSlot:
-    """Where a save function leaves its outcome for ``retrieve_write_results``.
-
-    The reference passes a multiprocessing queue in the same place; here the outcome is
-    always delivered in the trainer process, so a plain slot is enough.
-    """
-
-    def __init__(self) -> None:
-        self._outcome: WriteResultList | str | None = None
-
-    def put(self, outcome: WriteResultList | str) -> None:
-        """Record the write results, or why the write failed (a string)."""
-        self._outcome = outcome
-
-    def take(self) -> WriteResultList | str | None:
-        """The outcome (``None`` if none was recorded), once."""
-        outcome, self._outcome = self._outcome, None
-        return outcome
-
+from ckpt_client.megatron.results import (WriteResultList, WriteResultsSlot, is_wrapped_failure,
+                                          wrap_failure)
+from ckpt_client.megatron.write_runners import SaveFunction, StagedWrite
+from ckpt_client.transport.connection import connect
+from ckpt_client.transport.daemon_save import RefusedSave
+from ckpt_client.transport.handover import stage
 
 @dataclasses.dataclass
 class _FileEntry:
@@ -141,149 +68,6 @@ class _PreparedWrite:
     plan: SavePlan
     sources: list  # resolved data of plan.items[i]
     files: list  # _FileEntry
-
-
-@dataclasses.dataclass
-class _StagedWrite:
-    """What ``preload_fn`` returns in daemon mode: the staged save and how to read it back."""
-
-    save: Any  # DaemonSave or RefusedSave
-    plan: SavePlan
-
-
-class _DaemonWriteRunner:
-    """Polls a staged save; when the daemon is done, leaves the outcome in the slot.
-
-    Failures travel through the slot (as in the reference, they surface in
-    ``save_state_dict_async_finalize``), so the queue always sees success.
-    """
-
-    def __init__(self, staged: _StagedWrite, results: WriteResultsSlot) -> None:
-        self.staged = staged
-        self.results = results
-        self._error: str | None = None
-        self._done = False
-
-    def poll(self) -> tuple[bool, str | None]:
-        if not self._done:
-            save = self.staged.save
-            if not save.finished:
-                return False, None
-            self._done = True
-            self._error = save.error
-            if self._error:
-                self.results.put(self._error)
-            else:
-                self.results.put(WriteResultList(
-                    DaemonStorageWriter.write_results(save, self.staged.plan),
-                    {w.name: [w.crc32, w.size] for w in save.last.written}))
-        return True, None
-
-    def cleanup(self, failed: bool) -> None:
-        self.staged.save.forget(delete_files=bool(self._error))
-
-    def abort(self, reason: str) -> None:
-        self.staged.save.abort(reason)
-        self.results.put(f"the save was aborted: {reason}")
-
-
-class _HelperWriteRunner:
-    """Runs :func:`write_files` (custom ``open_file``) in a forked helper process; its
-    outcome goes to the slot."""
-
-    def __init__(self, open_file: Callable, buckets: list, rank: int, results: WriteResultsSlot,
-                 options: HelperOptions) -> None:
-        self.rank = rank
-        self.results = results
-        self._delivered = False
-        self._inner = _ProcessRunner(AsyncRequest(write_files, (open_file, buckets, rank)),
-                                     options, send_result=True)
-
-    def poll(self) -> tuple[bool, str | None]:
-        done, crashed = self._inner.poll()
-        if done and not self._delivered:
-            self._delivered = True
-            self.results.put(f"rank {self.rank}: the writer helper failed: {crashed}" if crashed
-                             else self._inner.result)
-        return done, None
-
-    def cleanup(self, failed: bool) -> None:
-        self._inner.cleanup(failed)
-
-    def abort(self, reason: str) -> None:
-        self._inner.abort(reason)
-        self.results.put(f"the save was aborted: {reason}")
-
-
-def write_files(open_file: Callable, buckets: list, rank: int) -> WriteResultList | str:
-    """Write DCP files through ``open_file`` as torch does.
-
-    Parameters
-    ----------
-    open_file : callable
-        ``open_file(path, "wb")`` returns a binary file object.
-    buckets : list
-        ``(path, name, [(write_item, data), ...])`` per file, byte items first.
-    rank : int
-        Named in the failure reason.
-
-    Returns
-    -------
-    WriteResultList or str
-        The write results, or why writing failed (rank, file, error).
-    """
-    results = WriteResultList()
-    for path, name, entries in buckets:
-        try:
-            with open_file(path, "wb") as stream:
-                for item, data in entries:
-                    offset = stream.tell()
-                    if item.type == WriteItemType.BYTE_IO:
-                        stream.write(data.getbuffer())
-                    else:
-                        torch.save(data, stream)
-                    length = stream.tell() - offset
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(name, offset, length)))
-                stream.flush()
-                os.fsync(stream.fileno())
-        except Exception as exc:  # the outcome travels to retrieve_write_results
-            return f"rank {rank}: writing {path} failed: {type(exc).__name__}: {exc}"
-    return results
-
-
-class _SaveFunction:
-    """The ``async_fn`` FileSystemWriterAsync hands out: ``save_fn(rank, staged, results)``.
-
-    Called directly it finishes the write synchronously; an ``AsyncCallsQueue`` starts it
-    with :meth:`start_async` instead and polls.
-    """
-
-    def __init__(self, open_file: Callable | None, is_multiproc_io: bool) -> None:
-        self.open_file = open_file  # None: the daemon writes
-        self.is_multiproc_io = is_multiproc_io
-
-    def __call__(self, rank: int, staged, results: WriteResultsSlot) -> None:
-        if self.open_file is not None:
-            results.put(write_files(self.open_file, staged, rank))
-            return
-        runner = _DaemonWriteRunner(staged, results)
-        while not runner.poll()[0]:
-            time.sleep(0.01)  # polling the daemon for a phase change
-        runner.cleanup(failed=False)
-
-    def start_async(self, args: tuple, kwargs: dict, options: HelperOptions):
-        """Start the write in the background; returns the queue's runner."""
-        rank, staged, results = args
-        if self.is_multiproc_io and options.daemonic:
-            log.error("rank %d: %s", rank, INVALID_SETUP)
-            if isinstance(staged, _StagedWrite):
-                staged.save.abort(f"the save was set up wrongly: {INVALID_SETUP}")
-            results.put(f"rank {rank}: {INVALID_SETUP}")
-            return _NoopRunner()  # ended before it started: nothing to poll or stop
-        if self.open_file is not None:
-            return _HelperWriteRunner(self.open_file, staged, rank, results, options)
-        return _DaemonWriteRunner(staged, results)
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -412,20 +196,20 @@ class FileSystemWriterAsync(FileSystemWriter):
             return None, None, []
         rank, _ = rank_and_world()
         preload = self._write_buckets if self.open_file is not None else self._stage_with_daemon
-        return (_SaveFunction(self.open_file, self.is_multiproc_io), partial(preload, rank),
+        return (SaveFunction(self.open_file, self.is_multiproc_io), partial(preload, rank),
                 [rank, None, self.results_queue])
 
-    def _stage_with_daemon(self, rank: int) -> _StagedWrite:
+    def _stage_with_daemon(self, rank: int) -> StagedWrite:
         prepared = self._prepared
         files = [[f.name, f.indices] for f in prepared.files]
         try:
             save = stage(connect(self.socket), SaveFormat.DCP, prepared.path, prepared.sources,
-                         files=files, extra={protocol.STOCK_FILES: True},
+                         files=files, stock_files=True,
                          allow_cuda_ipc=not self.use_cpu_shm_for_gpu_tensors)
         except (DaemonRequestError, DaemonUnavailableError) as exc:
             # reported by retrieve_write_results on every rank, not raised on this one alone
             save = RefusedSave(rank, str(exc))
-        return _StagedWrite(save, prepared.plan)
+        return StagedWrite(save, prepared.plan)
 
     def _write_buckets(self, rank: int) -> list:
         prepared = self._prepared
@@ -471,17 +255,8 @@ class FileSystemWriterAsync(FileSystemWriter):
         if self.open_file is not None:
             super().finish(metadata, results)
             return
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {r.index: r.storage_data for rank_results in results
-                                 for r in rank_results}
-        metadata.storage_meta = self.storage_meta()
-        metadata.ckptd_checksums = {name: value for rank_results in results
-                                    for name, value in
-                                    getattr(rank_results, "file_checksums", {}).items()}
-        path = os.path.join(self._directory, METADATA_NAME)
-        connect(self.socket).call(MessageType.COMMIT_FILE,
-                                  CommitFile(path=path, stock_files=True),
-                                  frames=[pickle.dumps(metadata)])
+        commit_metadata(connect(self.socket), self._directory, metadata, results,
+                        self.storage_meta(), stock_files=True)
 
 
 def _on_cpu(data):

@@ -1,322 +1,34 @@
-"""Async requests and the queue that finalizes them in order, together on every rank.
+"""``AsyncCallsQueue``: async calls kept in order and finalized together on every rank.
 
-Names and semantics follow the reference API: an :class:`AsyncRequest` carries the work
-and its ``finalize_fns``; :class:`AsyncCallsQueue` starts requests, and
-``maybe_finalize_async_calls`` finalizes the oldest ones once *every* rank is done,
+``maybe_finalize_async_calls`` finalizes the oldest calls once *every* rank is done,
 agreed by one small all-reduce over the default process group (on whatever device its
-backend needs). A failure anywhere raises :class:`CheckpointException` on every rank.
-
-Requests made by our save functions are already running in the daemon; a request built
-by hand with a Python ``async_fn`` runs in a forked helper process of the trainer, as in
-the reference, so existing code keeps working. An ``async_fn`` that knows a better way to
-run (``FileSystemWriterAsync``'s save function hands its files to the daemon) provides
-``start_async(args, kwargs, options) -> runner``; a runner has ``poll() -> (done, error)``,
-``cleanup(failed)`` and ``abort()``.
+backend needs); a failure anywhere raises :class:`CheckpointException` on every rank.
+Each call's background part is a :class:`~ckpt_client.queue.runners.Runner`; this module
+owns their order and the agreement, never how they run.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import multiprocessing
-import os
 import time
-import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import NamedTuple
 
 from ckpt_client.collectives import agree_on_completion
 from ckpt_client.errors import CheckpointException
 from ckpt_client.queue import spans
 from ckpt_client.queue.failures import FailedCalls
+from ckpt_client.queue.request import AsyncRequest
+from ckpt_client.queue.runners import HelperOptions, Runner, runner_for
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AsyncRequest:
-    """A checkpoint save to finish in the background, then finalize on all ranks.
-
-    Parameters
-    ----------
-    async_fn : callable, optional
-        Work to run in a helper process (``None``: nothing, or daemon saves only).
-    async_fn_args : tuple
-        Positional arguments of ``async_fn``.
-    finalize_fns : list of callable
-        Run in order on every rank after all ranks finished the async part.
-    async_fn_kwargs : dict
-        Keyword arguments of ``async_fn``.
-    preload_fn : callable, optional
-        Run in the trainer before the async part (e.g. a device-to-host copy); its result
-        replaces ``async_fn_args[1]``, as in the reference API.
-    is_frozen : bool
-        Frozen requests accept no more finalize functions.
-    call_idx : int
-        Index assigned by the queue.
-    daemon_saves : tuple
-        Saves already handed to ckptd (set by our save functions).
-    """
-
-    async_fn: Callable | None = None
-    async_fn_args: tuple = ()
-    finalize_fns: list = field(default_factory=list)
-    async_fn_kwargs: dict = field(default_factory=dict)
-    preload_fn: Callable | None = None
-    is_frozen: bool = False
-    call_idx: int = 0
-    daemon_saves: tuple = ()
-
-    def add_finalize_fn(self, fn: Callable) -> None:
-        """Append a finalize function (runs after those already added).
-
-        Raises
-        ------
-        RuntimeError
-            If the request is frozen.
-        """
-        if self.is_frozen:
-            raise RuntimeError("cannot add finalize functions to a frozen AsyncRequest")
-        self.finalize_fns.append(fn)
-
-    def _replace(self, **changes) -> "AsyncRequest":
-        """A copy with ``changes`` applied (as on the reference's NamedTuple)."""
-        return dataclasses.replace(self, **changes)
-
-    def freeze(self) -> "AsyncRequest":
-        """A copy that accepts no more finalize functions."""
-        return self._replace(is_frozen=True, finalize_fns=list(self.finalize_fns))
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Return once the bytes of this request's saves are staged (at once if they are).
-
-        A zero-stall save returns before its bytes are in the daemon's staging pool; the
-        tensors it saves must not change until this returns (``guard_optimizer`` makes
-        the optimizer wait here). Requests with a Python ``async_fn`` copy what they need
-        before they start, so they are always staged.
-
-        Parameters
-        ----------
-        timeout : float, optional
-            Seconds to wait at most (default: as long as staging takes; it cannot hang:
-            the daemon's death or refusal ends it with an error).
-
-        Raises
-        ------
-        CheckpointException
-            If staging failed (the daemon refused the save, died, or a copy failed).
-        TimeoutError
-            If ``timeout`` passed first; staging goes on.
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for save in self.daemon_saves:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            save.wait_staged(left)
-
-    def execute_sync(self) -> None:
-        """Do the whole request in this process: the async part, then finalize.
-
-        As in the reference, every rank waits for the others before the finalize
-        functions run when torch.distributed is initialized (call it on all ranks); here
-        that wait is the small all-reduce that also shares failures, so a failure on one
-        rank raises on every rank instead of leaving the others in a barrier.
-
-        Raises
-        ------
-        CheckpointException
-            On every rank, if the async part or a daemon save failed on any rank.
-        """
-        error = None
-        args = _preloaded_args(self)  # a malformed request raises here, on every rank alike
-        try:
-            if self.async_fn is not None:
-                self.async_fn(*args, **self.async_fn_kwargs)
-            wait_for_daemon_saves(self.daemon_saves)
-        except CheckpointException as exc:
-            error = "; ".join(exc.failures.values())
-        except Exception as exc:  # reported on every rank by the agreement below
-            error = f"{type(exc).__name__}: {exc}"
-        _, failures = agree_on_completion(True, error, no_dist=False)
-        if failures:
-            raise CheckpointException("checkpoint save failed", failures)
-        for fn in self.finalize_fns:
-            fn()
-
-
-def wait_for_daemon_saves(saves) -> None:
-    """Block until the daemon finished ``saves`` (this rank's); forget them there.
-
-    Raises
-    ------
-    CheckpointException
-        On this rank only, naming the failures, if any of them failed.
-    """
-    failures = {}
-    for save in saves:
-        while not save.finished:
-            time.sleep(0.01)  # polling the daemon for a phase change
-        if save.error:
-            failures[save.rank] = save.error
-        save.forget(delete_files=bool(save.error))
-    if failures:
-        raise CheckpointException("checkpoint save failed", failures)
-
-
-def _preloaded_args(request: AsyncRequest) -> tuple:
-    args = list(request.async_fn_args)
-    if request.preload_fn is None:
-        return tuple(args)
-    if len(args) < 2:
-        raise ValueError(
-            f"AsyncRequest: preload_fn's result replaces async_fn_args[1] (as in the reference "
-            f"API), but async_fn_args has {len(args)} item(s); put a placeholder (None) there")
-    args[1] = request.preload_fn()
-    return tuple(args)
-
-
-# ---------------------------------------------------------------- runners
-
-class _DaemonRunner:
-    """The async part is done by ckptd: ask it how the saves are going."""
-
-    def __init__(self, request: AsyncRequest) -> None:
-        self.saves = request.daemon_saves
-
-    def poll(self) -> tuple[bool, str | None]:
-        for save in self.saves:
-            if not save.finished:
-                return False, None
-        errors = [save.error for save in self.saves if save.error]
-        return True, "; ".join(errors) if errors else None
-
-    def cleanup(self, failed: bool) -> None:
-        for save in self.saves:
-            save.forget(delete_files=failed)
-
-    def abort(self, reason: str) -> None:
-        for save in self.saves:
-            save.abort(reason)
-
-
-@dataclass(frozen=True)
-class HelperOptions:
-    """How helper processes for hand-built Python ``async_fn`` run (the reference's
-    worker settings, from :class:`AsyncCallsQueue`)."""
-
-    daemonic: bool = True
-    cpu_priority: int | None = 10
-    sigterm_timeout: float = 30.0
-
-
-def _lower_cpu_priority(target: int | None) -> None:
-    """Raise this process's nice value to ``target`` (lowering it needs privileges)."""
-    if target is None or not 0 <= target <= 19:
-        return
-    increment = target - os.nice(0)
-    if increment > 0:
-        os.nice(increment)
-
-
-def _run_in_child(fn, args, kwargs, conn, cpu_priority=None, send_result=False) -> None:
-    import gc
-
-    gc.disable()  # freeing CUDA tensors inherited through fork would crash the child
-    try:
-        _lower_cpu_priority(cpu_priority)
-        value = fn(*args, **kwargs)
-        conn.send((None, value if send_result else None))
-    except BaseException:
-        conn.send((traceback.format_exc(limit=5), None))
-    finally:
-        conn.close()
-
-
-class _ProcessRunner:
-    """The async part is a Python function: run it in a forked helper process.
-
-    With ``send_result=True`` the function's return value comes back as ``result``.
-    """
-
-    def __init__(self, request: AsyncRequest, options: HelperOptions = HelperOptions(),
-                 send_result: bool = False) -> None:
-        context = multiprocessing.get_context("fork")
-        self._receive, send = context.Pipe(duplex=False)
-        args = _preloaded_args(request)
-        self._sigterm_timeout = options.sigterm_timeout
-        self.process = context.Process(target=_run_in_child, daemon=options.daemonic,
-                                       args=(request.async_fn, args, request.async_fn_kwargs, send,
-                                             options.cpu_priority, send_result))
-        self.process.start()
-        send.close()
-        self._message: tuple | None = None
-        self._error: str | None = None
-        self.result = None
-        self._done = False
-
-    def _receive_message(self) -> None:
-        if self._message is None and self._receive.poll():
-            try:
-                self._message = self._receive.recv()
-            except EOFError:
-                pass
-
-    def poll(self) -> tuple[bool, str | None]:
-        if not self._done:
-            self._receive_message()
-            if self.process.is_alive():
-                return False, None
-            self.process.join()
-            self._receive_message()  # it may have sent its outcome just before exiting
-            self._done = True
-            if self._message is not None:
-                self._error, self.result = self._message
-            elif self.process.exitcode:
-                self._error = f"async_fn process exited with status {self.process.exitcode}"
-            else:
-                self._error = "async_fn process exited without reporting its outcome"
-        return True, self._error
-
-    def cleanup(self, failed: bool) -> None:
-        self._receive.close()
-
-    def abort(self, reason: str) -> None:
-        if self.process.is_alive():
-            self.process.terminate()  # SIGTERM first, as the reference: let it clean up
-            self.process.join(self._sigterm_timeout)
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join()
-        self._receive.close()
-
-
-class _NoopRunner:
-    def poll(self) -> tuple[bool, str | None]:
-        return True, None
-
-    def cleanup(self, failed: bool) -> None:
-        pass
-
-    def abort(self, reason: str) -> None:
-        pass
-
-
-def _runner_for(request: AsyncRequest, options: HelperOptions):
-    if request.daemon_saves:
-        return _DaemonRunner(request)
-    start_async = getattr(request.async_fn, "start_async", None)
-    if start_async is not None:
-        return start_async(_preloaded_args(request), request.async_fn_kwargs, options)
-    if request.async_fn is not None:
-        return _ProcessRunner(request, options)
-    return _NoopRunner()
 
 
 class _ActiveCall(NamedTuple):
     idx: int
     request: AsyncRequest
-    runner: Any
+    runner: Runner
 
 
 # ---------------------------------------------------------------- the queue
@@ -394,7 +106,7 @@ class AsyncCallsQueue:
         self._next_idx += 1
         request = async_request._replace(call_idx=idx)
         request = request if request.is_frozen else request.freeze()
-        self._active.append(_ActiveCall(idx, request, _runner_for(request, self.helper_options)))
+        self._active.append(_ActiveCall(idx, request, runner_for(request, self.helper_options)))
         return idx
 
     def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:

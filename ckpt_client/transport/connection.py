@@ -1,26 +1,27 @@
-"""Finding, starting and talking to the node's daemon.
+"""Finding and talking to the node's daemon: one registered connection per socket.
 
 ``connect()`` resolves the socket (argument, ``$CKPTD_SOCKET``, default), says hello with
-this rank's identity, and maps the daemon's staging pool once. For single-node use it
-can start a daemon itself (the "embedded default"), serialised between the ranks of one
-node by a lock file so exactly one is started. Every wait checks that the daemon process
-is still alive, so a dead daemon becomes an error within a bounded time, not a hang.
+this rank's identity, and maps the daemon's staging pool once; with no daemon answering
+it may start one (:mod:`ckpt_client.transport.autostart`). Every wait checks that the
+daemon process is still alive, so a dead daemon becomes an error within a bounded time,
+not a hang.
 
 Every request is sent as the typed body its sender built (:mod:`ckptd.protocol.messages`),
 and every reply is turned into its typed body here (:func:`read_reply`, with the type
 :data:`ckptd.protocol.REPLIES` declares for the request), so the rest of the library
 reads attributes the protocol declares and a reply it cannot read is one clear
 :class:`DaemonReplyError`, not a ``KeyError`` somewhere later.
-"""
+
+What other parts of the client must do when the daemon died (pay the CUDA IPC releases
+it owed) is registered on the connection with :meth:`DaemonConnection.when_daemon_dies`;
+this module knows nothing of CUDA."""
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
-import subprocess
-import sys
+from typing import Callable
 
 import zmq
 
@@ -28,6 +29,7 @@ from ckptd import knobs, protocol
 from ckptd.protocol import process_alive
 from ckpt_client.collectives import initialized, rank_and_world
 from ckpt_client.errors import DaemonReplyError, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.transport.autostart import start_local_daemon
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class DaemonConnection:
         self.tiered = hello.tiered
         self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
+        self._death_hooks: list[Callable[[DaemonConnection], None]] = []
 
     # ------------------------------------------------------------------ calls
     def ensure_daemon_alive(self) -> None:
@@ -138,6 +141,14 @@ class DaemonConnection:
                                   f"failed: {exc}") from None
         return read_reply(self.socket_path, self.daemon_pid, msg_type, reply.body)
 
+    def when_daemon_dies(self, hook: Callable[[DaemonConnection], None]) -> None:
+        """Call ``hook(self)`` once, when this connection closes and its daemon is dead.
+
+        What a dead daemon leaves to this process goes here: the CUDA export cache
+        registers the payment of the IPC reference counters the daemon held.
+        """
+        self._death_hooks.append(hook)
+
     # ------------------------------------------------------------------ staging pool
     @property
     def pool(self):
@@ -171,9 +182,10 @@ class DaemonConnection:
             except BufferError:
                 pass
         _connections.pop(self.socket_path, None)
-        exports = sys.modules.get("ckpt_client.transport.cuda_exports")
-        if exports is not None and not process_alive(self.daemon_pid):
-            exports.daemon_died(self)  # its CUDA IPC releases are ours to pay now
+        hooks, self._death_hooks = self._death_hooks, []
+        if hooks and not process_alive(self.daemon_pid):
+            for hook in hooks:
+                hook(self)
 
 
 _connections: dict[str, DaemonConnection] = {}
@@ -239,7 +251,7 @@ def connect(socket: str | os.PathLike | None = None, auto_start: bool | None = N
     rank = default_rank if rank is None else rank
     conn = _hello(socket_path, rank, world_size)
     if conn is None and auto_start:
-        _start_local_daemon(socket_path)
+        start_local_daemon(socket_path)
         conn = _hello(socket_path, rank, world_size)
     if conn is None:
         raise DaemonUnavailableError(socket_path, f"no ckptd daemon answers on {socket_path}")
@@ -270,36 +282,3 @@ def _hello(socket_path: str, rank: int, world_size: int) -> DaemonConnection | N
         channel.close()
         raise
     return DaemonConnection(socket_path, channel, hello, rank)
-
-
-def _start_local_daemon(socket_path: str) -> None:
-    """Start a daemon for this node unless another rank already did (file lock)."""
-    runtime_dir = os.path.dirname(socket_path)
-    protocol.ensure_private_dir(runtime_dir)
-    with open(os.path.join(runtime_dir, "ckptd.start.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if protocol.socket_is_live(socket_path):
-            return  # another rank of this node won the race
-        roots = [r for r in knobs.AUTO_ROOTS.get().split(os.pathsep) if r]
-        command = [sys.executable, "-m", "ckptd", "serve", "--socket", socket_path,
-                   "--pool-size", str(knobs.POOL_SIZE.get()),
-                   "--exit-when-idle", str(knobs.AUTO_EXIT_WHEN_IDLE.get())]
-        for root in roots:
-            command += ["--root", root]
-        log_path = os.path.join(runtime_dir, "ckptd.log")
-        log.info("no ckptd daemon on %s; starting one (log: %s)", socket_path, log_path)
-        # The daemon serves every rank of the node: it must see all of the node's GPUs,
-        # not the one a launcher gave the rank that happened to start it.
-        environment = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file,
-                                       stderr=log_file, start_new_session=True,
-                                       env=environment)
-        _wait_until_ready(socket_path, process, log_path)
-
-
-def _wait_until_ready(socket_path: str, process: subprocess.Popen, log_path: str) -> None:
-    problem = protocol.wait_until_ready(socket_path, process, knobs.START_TIMEOUT.get())
-    if problem:
-        raise DaemonUnavailableError(socket_path,
-                                     f"the auto-started ckptd {problem} (see {log_path})")

@@ -1,26 +1,22 @@
-"""Which buffers the daemon copies from CUDA IPC handles, and their export (torch's reductions).
+"""The CUDA IPC exports of this process's tensors that its daemon holds open.
 
-Mixed transport: in one save, every CUDA tensor the daemon can open is handed over as an
-IPC description (the handle bytes, offsets and ref counter from
+Every buffer :mod:`ckpt_client.transport.cuda_routing` routes to the daemon goes as an
+IPC description: the handle bytes, offsets and ref counter from
 ``torch.multiprocessing.reductions.reduce_tensor``, sent as msgpack fields, never
-pickled); everything else (CPU tensors, byte items, zero-size tensors, tensors on a GPU
-the daemon cannot see, every CUDA tensor when IPC cannot work in this process) goes
-through the shared-memory pool, copied by this process. :func:`route` makes that choice
-from plain facts, so it is testable without a GPU.
+pickled. An export is sent again while the daemon holds it open (:class:`ExportCache`),
+keyed by the storage's allocation, not the tensor object (``state_dict()`` makes new ones
+on every call): re-exporting grows torch's per-storage sent-data chain, and sending an
+export the daemon already released would make it release the counter twice. Every save
+records a fresh inter-process event on each device's current stream: the daemon's copy
+stream waits on it, so the copy is ordered after the kernels that produced the values.
 
-Devices are matched by UUID (the daemon's ``CUDA_VISIBLE_DEVICES`` may differ from ours).
-An export is sent again while the daemon holds it open (:class:`ExportCache`), keyed by
-the storage's allocation, not the tensor object (``state_dict()`` makes new ones on every
-call): re-exporting grows torch's per-storage sent-data chain, and sending an export the
-daemon already released would make it release the counter twice. Every save records a
-fresh inter-process event on each device's current stream: the daemon's copy stream
-waits on it, so the copy is ordered after the kernels that produced the values.
+One cache per connection (:func:`export_cache`); it registers on the connection
+(``when_daemon_dies``) to pay, once the daemon died, the releases the daemon owed.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import warnings
 import weakref
@@ -29,145 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from ckptd import protocol
+from ckpt_client.transport.cuda_routing import (IPC, device_uuid, facts_of, ipc_blocked_reason,
+                                                route)
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
-
-IPC, SHM = "ipc", "shm"
-
-
-def ipc_blocked_reason(daemon_pid: int | None = None) -> str | None:
-    """Why CUDA IPC to the daemon cannot work in this process, or ``None``.
-
-    Expandable segments share memory through ``pidfd_getfd``, which Yama ptrace scope
-    >= 1 denies to a process that is not our descendant (the daemon). Under scope 1 this
-    process names the daemon as its ptracer (``prctl(PR_SET_PTRACER, daemon_pid)``), which
-    lets it in; scopes 2 and 3 allow only administrators or nobody. The allocator's
-    setting may come from the environment or be changed at run time.
-    """
-    if not _expandable_segments():
-        return None
-    return _yama_verdict(_yama_scope(), daemon_pid, allow_ptracer)
-
-
-def _expandable_segments() -> bool:
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    expandable = "expandable_segments:true" in conf.replace(" ", "").lower()
-    try:
-        expandable = expandable or bool(torch.cuda.memory._get_current_allocator()  # noqa: SLF001
-                                        and _runtime_expandable())
-    except Exception:  # an older torch or no CUDA: the environment is all we know
-        pass
-    return expandable
-
-
-def _yama_scope() -> int:
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0  # no Yama: ptrace rules alone, which let a same-user daemon in
-
-
-def _yama_verdict(scope: int, daemon_pid: int | None, allow) -> str | None:
-    """The blocking reason for expandable segments under Yama ``scope`` (see
-    :func:`ipc_blocked_reason`); ``allow(pid)`` names the daemon as our ptracer."""
-    if scope == 0:
-        return None
-    if scope == 1 and daemon_pid:
-        error = allow(daemon_pid)
-        if error is None:
-            return None
-        return (f"expandable segments are on, Yama ptrace_scope=1 denies pidfd_getfd to the "
-                f"daemon, and naming it our ptracer failed ({error})")
-    return (f"expandable segments are on and Yama ptrace_scope={scope} denies pidfd_getfd "
-            "to the daemon, which is not our parent; run the daemon as our parent, lower "
-            "the scope to 1, or turn expandable segments off")
-
-
-_PR_SET_PTRACER = 0x59616D61
-_ptracer_allowed: set[int] = set()
-
-
-def allow_ptracer(pid: int) -> str | None:
-    """Let process ``pid`` attach to this one under Yama scope 1 (``PR_SET_PTRACER``);
-    returns ``None`` on success, else the error. Done once per daemon pid."""
-    if pid in _ptracer_allowed:
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0) != 0:
-        return os.strerror(ctypes.get_errno())
-    _ptracer_allowed.add(pid)
-    log.info("named ckptd (pid %d) our ptracer so that it can open expandable segments "
-             "(Yama ptrace_scope=1)", pid)
-    return None
-
-
-def _runtime_expandable() -> bool:
-    settings = getattr(torch._C, "_cuda_getAllocatorSettings", None)  # noqa: SLF001
-    return bool(settings and "expandable_segments:True" in str(settings()))
-
-
-@dataclass(frozen=True)
-class BufferFacts:
-    """What the routing needs to know about one buffer."""
-
-    is_cuda: bool
-    device_uuid: str | None
-    nbytes: int
-    contiguous: bool = True
-
-
-def route(buffers: list[BufferFacts], daemon_devices: set[str] | None,
-          blocked: str | None) -> tuple[list[str], list[str]]:
-    """Decide, per buffer, whether the daemon copies it from IPC or we copy it via shm.
-
-    Parameters
-    ----------
-    buffers : list of BufferFacts
-    daemon_devices : set of str or None
-        UUIDs of the GPUs the daemon can open (None: it has no CUDA at all).
-    blocked : str or None
-        Why IPC cannot work in this process (:func:`ipc_blocked_reason`), if it cannot.
-
-    Returns
-    -------
-    (routes, warnings)
-        ``"ipc"`` or ``"shm"`` per buffer, and what to tell the user (once each).
-    """
-    routes, notes = [], []
-    for facts in buffers:
-        # A strided tensor is copied here: a device-to-host copy of it needs a contiguous
-        # temporary on the GPU, which must be the trainer's own, not one the daemon makes.
-        if (not facts.is_cuda or facts.nbytes == 0 or not facts.contiguous
-                or not daemon_devices or blocked):
-            routes.append(SHM)
-            if facts.is_cuda and facts.nbytes and daemon_devices and blocked:
-                notes.append(f"staging CUDA tensors through shared memory instead of CUDA "
-                             f"IPC: {blocked}")
-            continue
-        if facts.device_uuid not in daemon_devices:
-            routes.append(SHM)
-            notes.append(f"the daemon cannot see GPU {facts.device_uuid} (its "
-                         "CUDA_VISIBLE_DEVICES differs); tensors on it are copied through "
-                         "shared memory by the trainer")
-            continue
-        routes.append(IPC)
-    return routes, sorted(set(notes))
-
-
-def _facts(source) -> BufferFacts:
-    if not isinstance(source, torch.Tensor) or not source.is_cuda:
-        nbytes = source.numel() * source.element_size() if isinstance(source, torch.Tensor) else 0
-        return BufferFacts(False, None, nbytes)
-    return BufferFacts(True, _uuid(source.device.index),
-                       source.numel() * source.element_size(), source.is_contiguous())
-
-
-def _uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple:
@@ -294,7 +156,7 @@ def _export(tensor: torch.Tensor) -> dict:
     _, args = reduce_tensor(tensor)
     (_, _, _, _, _, _, device, handle, storage_size, storage_offset,
      _, ref_handle, ref_offset, event_handle, event_sync) = args
-    return {"device_uuid": _uuid(device), "handle": handle, "storage_size": storage_size,
+    return {"device_uuid": device_uuid(device), "handle": handle, "storage_size": storage_size,
             "storage_offset": storage_offset, "ref_counter_handle": ref_handle,
             "ref_counter_offset": ref_offset, "event_handle": event_handle,
             "event_sync_required": event_sync}
@@ -311,15 +173,20 @@ _caches_lock = threading.Lock()
 
 
 def export_cache(connection) -> ExportCache:
-    """The export cache of a connection (one daemon holds one set of our exports)."""
+    """The export cache of a connection (one daemon holds one set of our exports).
+
+    Made on first use, and registered with the connection: when it closes with its
+    daemon dead, :func:`daemon_died` pays what that daemon owed.
+    """
     with _caches_lock:
         if connection not in _caches:
             _caches[connection] = ExportCache(protocol.release_ipc_counters)
+            connection.when_daemon_dies(daemon_died)
         return _caches[connection]
 
 
 def daemon_died(connection) -> None:
-    """Pay the IPC releases a dead daemon owed us (called when its connection closes)."""
+    """Pay the IPC releases a dead daemon owed us (its connection closed)."""
     with _caches_lock:
         cache = _caches.pop(connection, None)
     if cache is not None:
@@ -371,7 +238,7 @@ def plan_ipc(connection, sources: list) -> tuple[IpcPlan | None, list]:
                                           for s in sources):
         return None, []
     blocked = connection.ipc_denied or ipc_blocked_reason(connection.daemon_pid)
-    routes, notes = route([_facts(s) for s in sources], set(connection.cuda_devices), blocked)
+    routes, notes = route([facts_of(s) for s in sources], set(connection.cuda_devices), blocked)
     for note in notes:
         if note not in _warned:
             _warned.add(note)

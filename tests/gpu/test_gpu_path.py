@@ -216,7 +216,7 @@ def test_a_daemon_the_kernel_denies_our_memory_gets_it_through_shm(start_daemon,
     import warnings
 
     import seccomp
-    from ckpt_client.transport.cuda_exports import ipc_blocked_reason
+    from ckpt_client.transport.cuda_routing import ipc_blocked_reason
 
     daemon = start_daemon(preexec_fn=seccomp.deny(seccomp.PIDFD_GETFD))
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)

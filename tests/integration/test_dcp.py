@@ -257,16 +257,16 @@ def training_like_state(rank: int, step: int, rows: int = 8) -> dict:
 
 
 def reused_plan_saves(rank, world_size, root, zero_stall):
-    from ckpt_client import dcp as client_dcp
+    from ckpt_client.dcp import planning
 
     planned = []
-    plan_locally = client_dcp.writer._local_plan
+    plan_locally = planning.local_plan_of
 
     def counting(*args, **kwargs):
         planned.append(1)
         return plan_locally(*args, **kwargs)
 
-    client_dcp.writer._local_plan = counting
+    planning.local_plan_of = counting
     queue = AsyncCallsQueue()
     steps = {1: 8, 2: 8, 3: 8, 4: 12}  # step 4 changes a shape: planned again
     for step, rows in steps.items():

@@ -1,7 +1,7 @@
 """Which buffers the daemon copies from CUDA IPC and which the trainer copies (mixed
 transport), decided from plain facts so that it is testable without a GPU."""
 
-from ckpt_client.transport.cuda_exports import IPC, SHM, BufferFacts, route
+from ckpt_client.transport.cuda_routing import IPC, SHM, BufferFacts, route
 
 GPU0, GPU1 = "GPU-aaaa", "GPU-bbbb"
 
@@ -25,7 +25,7 @@ def test_without_a_daemon_gpu_or_with_ipc_blocked_everything_goes_by_shm():
 
 
 def test_yama_scope_1_lets_the_daemon_in_by_naming_it_our_ptracer():
-    from ckpt_client.transport.cuda_exports import _yama_verdict
+    from ckpt_client.transport.cuda_routing import _yama_verdict
 
     asked = []
 
@@ -47,7 +47,7 @@ def test_yama_scope_1_lets_the_daemon_in_by_naming_it_our_ptracer():
 def test_naming_a_ptracer_works_where_yama_is_and_says_why_where_it_is_not():
     import os
 
-    from ckpt_client.transport.cuda_exports import allow_ptracer
+    from ckpt_client.transport.cuda_routing import allow_ptracer
 
     outcome = allow_ptracer(os.getppid())
     if os.path.exists("/proc/sys/kernel/yama/ptrace_scope"):

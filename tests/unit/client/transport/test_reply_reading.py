@@ -18,7 +18,7 @@ from ckptd import protocol
 from ckptd.protocol import HelloReply, MessageType
 from ckpt_client.errors import DaemonReplyError, DaemonUnavailableError
 from ckpt_client.transport.connection import connect
-from ckpt_client.transport.handover import DaemonSave
+from ckpt_client.transport.daemon_save import DaemonSave
 
 
 class FakeDaemon:

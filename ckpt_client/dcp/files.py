@@ -1,0 +1,88 @@
+"""DCP's file layout as ckptd writes it: names, and which items go into which file.
+
+Owns the names (``.metadata``, ``<prefix>…<n>.distcp``), the balanced grouping of a
+rank's items into files (:func:`split_into_files`), the packing of those files into
+requests that fit the daemon's staging pool (:func:`chunk_files`), and resolving a
+plan's items into the data to stage (:func:`resolve_items`). Pure functions: no
+connection, no collective.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from ckptd import protocol
+
+#: The file DCP reads first; written last, by the coordinator, so a checkpoint is
+#: either complete or invisible.
+METADATA_NAME = ".metadata"
+DCP_SUFFIX = ".distcp"
+
+
+def item_nbytes(source) -> int:
+    """Bytes of one resolved DCP item (a tensor or an ``io.BytesIO``)."""
+    if isinstance(source, torch.Tensor):
+        return source.numel() * source.element_size()
+    return source.getbuffer().nbytes
+
+
+def split_into_files(sizes: list[int], count: int) -> list[list[int]]:
+    """Indices of items of ``sizes`` bytes grouped into ``count`` files of balanced size."""
+    count = max(1, min(count, len(sizes)))
+    groups: list[list[int]] = [[] for _ in range(count)]
+    totals = [0] * count
+    for index in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+        target = totals.index(min(totals))
+        groups[target].append(index)
+        totals[target] += sizes[index]
+    return [sorted(g) for g in groups if g]
+
+
+def chunk_files(sources: list, count: int, pool_size: int) -> list[list[list[int]]]:
+    """Group ``sources`` into files, and the files into requests that fit the pool.
+
+    Returns
+    -------
+    list of chunks
+        Each chunk is a list of files (lists of source indices) whose staged layout is at
+        most ``pool_size`` bytes; one chunk when everything fits at once.
+    """
+    return _chunk_sizes(tuple(item_nbytes(s) for s in sources), count, pool_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_sizes(sizes: tuple, count: int, pool_size: int) -> list[list[list[int]]]:
+    """:func:`chunk_files` by item sizes: a training loop saves the same sizes again and
+    again, so the grouping (a sort and a layout per file) is worked out once. Callers
+    only read the result."""
+    total = protocol.layout_extent(sizes)[1]
+    if total > pool_size:  # more, smaller files, so that chunks can be packed
+        count = max(count, -(-total // max(pool_size // 2, 1)))
+    chunks: list[list[list[int]]] = []
+    used = 0
+    for group in split_into_files(sizes, count):
+        need = protocol.layout_extent([sizes[i] for i in group])[1]
+        if chunks and used + need <= pool_size:
+            chunks[-1].append(group)
+            used += need
+        else:
+            chunks.append([group])
+            used = need
+    return chunks or [[]]
+
+
+def resolve_items(plan: SavePlan, planner: SavePlanner) -> list:
+    """The data of each of ``plan``'s items: detached tensors and ``io.BytesIO``."""
+    sources = []
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = data.detach()
+        elif not isinstance(data, io.BytesIO):
+            raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
+        sources.append(data)
+    return sources

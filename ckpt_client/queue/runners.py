@@ -1,0 +1,180 @@
+"""How a queued request's background part runs: the runner protocol and its implementations.
+
+A runner is what :class:`~ckpt_client.AsyncCallsQueue` holds for each call and asks
+(:class:`Runner`): ``poll() -> (done, error)``, ``cleanup(failed)`` once every rank is
+done, ``abort(reason)`` to drop the call. Requests made by our save functions are running in
+the daemon already (:class:`DaemonRunner`); a request built by hand with a Python
+``async_fn`` runs in a forked helper process of the trainer, as in the reference
+(:class:`ProcessRunner`); an ``async_fn`` that knows a better way to run provides
+``start_async(args, kwargs, options) -> Runner`` (``FileSystemWriterAsync``'s save
+function hands its files to the daemon, :mod:`ckpt_client.megatron.write_runners`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from ckpt_client.queue.request import AsyncRequest, preloaded_args
+
+
+class Runner(ABC):
+    """The background part of one queued call, as the queue sees it."""
+
+    @abstractmethod
+    def poll(self) -> tuple[bool, str | None]:
+        """``(done, error)``: whether this rank's part ended, and why it failed if it did.
+
+        Must not block; called again after it returned ``done``, it answers the same.
+        """
+
+    @abstractmethod
+    def cleanup(self, failed: bool) -> None:
+        """Every rank is done (``failed``: on some rank the call failed); release what is
+        left (the daemon's record of the saves; their files when ``failed``)."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Drop the call: when this returns, nothing of it keeps running. ``reason``
+        (what made the trainer drop it) is what the daemon logs."""
+
+
+class DaemonRunner(Runner):
+    """The async part is done by ckptd: ask it how the saves are going."""
+
+    def __init__(self, request: AsyncRequest) -> None:
+        self.saves = request.daemon_saves
+
+    def poll(self) -> tuple[bool, str | None]:
+        for save in self.saves:
+            if not save.finished:
+                return False, None
+        errors = [save.error for save in self.saves if save.error]
+        return True, "; ".join(errors) if errors else None
+
+    def cleanup(self, failed: bool) -> None:
+        for save in self.saves:
+            save.forget(delete_files=failed)
+
+    def abort(self, reason: str) -> None:
+        for save in self.saves:
+            save.abort(reason)
+
+
+@dataclass(frozen=True)
+class HelperOptions:
+    """How helper processes for hand-built Python ``async_fn`` run (the reference's
+    worker settings, from :class:`AsyncCallsQueue`)."""
+
+    daemonic: bool = True
+    cpu_priority: int | None = 10
+    sigterm_timeout: float = 30.0
+
+
+def _lower_cpu_priority(target: int | None) -> None:
+    """Raise this process's nice value to ``target`` (lowering it needs privileges)."""
+    if target is None or not 0 <= target <= 19:
+        return
+    increment = target - os.nice(0)
+    if increment > 0:
+        os.nice(increment)
+
+
+def _run_in_child(fn, args, kwargs, conn, cpu_priority=None, send_result=False) -> None:
+    import gc
+
+    gc.disable()  # freeing CUDA tensors inherited through fork would crash the child
+    try:
+        _lower_cpu_priority(cpu_priority)
+        value = fn(*args, **kwargs)
+        conn.send((None, value if send_result else None))
+    except BaseException:
+        conn.send((traceback.format_exc(limit=5), None))
+    finally:
+        conn.close()
+
+
+class ProcessRunner(Runner):
+    """The async part is a Python function: run it in a forked helper process.
+
+    With ``send_result=True`` the function's return value comes back as ``result``.
+    """
+
+    def __init__(self, request: AsyncRequest, options: HelperOptions = HelperOptions(),
+                 send_result: bool = False) -> None:
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        args = preloaded_args(request)
+        self._sigterm_timeout = options.sigterm_timeout
+        self.process = context.Process(target=_run_in_child, daemon=options.daemonic,
+                                       args=(request.async_fn, args, request.async_fn_kwargs, send,
+                                             options.cpu_priority, send_result))
+        self.process.start()
+        send.close()
+        self._message: tuple | None = None
+        self._error: str | None = None
+        self.result = None
+        self._done = False
+
+    def _receive_message(self) -> None:
+        if self._message is None and self._receive.poll():
+            try:
+                self._message = self._receive.recv()
+            except EOFError:
+                pass
+
+    def poll(self) -> tuple[bool, str | None]:
+        if not self._done:
+            self._receive_message()
+            if self.process.is_alive():
+                return False, None
+            self.process.join()
+            self._receive_message()  # it may have sent its outcome just before exiting
+            self._done = True
+            if self._message is not None:
+                self._error, self.result = self._message
+            elif self.process.exitcode:
+                self._error = f"async_fn process exited with status {self.process.exitcode}"
+            else:
+                self._error = "async_fn process exited without reporting its outcome"
+        return True, self._error
+
+    def cleanup(self, failed: bool) -> None:
+        self._receive.close()
+
+    def abort(self, reason: str) -> None:
+        if self.process.is_alive():
+            self.process.terminate()  # SIGTERM first, as the reference: let it clean up
+            self.process.join(self._sigterm_timeout)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self._receive.close()
+
+
+class NoopRunner(Runner):
+    """Nothing runs in the background (a request without work, or one that ended before
+    it started)."""
+
+    def poll(self) -> tuple[bool, str | None]:
+        return True, None
+
+    def cleanup(self, failed: bool) -> None:
+        pass
+
+    def abort(self, reason: str) -> None:
+        pass
+
+
+def runner_for(request: AsyncRequest, options: HelperOptions):
+    if request.daemon_saves:
+        return DaemonRunner(request)
+    start_async = getattr(request.async_fn, "start_async", None)
+    if start_async is not None:
+        return start_async(preloaded_args(request), request.async_fn_kwargs, options)
+    if request.async_fn is not None:
+        return ProcessRunner(request, options)
+    return NoopRunner()

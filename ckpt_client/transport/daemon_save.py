@@ -1,0 +1,226 @@
+"""One save of this rank as the daemon sees it: staged, then written, then forgotten.
+
+:class:`DaemonSave` is the handle every front-end (torch format, DCP, local checkpoints)
+gets back from staging: it waits for staging to end, asks the daemon for the request's
+phase (``poll``: a request of a daemon that died or was restarted reads as failed,
+"lost", never as somebody else's result), and forgets or aborts the request there.
+:class:`RefusedSave` stands in for a save the daemon refused, so that the refusal reaches
+every rank through the queue's agreement. :func:`wait_until_finished` is the client's one
+loop that polls the daemon until saves end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ckptd.protocol import Abort, ErrorCode, Forget, MessageType, Phase, Poll, RequestState
+from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.transport.connection import DaemonConnection
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two asks while a caller blocks on a save's outcome: a phase change is
+#: a few requests away, and a client thread asking more often only loads the daemon.
+POLL_INTERVAL = 0.01
+
+#: Phase of a zero-stall save whose staging has not finished yet.
+PENDING = "pending"
+
+
+@dataclass
+class DaemonSave:
+    """One save of this rank, from its staging to its durable files.
+
+    Attributes
+    ----------
+    request_id : int or None
+        The daemon's id for it (``None`` until a zero-stall save reached the daemon).
+    path : str
+    transport_bytes : dict
+        Bytes this rank copied through shared memory (``shm``) and bytes the daemon
+        copied from CUDA IPC handles (``cuda``).
+    """
+
+    connection: DaemonConnection
+    request_id: int | None
+    path: str
+    files: list = field(default_factory=list)
+    last: RequestState = field(default_factory=lambda: RequestState(phase=PENDING))
+    transport_bytes: dict = field(default_factory=dict)
+    items: list | None = None  # DCP chunks: the plan item of each staged buffer
+    spans: list = field(default_factory=list)  # the trainer's own [name, start, end] spans
+    placements: dict | None = None  # tiered DCP: {file: [[start, length]]}, from the daemon
+    _staged: threading.Event = field(default_factory=threading.Event, repr=False)
+    _staging_error: str | None = None
+    _cancelled: bool = False
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.connection.rank
+
+    # ------------------------------------------------------------------ staging
+    def mark_staged(self, error: str | None = None) -> None:
+        """Every byte is in the pool (or staging failed with ``error``)."""
+        if error is not None:
+            self._staging_error = error if error.startswith(f"rank {self.rank}: ") \
+                else f"rank {self.rank}: staging {self.path} failed: {error}"
+            self.last = RequestState(phase=Phase.FAILED, error=self._staging_error)
+        self._staged.set()
+
+    @property
+    def staged(self) -> bool:
+        """Whether staging ended (successfully or not)."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Return once every byte of this save is in the daemon's pool.
+
+        Raises
+        ------
+        CheckpointException
+            If staging failed (daemon refused, died, or the copy failed).
+        TimeoutError
+            If ``timeout`` seconds passed first (staging goes on).
+        """
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"rank {self.rank}: the save of {self.path} was not staged "
+                               f"within {timeout:.1f}s")
+        if self._staging_error is not None:
+            raise CheckpointException("staging a checkpoint failed",
+                                      {self.rank: self._staging_error})
+
+    # ------------------------------------------------------------------ outcome
+    def poll(self) -> RequestState:
+        """Ask the daemon for this request's phase.
+
+        The request belongs to the daemon incarnation that accepted it (the connection
+        names it in every call): if that daemon died or was restarted, or does not know
+        the request, the save reads as failed ("lost"), never as somebody else's result.
+        """
+        if self.last.phase in Phase.FINISHED:
+            return self.last
+        if not self._staged.is_set():
+            return RequestState(phase=PENDING)
+        try:
+            reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]))
+            self.last = reply.requests[self.request_id]
+            if self.last.stale_of:
+                log.warning("rank %d: the save of %s has the very bytes of the previous save "
+                            "%s (every file's checksum repeats although the path moved on): "
+                            "are the tensors being saved stale (a cache never refreshed, the "
+                            "wrong buffers)?", self.rank, self.path, self.last.stale_of)
+        except (DaemonUnavailableError, DaemonRequestError) as exc:
+            if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
+                raise
+            if isinstance(exc, DaemonUnavailableError):
+                return self._give_up(exc)
+            self.last = RequestState(phase="unknown", error=str(exc))
+        if self.last.phase == "unknown":
+            self.last = RequestState(phase=Phase.FAILED, error=(
+                f"rank {self.rank}: save of {self.path} lost: the ckptd daemon that "
+                f"accepted it (pid {self.connection.daemon_pid}) no longer has it: "
+                f"{self.last.error}; save again"))
+        return self.last
+
+    def _give_up(self, exc: DaemonUnavailableError) -> RequestState:
+        """The daemon did not answer (dead, or stopped: SIGSTOP, a hung node): this rank's
+        wait ends here. An abort is left queued on the connection, so a daemon that resumes
+        drops the save instead of committing what this rank reports as failed."""
+        try:
+            abort = Abort(request_ids=[self.request_id],
+                          reason="the trainer gave up waiting: the daemon did not answer")
+            self.connection.channel.send(MessageType.ABORT, {
+                **abort.to_wire(), "incarnation": self.connection.incarnation})
+        except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
+            pass
+        seen = self.last.phase
+        self.last = RequestState(phase=Phase.FAILED, error=(
+            f"rank {self.rank}: gave up on the save of {self.path} (last seen in phase "
+            f"{seen!r}): {exc}. The daemon is "
+            f"dead or stopped (check: ckptd status --socket {self.connection.socket_path}); "
+            f"the save is abandoned and the previous checkpoint is intact; save again once "
+            f"a daemon answers"))
+        return self.last
+
+    @property
+    def finished(self) -> bool:
+        """Whether the daemon is done with it (successfully or not)."""
+        return self.poll().phase in Phase.FINISHED
+
+    @property
+    def error(self) -> str | None:
+        """Why it failed, or ``None`` if it succeeded (only meaningful when finished)."""
+        state = self.last
+        if state.phase == Phase.DONE:
+            return None
+        return state.error or f"save of {self.path} ended {state.phase}"
+
+    def forget(self, delete_files: bool) -> None:
+        """Tell the daemon the outcome was consumed (and drop files of a failed save)."""
+        if self.request_id is None:
+            return
+        try:
+            self.connection.call(MessageType.FORGET, Forget(request_ids=[self.request_id],
+                                                            delete_files=delete_files),
+                                 timeout=5.0)
+        except (DaemonUnavailableError, DaemonRequestError):
+            pass  # a daemon that is gone keeps nothing to forget
+
+    def abort(self, reason: str) -> None:
+        """Drop the request at the daemon (in-flight writes are discarded).
+
+        ``reason`` (what made the trainer drop it) is what the daemon logs.
+
+        Returns at once: a write already under way finishes, and the daemon removes its
+        file; a later save of the same path is written only after that (the writer pool
+        keeps one job per path in flight), so it can never be overwritten or removed.
+        A zero-stall save still queued here never reaches the daemon.
+        """
+        self._cancelled = True
+        if self.request_id is not None:
+            try:
+                self.connection.call(MessageType.ABORT, Abort(request_ids=[self.request_id],
+                                                              reason=reason[:1000]),
+                                     timeout=5.0)
+            except (DaemonUnavailableError, DaemonRequestError):
+                pass
+        self.forget(delete_files=True)
+
+
+class RefusedSave:
+    """Stands in for a save the daemon refused (or could not take), so the refusal reaches
+    every rank through the queue's agreement: raising on one rank alone would leave the
+    others waiting in the completion collective."""
+
+    finished = True
+    staged = True
+    transport_bytes: dict = {}
+
+    def __init__(self, rank: int, error: str) -> None:
+        self.error = error if error.startswith(f"rank {rank}: ") else f"rank {rank}: {error}"
+        self.rank = rank
+        self.last = RequestState(phase=Phase.FAILED, error=self.error)
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """The refusal, as a staging failure."""
+        raise CheckpointException("staging a checkpoint failed", {self.rank: self.error})
+
+    def forget(self, delete_files: bool) -> None:
+        """Nothing was staged: nothing to forget."""
+
+    def abort(self, reason: str) -> None:
+        """Nothing was staged: nothing to abort."""
+
+
+def wait_until_finished(saves) -> None:
+    """Block until the daemon is done with every save of ``saves`` (successfully or not).
+
+    Cannot hang: a dead or restarted daemon makes a save read as failed.
+    """
+    for save in saves:
+        while not save.finished:
+            time.sleep(POLL_INTERVAL)  # polling the daemon for a phase change

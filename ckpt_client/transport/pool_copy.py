@@ -1,0 +1,74 @@
+"""Copying a save's buffers into the daemon's staging pool, mapped in this process.
+
+Owns the trainer's share of the copy: CPU tensors, byte items, and the CUDA tensors the
+daemon cannot open itself. Destination views are cached per (extent offset, layout): a
+training job saves the same structure into the same place again and again, and building
+thousands of views per save would cost more than copying small tensors. The CPU tensors
+of a save are copied by one ``torch._foreach_copy_`` call (it releases the GIL), so many
+small tensors cost little more than one.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections import OrderedDict
+
+import torch
+
+
+class PoolCopier:
+    """Copies a save's buffers into the connection's mapped pool.
+
+    Destination views are cached per (extent offset, layout): a training job saves the
+    same structure into the same place again and again, and building thousands of views
+    per save would cost more than copying small tensors.
+    """
+
+    _CACHED_LAYOUTS = 4
+
+    def __init__(self, pool: torch.Tensor) -> None:
+        self.pool = pool
+        self._views: OrderedDict = OrderedDict()
+
+    def _destinations(self, base: int, offsets: list, buffers: list, chosen: list) -> list:
+        key = (base, tuple(chosen), tuple((b[0], tuple(b[1])) for b in buffers))
+        views = self._views.get(key)
+        if views is None:
+            views = []
+            for index in chosen:
+                dtype, shape, nbytes = buffers[index]
+                start = base + offsets[index]
+                raw = self.pool[start:start + nbytes]
+                views.append(raw if dtype == "bytes" else raw.view(getattr(torch, dtype)).view(shape))
+            self._views[key] = views
+            while len(self._views) > self._CACHED_LAYOUTS:
+                self._views.popitem(last=False)
+        self._views.move_to_end(key)
+        return views
+
+    def copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list) -> None:
+        """Copy ``sources[i]`` for ``i`` in ``chosen`` to ``base + offsets[i]``."""
+        chosen = [i for i in chosen if buffers[i][2]]
+        destinations = self._destinations(base, offsets, buffers, chosen)
+        host_dst, host_src, device = [], [], False
+        for index, destination in zip(chosen, destinations):
+            source = sources[index]
+            if isinstance(source, torch.Tensor):
+                if source.is_cuda:
+                    destination.copy_(source, non_blocking=True)
+                    device = True
+                else:
+                    host_dst.append(destination)
+                    host_src.append(source)
+            else:
+                data = source.getbuffer() if isinstance(source, io.BytesIO) else memoryview(source)
+                with warnings.catch_warnings():
+                    # torch warns that read-only buffers (bytes) could be written through
+                    # the tensor; this one is only read, as the source of the copy.
+                    warnings.simplefilter("ignore", UserWarning)
+                    destination.copy_(torch.frombuffer(data, dtype=torch.uint8))
+        if host_dst:
+            torch._foreach_copy_(host_dst, host_src)  # one call for every CPU tensor
+        if device:
+            torch.cuda.synchronize()
