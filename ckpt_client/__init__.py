@@ -10,6 +10,12 @@ resiliency extension so existing code can switch::
 Reference module paths (``nvidia_resiliency_ext.checkpointing...``) are served under
 ``ckpt_client.compat``; ``docs/migrating.md`` maps every name.
 
+The tree: :mod:`~ckpt_client.transport` (connection, staging into the daemon's pool,
+CUDA IPC), :mod:`~ckpt_client.queue` (``AsyncRequest``, ``AsyncCallsQueue``, runners),
+the front-ends :mod:`~ckpt_client.torch_ckpt`, :mod:`~ckpt_client.dcp`,
+:mod:`~ckpt_client.megatron` and :mod:`~ckpt_client.local`; :mod:`~ckpt_client.collectives`
+(every torch.distributed call) and :mod:`~ckpt_client.errors` beside them.
+
 Imports only ``ckptd.protocol``, ``ckptd.checksum`` and ``ckptd.knobs`` from the daemon
 package (the shared wire, file and tuning contracts; their ``__all__``), never its
 internals.

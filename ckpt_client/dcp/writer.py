@@ -202,5 +202,6 @@ class DaemonStorageWriter(_StorageWriterBase):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-#: Name required by the spec: a ``StorageWriter`` for stock ``dcp.save``.
+#: The name users import (``ckpt_client.dcp.StorageWriter``, as the reference names it):
+#: a ``StorageWriter`` for stock ``dcp.save``.
 StorageWriter = DaemonStorageWriter

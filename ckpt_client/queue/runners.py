@@ -169,7 +169,8 @@ class NoopRunner(Runner):
         pass
 
 
-def runner_for(request: AsyncRequest, options: HelperOptions):
+def runner_for(request: AsyncRequest, options: HelperOptions) -> Runner:
+    """The runner that starts ``request``'s background part (and is asked about it)."""
     if request.daemon_saves:
         return DaemonRunner(request)
     start_async = getattr(request.async_fn, "start_async", None)

@@ -94,7 +94,8 @@ class StagingJob:
             if save._cancelled:
                 raise InterruptedError("the save was aborted while it was staged")
             offsets, _ = protocol.layout_extent([b[2] for b in buffers])
-            handover_for(connection).copier.copy(reply.offset, offsets, buffers, self.sources, ours)
+            handover_for(connection).copier.copy(reply.offset, offsets, buffers,
+                                                 self.sources, ours)
         except BaseException as exc:
             save.abort(f"the trainer's copy into the staging pool failed: "
                        f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,75 @@
+"""``PoolCopier``: the trainer's share of staging lands at the right bytes of the pool."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+
+from ckptd import protocol
+from ckpt_client.transport.flatten import describe
+from ckpt_client.transport.pool_copy import PoolCopier
+
+
+def sources_of(step: int) -> list:
+    return [torch.arange(6, dtype=torch.float32).reshape(2, 3) + step,
+            torch.arange(5, dtype=torch.int64).t() * step,
+            torch.arange(12, dtype=torch.int16).reshape(3, 4).t(),  # not contiguous
+            bytes([step]) * 7,
+            io.BytesIO(bytes([step, step + 1]) * 2),
+            torch.empty(0, dtype=torch.bfloat16)]
+
+
+def raw(source) -> bytes:
+    if isinstance(source, torch.Tensor):
+        return source.contiguous().view(torch.uint8).numpy().tobytes()
+    return bytes(source.getbuffer() if isinstance(source, io.BytesIO) else source)
+
+
+def layout(sources: list) -> tuple[list, list, int]:
+    buffers = [describe(s) for s in sources]
+    offsets, total = protocol.layout_extent([b[2] for b in buffers])
+    return buffers, offsets, total
+
+
+def staged(pool: torch.Tensor, base: int, offsets: list, buffers: list, index: int) -> bytes:
+    start = base + offsets[index]
+    return pool[start:start + buffers[index][2]].numpy().tobytes()
+
+
+def test_every_chosen_buffer_lands_at_its_offset_and_nothing_else_is_written():
+    sources = sources_of(1)
+    buffers, offsets, total = layout(sources)
+    pool = torch.zeros(2 * total + 4096, dtype=torch.uint8)
+    PoolCopier(pool).copy(4096, offsets, buffers, sources, [0, 2, 3, 4, 5])
+    for index in (0, 2, 3, 4):
+        assert staged(pool, 4096, offsets, buffers, index) == raw(sources[index]), index
+    assert staged(pool, 4096, offsets, buffers, 1) == bytes(buffers[1][2]), "not chosen"
+    assert not pool[:4096].any(), "bytes before the extent were written"
+
+
+def test_a_repeated_layout_reuses_its_views_with_the_new_values_and_a_new_place_gets_its_own():
+    first, second = sources_of(1), sources_of(2)
+    buffers, offsets, total = layout(first)
+    pool = torch.zeros(3 * total, dtype=torch.uint8)
+    copier = PoolCopier(pool)
+    everything = list(range(len(first)))
+    copier.copy(0, offsets, buffers, first, everything)
+    copier.copy(0, offsets, buffers, second, everything)
+    for index in range(len(second)):
+        assert staged(pool, 0, offsets, buffers, index) == raw(second[index]), index
+    copier.copy(total, offsets, buffers, first, everything)  # same layout, another extent
+    for index in range(len(first)):
+        assert staged(pool, total, offsets, buffers, index) == raw(first[index]), index
+    assert staged(pool, 0, offsets, buffers, 1) == raw(second[1]), "the first extent changed"
+
+
+def test_a_changed_layout_is_not_served_stale_views():
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    copier = PoolCopier(pool)
+    small = [torch.ones(4, dtype=torch.float32)]
+    large = [torch.full((8,), 2.0, dtype=torch.float64)]
+    for sources in (small, large, small):
+        buffers, offsets, _ = layout(sources)
+        copier.copy(0, offsets, buffers, sources, [0])
+        assert staged(pool, 0, offsets, buffers, 0) == raw(sources[0])
