@@ -11,8 +11,10 @@ writes. When every file of ``checkpoint-N`` is durable, the adapter writes the m
 ``save_total_limit`` rotation, so rotation never deletes a checkpoint while a newer one
 is not durable yet. ``train(resume_from_checkpoint=True)`` resumes from the newest
 *complete* checkpoint (stock ``Trainer`` would take the newest directory, even one a
-crash left half-written). Under DeepSpeed, FSDP or several processes the adapter steps
-aside and ``Trainer`` saves as usual.
+crash left half-written). Under DDP the rank that saves (``should_save``) hands its
+files to the daemon and every rank writes its own ``rng_state_R.pth``; the marker comes
+only after all ranks wrote theirs. Under DeepSpeed or FSDP the adapter steps aside and
+``Trainer`` saves as usual.
 
 Accelerate: :func:`save_state` / :func:`load_state` wrap ``Accelerator.save_state`` /
 ``load_state``: the models' weights go through the daemon (``pytorch_model*.bin``; the
@@ -119,6 +121,16 @@ class CkptdTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         if not self._through_daemon():
             return super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            self._hand_checkpoint_to_daemon(model, trial)
+        else:  # another DDP rank: Trainer writes only its rng_state_<rank>.pth
+            super()._save_checkpoint(model, trial)
+        if self.args.world_size > 1 and torch.distributed.is_initialized():
+            # Every rank's own files are written before the saving rank may mark the
+            # checkpoint complete (it does so at a later step end, or at train end).
+            torch.distributed.barrier()
+
+    def _hand_checkpoint_to_daemon(self, model, trial) -> None:
         self.commit_checkpoints(blocking=True)  # one checkpoint in flight at a time
         limit, self.args.save_total_limit = self.args.save_total_limit, None
         # Trainer names the directory (its run directory depends on the trial); the
@@ -183,9 +195,9 @@ class CkptdTrainer(Trainer):
                            use_mtime=True)
 
     def _through_daemon(self) -> bool:
-        # Sharded and multi-process saves have their own writers and collectives.
-        return (self.args.world_size == 1 and not self.is_deepspeed_enabled
-                and not self.is_fsdp_enabled and self.args.should_save)
+        # Sharded saves have their own writers and collectives; under DDP the ranks
+        # that save (``should_save``) hand their files to the daemon.
+        return not self.is_deepspeed_enabled and not self.is_fsdp_enabled
 
 
 # ---------------------------------------------------------------------- Accelerate
