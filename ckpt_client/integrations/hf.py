@@ -17,9 +17,9 @@ only after all ranks wrote theirs. Under DeepSpeed or FSDP the adapter steps asi
 ``Trainer`` saves as usual.
 
 Accelerate: :func:`save_state` / :func:`load_state` wrap ``Accelerator.save_state`` /
-``load_state``: the models' weights go through the daemon (``pytorch_model*.bin``; the
-rest, optimizer and RNG included, is Accelerate's own writer), and ``load_state`` waits
-until they are durable first.
+``load_state``: the models' weights go through the daemon (``pytorch_model*.bin``, from
+the process Accelerate saves on; the rest, optimizer and RNG included, is Accelerate's
+own writer), and ``load_state`` waits, on every process, until they are durable first.
 """
 
 from __future__ import annotations
@@ -211,6 +211,8 @@ def save_state(accelerator, output_dir: str, socket: str | None = None, **kwargs
     checkpoint = _accelerate_checkpoint(accelerator, socket)
 
     def hand_weights_to_daemon(models, weights, directory):
+        if not _saves_here(accelerator):
+            return  # Accelerate writes the weights from one process (per node) only
         os.makedirs(directory, exist_ok=True)
         for index in range(len(weights) - 1, -1, -1):
             name = WEIGHTS_NAME if index == 0 else WEIGHTS_NAME.replace(".bin", f"_{index}.bin")
@@ -233,6 +235,9 @@ def load_state(accelerator, input_dir: str, socket: str | None = None, **kwargs:
     and load the weights :func:`save_state` wrote."""
     require("accelerate")
     wait_until_durable(accelerator, socket)
+    # The weights may have been handed over by another process: wait until it, too,
+    # knows they are durable.
+    accelerator.wait_for_everyone()
 
     def load_weights(models, directory):
         for index in range(len(models) - 1, -1, -1):
@@ -245,6 +250,14 @@ def load_state(accelerator, input_dir: str, socket: str | None = None, **kwargs:
         accelerator.load_state(input_dir, **kwargs)
     finally:
         handle.remove()
+
+
+def _saves_here(accelerator) -> bool:
+    # where Accelerate's own ``save`` writes: the main process, or each node's with
+    # ``save_on_each_node``
+    if accelerator.project_configuration.save_on_each_node:
+        return accelerator.is_local_main_process
+    return accelerator.is_main_process
 
 
 #: Each Accelerator's saves in flight (kept here: an Accelerator's attributes are its own).
