@@ -35,7 +35,7 @@ __all__ = [
     "LOAD_READ_MODE", "LOAD_THREADS", "LOAD_READ_BYTES", "LOAD_COPY_BYTES",
     "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
-    "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE",
+    "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN",
 ]
 
 
@@ -349,10 +349,19 @@ HELLO_TIMEOUT = _knob(
     "HELLO_TIMEOUT", 5.0, float, "Seconds to wait for the daemon's hello")
 CALL_TIMEOUT = _knob(
     "CALL_TIMEOUT", 60.0, float, "Seconds to wait for an ordinary reply")
+# These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
-    "STAGE_TIMEOUT", 600.0, float, "Seconds a save may wait for staging space (back-pressure)")
+    "STAGE_TIMEOUT", 600.0, float,
+    "Seconds a save may wait for staging space (back-pressure) before the daemon refuses it")
 LOCAL_LOAD_TIMEOUT = _knob(
-    "LOCAL_LOAD_TIMEOUT", 600.0, float, "Seconds to wait for a daemon's inventory or a fetch")
+    "LOCAL_LOAD_TIMEOUT", 600.0, float,
+    "Seconds a daemon's fetch of a local part (and a trainer's wait for an inventory) may take")
+# A trainer's wait for the daemon is the daemon's own deadline for the same thing plus one
+# unanswered call, two housekeeping ticks and this: the daemon decides a save's fate, the
+# trainer's limit only ends the wait on a daemon that is dead or silent.
+WAIT_MARGIN = _knob(
+    "WAIT_MARGIN", 30.0, float,
+    "Seconds a trainer waits beyond the daemon's own deadline for the same thing")
 # Loads of local parts: read with O_DIRECT straight into the tensors' memory (no copy out
 # of the page cache, no cache filled with a checkpoint read once), in large reads on a few
 # threads, each piece checksummed by the thread that read or copied it while it is hot.

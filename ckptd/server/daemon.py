@@ -126,7 +126,7 @@ class Daemon:
         self.saves.start()
         self._start_tier()
         self.deadlines = SaveDeadlines(self.table, self.saves.lifecycle, self.writers,
-                                       self.config.stall_timeout)
+                                       self.config.stall_timeout, self.tier, self.local)
         self.local.start()  # node-local store; peer socket and replicator with --peer-listen
         self._wire_endpoint()
         self.endpoint.bind(endpoint)

@@ -3,16 +3,21 @@
 - **A file's write or fsync** that makes no progress for ``--stall-timeout`` seconds: the
   writer pool gives up on its writer (:meth:`ckptd.storage.writer_pool.WriterPool.check_stalls`),
   the file's save fails naming rank, file, phase and storage target.
+- **Waiting for space**: a STAGE that got no staging space (the pool, and on a tiered
+  daemon the stage budget) within :data:`knobs.STAGE_TIMEOUT` seconds of its arrival.
 - **Staging** (the trainer's copy into shared memory, or the daemon's CUDA copy) that has
   not finished :data:`knobs.STAGING_DEADLINE` seconds after the space was granted.
-- **The whole save**, request to durable, past :data:`knobs.SAVE_DEADLINE`.
+- **The whole save**, request to durable, past :data:`knobs.SAVE_DEADLINE` (a tiered
+  save's flush has the flusher's own deadline, :data:`knobs.FLUSH_DEADLINE`, and retries
+  rather than fails meanwhile).
+- **A local part's fetch** from a peer, past :data:`knobs.LOCAL_LOAD_TIMEOUT`.
 
 Replication has its own per-peer limit in the replicator (a stream without progress for
 :data:`knobs.PEER_TIMEOUT` fails, and the save completes with reduced redundancy).
 
 The daemon is the judge of a save's deadlines: a client waits longer than these (its own
-limits cover a dead or silent daemon), so a rank is never told a save failed while the
-daemon may still commit it. Owns nothing but the clock checks: failing a request is the
+limits, :mod:`ckpt_client.transport.waits`, derive from the same knobs and cover a dead or
+silent daemon), so a rank is never told a save failed while the daemon may still commit it. Owns nothing but the clock checks: failing a request is the
 lifecycle's, giving up on a writer is the writer pool's.
 """
 
@@ -45,17 +50,26 @@ class SaveDeadlines:
         Gives up on writers stuck in the kernel.
     stall_timeout : float
         ``--stall-timeout``.
+    tier : ckptd.tiers.service.TierService, optional
+        Refuses saves that waited too long for the stage budget.
+    local : ckptd.server.local.LocalService, optional
+        Fails fetches of local parts that took too long.
     """
 
     def __init__(self, table: RequestTable, lifecycle: SaveLifecycle, writers,
-                 stall_timeout: float) -> None:
+                 stall_timeout: float, tier=None, local=None) -> None:
         self.table, self.lifecycle, self.writers = table, lifecycle, writers
         self.stall_timeout = stall_timeout
+        self.tier, self.local = tier, local
 
     def check(self) -> None:
         """One round of checks (every serve tick)."""
         self.writers.check_stalls(self.stall_timeout)
         now = time.time()
+        if self.tier is not None:
+            self.tier.expire_waiting(now, knobs.STAGE_TIMEOUT.get())
+        if self.local is not None:
+            self.local.expire_fetches(now, knobs.LOCAL_LOAD_TIMEOUT.get())
         for request in self.table.in_flight():
             reason = self._overdue(request, now)
             if reason is not None:
@@ -65,8 +79,16 @@ class SaveDeadlines:
 
     @staticmethod
     def _overdue(request: SaveRequest, now: float) -> str | None:
+        if request.phase == Phase.WAITING_FOR_POOL:
+            space_limit = knobs.STAGE_TIMEOUT.get()
+            if now - request.created_at <= space_limit:
+                return None
+            return (f"no staging space within {space_limit:g}s (CKPTD_STAGE_TIMEOUT): "
+                    f"{request.extent_length} bytes waited {now - request.created_at:.0f}s "
+                    f"behind earlier saves that hold the pool; start ckptd with a larger "
+                    f"--pool-size or save less often, then save again")
         save_limit = knobs.SAVE_DEADLINE.get()
-        if now - request.created_at > save_limit:
+        if request.phase != Phase.FLUSHING and now - request.created_at > save_limit:
             slowest = request.progress()["slowest_file"]
             where = (f"; its slowest file is {slowest['path']} (phase {slowest['phase']!r}, "
                      f"no progress for {slowest['age_s']:.0f}s)" if slowest else "")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -58,6 +59,8 @@ class Call:
         Raw payload frames that came after the header.
     reply_type : type
         The body that answers this request (``dict``: the status document).
+    received_at : float
+        Wall-clock time it arrived: a deferred answer's deadline counts from here.
     """
 
     endpoint: "ClientEndpoint"
@@ -66,6 +69,7 @@ class Call:
     frames: list = field(default_factory=list)
     answered: bool = False
     reply_type: type = dict
+    received_at: float = field(default_factory=time.time)
 
     def reply(self, body: Body | dict) -> None:
         """Answer with the request's reply body (ignored if already answered).

@@ -255,6 +255,25 @@ class LocalService:
                                                         body.iteration), path, keyed))
         return DEFERRED
 
+    def expire_fetches(self, now: float, limit: float) -> None:
+        """Fail the fetches still unanswered ``limit`` seconds after they were asked for:
+        the daemon ends the wait (a holder that trickles bytes never trips the per-stream
+        no-progress limit), so the trainer's own, longer wait never has to."""
+        for fetch_id, (call, body, moved_aside) in list(self._fetches.items()):
+            waited = now - call.received_at
+            if waited <= limit:
+                continue
+            del self._fetches[fetch_id]  # a late FetchDone finds nothing to answer
+            message = (f"fetching rank {body.owner}'s part of iteration {body.iteration} "
+                       f"(session {body.session!r}) from {', '.join(body.holders) or 'no holder'} "
+                       f"did not finish within {limit:g}s (CKPTD_LOCAL_LOAD_TIMEOUT)")
+            log.error("%s", message)
+            call.fail(ErrorCode.PART_UNAVAILABLE, message,
+                      "check the peers' links and daemons (ckptd status on each node), then "
+                      "load again, or load an older iteration or a persistent checkpoint",
+                      rank=body.owner, iteration=body.iteration, holders_tried=[],
+                      moved_aside=moved_aside)
+
     def _fetch_done(self, event: FetchDone) -> None:
         pending = self._fetches.pop(event.fetch_id, None)
         if pending is None:

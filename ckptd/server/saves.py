@@ -109,6 +109,9 @@ class SaveService:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
                                "the save was not started; retry once a daemon is running")
         request = self._new_request(rank, body)
+        # A save's deadlines count from its STAGE's arrival (a tiered one may have waited
+        # for the stage budget before it became a request).
+        request.created_at = call.received_at
         copiers = self._copiers_of(request)
         if DEVICE_COPY in copiers:
             self.device.check(rank.rank)

@@ -115,7 +115,7 @@ class TierService:
         self.flusher: Flusher | None = None
         self.commits: dict[str, PendingCommit] = {}
         self.recent_commits: OrderedDict[str, PendingCommit] = OrderedDict()
-        self.waiting: list[tuple] = []  # (call, body) of saves waiting for the budget
+        self.waiting: list[tuple] = []  # (call, body, need, start) of saves waiting for the budget
         self.committed_total = 0
         self.retention = None if keep_last is None else Retention(
             os.path.join(stage.path, "retention.json"), keep_last, self._in_flight)
@@ -166,6 +166,24 @@ class TierService:
         except BaseException:
             self.stage.release(key)
             raise
+
+    def expire_waiting(self, now: float, limit: float) -> None:
+        """Refuse the saves that waited for the budget ``limit`` seconds (counted from
+        their STAGE's arrival): the daemon, not the trainer's patience, ends the wait, so
+        a trainer never gives up on a STAGE the daemon may still start."""
+        expired = [entry for entry in self.waiting if now - entry[0].received_at > limit]
+        for entry in expired:
+            self.waiting.remove(entry)
+            call = entry[0]
+            log.warning("a save of %d bytes waited %.0fs for the stage budget; refused",
+                        entry[2], now - call.received_at)
+            call.fail(ErrorCode.STAGE_FULL, (
+                f"the save waited {now - call.received_at:.0f}s (CKPTD_STAGE_TIMEOUT "
+                f"{limit:g}s) for room in the stage directory {self.stage.path}: "
+                f"{self.stage.used_bytes} of {self.stage.budget} bytes still wait to reach "
+                f"their targets"),
+                "the save was not started; the target is slower than the save cadence (see "
+                "ckptd status): save less often, raise --stage-budget, or check the target")
 
     def key_for(self, request_id: int) -> str:
         """The stage key of this daemon's request ``request_id``."""
