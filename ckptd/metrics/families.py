@@ -53,6 +53,15 @@ class _Families:
         family.add_metric([str(v) for v in self.const.values()], buckets, total)
         self.families.append(family)
 
+    def labelled_histograms(self, name: str, help_text: str, labels: tuple,
+                            series: list) -> None:
+        """A histogram family with one series per ``(label values, buckets, sum)``."""
+        family = HistogramMetricFamily(name, help_text, labels=tuple(self.const) + labels)
+        for values, buckets, total in series:
+            family.add_metric([str(v) for v in self.const.values()] + list(values), buckets,
+                              total)
+        self.families.append(family)
+
 
 class LatestFamilies:
     """A collector that yields the families the last render built (HTTP thread side)."""
@@ -140,6 +149,7 @@ def _saves(out: _Families, doc: dict, stats: SaveStats) -> None:
         out.family("ckptd_last_success_timestamp_seconds", "gauge",
                    "Unix time the last successful save became durable.")
         out.sample(float(stats.last_success))
+    _phase_durations(out, doc.get("phase_durations"))
     in_flight = [r for r in doc["requests"] if r["phase"] not in Phase.FINISHED]
     out.family("ckptd_requests_in_flight", "gauge", "Save requests not finished, by phase.",
                ("phase",))
@@ -155,6 +165,23 @@ def _saves(out: _Families, doc: dict, stats: SaveStats) -> None:
     out.sample(sum(1 for save in doc.get("saves", []) if save["stuck"]))
     out.family("ckptd_recent_errors", "gauge", "Failures kept in the status document.")
     out.sample(len(doc["recent_errors"]))
+
+
+def _phase_durations(out: _Families, durations: dict | None) -> None:
+    # Additive in the status document: a daemon from before it exports an empty family.
+    bounds = [_bound(b) for b in (durations or {}).get("buckets", [])] + ["+Inf"]
+    series = []
+    for entry in (durations or {}).get("series", []):
+        cumulative, running = [], 0
+        for bound, count in zip(bounds, entry["counts"]):
+            running += count
+            cumulative.append((bound, running))
+        series.append(((entry["phase"], entry["peer"] or ""), cumulative, float(entry["sum"])))
+    out.labelled_histograms(
+        "ckptd_phase_duration_seconds",
+        "Seconds each phase of a save took: staging, write and fsync of each file, "
+        "replication to each peer (peer label), a tiered flush, a checkpoint's commit file.",
+        ("phase", "peer"), series)
 
 
 def _bound(seconds: float) -> str:

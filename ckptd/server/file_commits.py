@@ -60,9 +60,11 @@ class FileCommits:
         def answer_when_durable(job: WriteJob, result: WriteResult) -> None:
             if result.ok:
                 log.info("committed %s for rank %d", path, rank.rank)
-                self.daemon.table.timeline.add_file_commit(
+                table = self.daemon.table
+                table.timeline.add_file_commit(
                     path, job.writer, result.started_at, result.synced_at or result.started_at,
                     result.started_at + result.seconds)
+                table.phases.observe("commit", result.seconds)
                 call.reply(CommitFileReply(path=path, size=result.size))
             else:
                 call.fail(ErrorCode.WRITE_FAILED, f"could not write {path}: {result.error}",

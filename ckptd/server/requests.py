@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from ckptd import knobs
 from ckptd.protocol import ErrorCode, Phase, RequestState, WrittenFile
+from ckptd.server.phase_durations import PhaseDurations
 from ckptd.server.stale import StaleSaveDetector
 from ckptd.server.timeline import Timeline
 
@@ -251,6 +252,7 @@ class RequestTable:
         self.timeline = Timeline()
         self.stale = StaleSaveDetector()
         self.stale_saves = 0
+        self.phases = PhaseDurations()
         # Forgotten requests whose extent is still held (a device copy, a writer job or a
         # push still answers): out of sight, but their holders' reports find them here.
         self._retiring: dict[int, SaveRequest] = {}
@@ -295,8 +297,10 @@ class RequestTable:
         return [r for r in self.in_flight() if r.routing_id == routing_id]
 
     def record_outcome(self, request: SaveRequest) -> None:
-        """Count a finished request, remember its failure, if any, and its spans."""
+        """Count a finished request, remember its failure, if any, its spans and how long
+        each of its phases took."""
         self.timeline.record(request, request.trainer_pid)
+        self.phases.observe_request(request)
         if request.phase == Phase.DONE:
             self.saves_done += 1
             self.bytes_written += request.bytes_written
@@ -338,6 +342,7 @@ class RequestTable:
             "totals": {"saves_done": self.saves_done, "saves_failed": self.saves_failed,
                        "bytes_written": self.bytes_written, "stale_saves": self.stale_saves},
             "recent_errors": list(self.errors),
+            "phase_durations": self.phases.describe(),
         }
 
 

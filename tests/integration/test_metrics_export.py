@@ -129,3 +129,74 @@ def test_a_metrics_port_in_use_stops_the_start_with_a_hint(tmp_path):
     assert result.returncode == 1
     assert "choose another --metrics-listen port" in result.stderr
     assert not os.path.exists(tmp_path / "run" / "ckptd.sock"), "the socket must be removed"
+
+
+# ---------------------------------------------------------------- phase-duration histograms
+
+def phase_counts(parsed: dict) -> dict:
+    """``(phase, peer) -> count`` of the phase-duration histogram."""
+    return {(dict(labels)["phase"], dict(labels)["peer"]): value
+            for (name, labels), value in parsed.items()
+            if name == "ckptd_phase_duration_seconds_count"}
+
+
+def dcp_save_of_two_files(rank, world_size, directory):
+    from ckpt_client import AsyncCallsQueue, dcp
+
+    queue = AsyncCallsQueue()
+    state = {"a": torch.ones(1 << 14), "b": torch.zeros(1 << 12), "step": 3}
+    queue.schedule_async_request(dcp.async_save(state, directory))
+    return queue.maybe_finalize_async_calls(blocking=True)
+
+
+def test_phase_histograms_move_after_a_real_save(start_daemon, tmp_path):
+    """A real two-rank DCP save: staging (one per rank), a write and an fsync per file,
+    one commit (the ``.metadata``), in the textfile with the sums they add up to."""
+    from multirank import run_ranks, values
+
+    textfile = str(tmp_path / "ckptd.prom")
+    daemon = start_daemon(extra_args=["--metrics-textfile", textfile])
+    before = wait_for(lambda: read_textfile(textfile) or None, 30, "the first textfile")
+    assert phase_counts(before) == {}, "no phase can have a duration before any save"
+    directory = os.path.join(daemon.roots[0], "dcp")
+    assert values(run_ranks(dcp_save_of_two_files, 2, daemon.socket, tmp_path,
+                            args=(directory,))) == [[0], [0]]
+    files = [n for n in os.listdir(directory) if n.endswith(".distcp")]
+
+    def moved():
+        parsed = read_textfile(textfile)
+        return parsed if phase_counts(parsed).get(("commit", "")) else None
+
+    parsed = wait_for(moved, 30, "the commit's duration in the textfile")
+    counts = phase_counts(parsed)
+    staged = [r for r in daemon.status()["requests"] if r["staged_at"] is not None]
+    assert {r["rank"] for r in staged} == {0, 1}
+    assert counts == {("staging", ""): len(staged), ("write", ""): len(files),
+                      ("fsync", ""): len(files), ("commit", ""): 1}
+    for phase in ("staging", "write", "fsync", "commit"):
+        total = get("ckptd_phase_duration_seconds_sum", parsed, phase=phase)
+        inf = get("ckptd_phase_duration_seconds_bucket", parsed, phase=phase, le="+Inf")
+        assert total is not None and total >= 0 and inf == counts[(phase, "")]
+    status = daemon.status()["phase_durations"]
+    assert {(s["phase"], s["count"]) for s in status["series"]} == \
+        {("staging", len(staged)), ("write", len(files)), ("fsync", len(files)), ("commit", 1)}
+
+
+def test_replication_durations_are_kept_per_peer(tmp_path):
+    """Two nodes replicating each other's local parts: each daemon times its stream to
+    the other, labelled with that peer's address."""
+    from multirank import run_ranks, values
+    from test_local_checkpoints import Nodes
+    from test_replication import save_once
+
+    nodes = Nodes(tmp_path, 2)
+    try:
+        values(run_ranks(save_once, 2, nodes.sockets(1), tmp_path,
+                         args=(nodes.roots(1), 1, 2, 5)))
+        for node, peer_address in ((0, nodes.addresses[1]), (1, nodes.addresses[0])):
+            series = nodes.daemons[node].status()["phase_durations"]["series"]
+            [stream] = [s for s in series if s["phase"] == "replication"]
+            assert stream["peer"] == peer_address and stream["count"] == 1
+            assert stream["sum"] > 0
+    finally:
+        nodes.stop_all()

@@ -23,7 +23,7 @@ def test_every_documented_family_is_rendered_and_parses(busy_ledger):
         "ckptd_local_checkpoint_parts": "gauge", "ckptd_local_checkpoint_bytes": "gauge",
         "ckptd_local_part_copies": "gauge", "ckptd_local_parts_reduced_redundancy": "gauge",
         "ckptd_memory_tier_bytes": "gauge", "ckptd_stuck_saves": "gauge",
-        "ckptd_stuck_writers": "gauge",
+        "ckptd_stuck_writers": "gauge", "ckptd_phase_duration_seconds": "histogram",
     }
     # prometheus_client strips the _total suffix from counter family names.
     assert {name: fam.type for name, fam in fams.items()} == expected
