@@ -75,7 +75,8 @@ class SaveDeadlines:
             if reason is not None:
                 log.error("request %d (rank %d, %s): %s", request.id, request.rank,
                           request.path, reason)
-                self.lifecycle.fail(request, reason)
+                # A trainer past a deadline is silent, not gone: its copy may still land.
+                self.lifecycle.fail(request, reason, trainer_may_copy=True)
 
     @staticmethod
     def _overdue(request: SaveRequest, now: float) -> str | None:

@@ -317,9 +317,21 @@ class SaveLifecycle:
         log.error("request %d (rank %d) failed: %s", request.id, request.rank, request.error)
 
     # ------------------------------------------------------------------ endings
-    def fail(self, request: SaveRequest, reason: str) -> None:
-        """End ``request`` as failed (daemon-side reasons: shutdown, a device copy error)."""
-        self._stop(request, Phase.FAILED, reason)
+    def fail(self, request: SaveRequest, reason: str, trainer_may_copy: bool = False) -> None:
+        """End ``request`` as failed (daemon-side reasons: shutdown, a device copy error, a
+        deadline).
+
+        ``trainer_may_copy``: the trainer is alive but has not confirmed its copy (a
+        staging deadline: it may be stopped mid-copy); its hold on the extent stays until
+        it does (STAGED) or its process is gone, so a resumed trainer can never write into
+        space another save was given meanwhile.
+        """
+        self._stop(request, Phase.FAILED, reason, keep_copy_hold=trainer_may_copy)
+
+    def trainer_gone(self, request: SaveRequest) -> None:
+        """``request``'s trainer disconnected or exited: it copies nothing any more."""
+        if request.lease is not None:
+            request.lease.drop(CLIENT_COPY)
 
     def abort(self, request: SaveRequest, reason: str) -> None:
         """End ``request`` as aborted (the trainer asked, or went away)."""
@@ -327,7 +339,7 @@ class SaveLifecycle:
         self._stop(request, Phase.ABORTED, reason)
 
     def _stop(self, request: SaveRequest, phase: str, reason: str,
-              code: str | None = None) -> None:
+              code: str | None = None, keep_copy_hold: bool = False) -> None:
         if request.finished:
             return
         previous = request.phase
@@ -343,7 +355,7 @@ class SaveLifecycle:
             self.effects.cancel_replication(request)  # each push answers; its hold drops then
         if lease is None or not lease.has(WRITERS):
             self.effects.remove_outputs(request)  # else: when the writers have answered
-        if lease is not None:
+        if lease is not None and not keep_copy_hold:
             # A trainer's copy ends with the save (its later STAGED is refused); a device
             # copy and writer jobs still run and drop their holds when they answer.
             lease.drop(CLIENT_COPY)

@@ -180,6 +180,8 @@ class SaveService:
         copy of the same request may still be running), or the save failed."""
         request = self._own_request(call.routing_id, body.request_id)
         if request.finished:  # e.g. its device copy failed before our STAGED arrived
+            if request.lease is not None and request.lease.has(CLIENT_COPY):
+                self.lifecycle.copied(request, CLIENT_COPY)  # its copy is over: free it
             raise RequestError(request.failure_code,
                                request.error or f"request {request.id} was {request.phase}",
                                "the save did not happen; save again")
@@ -257,6 +259,10 @@ class SaveService:
         A tiered save whose bytes are staged was handed over: the daemon finishes it and
         its target sees it whole, trainer or no trainer.
         """
+        for request in self.table.holding_space():
+            if request.routing_id == routing_id and request.finished:  # a failed save may
+                # still hold its extent for the trainer's copy (a staging deadline)
+                self.lifecycle.trainer_gone(request)
         for request in self.table.of_connection(routing_id):
             unstaged = request.phase in (Phase.STAGING, Phase.WAITING_FOR_POOL)
             if request.tiered and not unstaged:

@@ -2,7 +2,8 @@
 
 The option and its knob: ``ckptd serve --stall-timeout SECONDS`` (env
 ``CKPTD_STALL_TIMEOUT``) is read, checked and shown in ``ckptd status``. Real faults: a
-FUSE target whose writes stop answering (tests/faultfs.py), a writer process SIGSTOPped.
+FUSE target whose writes stop answering (tests/faultfs.py), a writer process SIGSTOPped,
+a rank SIGSTOPped before its staging copy (the staging deadline), a daemon SIGSTOPped.
 Each: the deadline fires with rank, file and phase in the message on every rank, nothing
 partial is visible, status showed the save stuck while it was, the next save succeeds.
 """
@@ -16,7 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as DCP
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 
 from conftest import wait_for
 from faultfs import FaultFS, fuse_unavailable
@@ -226,3 +227,87 @@ def test_the_whole_save_deadline_fails_a_save_that_overstays(start_daemon):
     finally:
         checkpoint.close()
     assert torch.load(path, weights_only=True)["w"][0] == 2.0
+
+
+# ------------------------------------------------------------------ a staging copy that stops
+
+def dcp_save_with_a_rank_stopped_in_staging(rank, world_size, root, signals):
+    """Save B when the test says "go" (the test stops rank 1 before its copy), then C.
+
+    B stages after planning (a planner that caches its plan is never staged early: an
+    early staging that fails is staged again after planning, which is not what is tested
+    here)."""
+    queue = AsyncCallsQueue()
+    state = lambda value: {f"w{rank}": torch.full((4 << 20,), float(value))}  # noqa: E731 16 MiB
+    await_signal(signals, "go", f"ready{rank}")
+    try:
+        queue.schedule_async_request(dcp.async_save(
+            state(1), os.path.join(root, "B"),
+            planner=DefaultSavePlanner(enable_plan_caching=True)))
+        queue.maybe_finalize_async_calls(blocking=True)
+        outcome = None
+    except CheckpointException as exc:
+        outcome = (exc.failing_ranks, exc.failures)
+    queue.schedule_async_request(dcp.async_save(state(2), os.path.join(root, "C")))
+    queue.maybe_finalize_async_calls(blocking=True)
+    loaded = state(0)
+    DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, "C")))
+    queue.close()
+    return outcome, float(loaded[f"w{rank}"][0])
+
+
+def requests_of(daemon, path: str) -> dict:
+    """rank -> phase of the requests of the save at ``path``."""
+    return {r["rank"]: r["phase"] for r in daemon.status()["requests"] if r["path"] == path}
+
+
+def test_a_rank_stopped_before_its_copy_fails_the_save_by_the_staging_deadline_on_every_rank(
+        start_daemon, tmp_path):
+    """Rank 1 is SIGSTOPped while its STAGE waits for pool space (a save of the test's
+    holds the pool: its writer is stopped), so when the space is granted its copy cannot
+    happen. The staging deadline must fail save B on both ranks naming rank 1 and phase
+    'staging'; status shows B stuck before that; rank 1's extent stays held while it is
+    stopped (it would copy into it when resumed); nothing of B is visible; C succeeds."""
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    daemon = start_daemon(pool_size="64M", writers=1,
+                          env={"CKPTD_STAGING_DEADLINE": "2", "CKPTD_STUCK_AFTER": "0.5"})
+    root = daemon.roots[0]
+    b_dir = os.path.join(root, "B")
+    processes, results = start_ranks(dcp_save_with_a_rank_stopped_in_staging, 2, daemon.socket,
+                                     tmp_path, args=(root, str(signals)))
+    wait_for(lambda: all((signals / f"ready{r}").exists() for r in range(2)), 180, "the ranks")
+    blocker = TorchAsyncCheckpoint(socket=daemon.socket)
+    stopped = processes[1].pid
+    try:
+        with writers_paused(daemon):  # the blocker's 50 MiB stay in the pool meanwhile
+            blocker.async_save({"x": torch.zeros(50 << 18)}, os.path.join(root, "blocker.pt"))
+            (signals / "go").touch()
+            wait_for(lambda: requests_of(daemon, b_dir) == {0: "waiting_for_pool",
+                                                           1: "waiting_for_pool"},
+                     120, "both ranks' STAGE of B waiting for pool space")
+            os.kill(stopped, signal.SIGSTOP)  # no reply yet, so its copy has not begun
+        stuck = wait_for(lambda: [s for s in stuck_saves(daemon) if s["path"] == b_dir], 60,
+                         "status to flag save B as stuck")
+        assert stuck[0]["phases"]["1"] == "staging"
+        errors = wait_for(lambda: [e for e in daemon.status()["recent_errors"]
+                                   if e["path"] == b_dir], 60, "the staging deadline")
+        assert errors[0]["rank"] == 1 and "CKPTD_STAGING_DEADLINE" in errors[0]["error"]
+        status = daemon.status()
+        assert status["pool"]["used_bytes"] >= 16 << 20, \
+            "the stopped rank's extent was freed while it may still copy into it"
+        assert not os.path.exists(os.path.join(b_dir, ".metadata"))
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    outcomes = values(collect(processes, results, timeout=180))
+    blocker.finalize_async_save(blocking=True)
+    blocker.close()
+    for (failing_ranks, failures), value_of_c in outcomes:
+        assert failing_ranks == [1]
+        assert "rank 1" in failures[1] and "phase 'staging'" in failures[1]
+        assert "CKPTD_STAGING_DEADLINE" in failures[1] and "trainer process alive" in failures[1]
+        assert value_of_c == 2.0
+    visible = [n for n in os.listdir(b_dir) if not n.startswith(".")] \
+        if os.path.isdir(b_dir) else []
+    assert visible == [] and not os.path.exists(os.path.join(b_dir, ".metadata")), visible
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")

@@ -331,3 +331,31 @@ def test_random_event_orders_end_every_save_once_and_free_the_whole_pool(pool):
         assert pool.free_bytes == pool.size and pool.waiting == 0
         assert table.saves_done + table.saves_failed + sum(
             r.phase == Phase.ABORTED for r in requests) == len(requests)
+
+
+@pytest.mark.parametrize("ends_by", ["its STAGED", "its trainer leaving"])
+def test_a_save_failed_by_its_staging_deadline_keeps_its_extent_until_the_copy_is_over(
+        pool, ends_by):
+    """A trainer past the staging deadline may be stopped mid-copy: when it resumes it
+    writes into the extent it was given. That extent must not go to another save before
+    the trainer says its copy is over (STAGED) or is gone."""
+    table, fx, life = setup(pool)
+    stopped, next_save = make(table, 6 * UNIT), make(table, 6 * UNIT)
+    life.admit(stopped)
+    life.fail(stopped, "staging did not finish", trainer_may_copy=True)
+    assert stopped.phase == Phase.FAILED and stopped.lease.holds == {CLIENT_COPY}
+    assert not life.admit(next_save), "the stopped trainer's extent was given to another save"
+    if ends_by == "its STAGED":
+        life.copied(stopped, CLIENT_COPY)
+    else:
+        life.trainer_gone(stopped)
+    assert len(pool.returned) == 1 and fx.granted == [next_save.id]
+    assert stopped.phase == Phase.FAILED and table.saves_failed == 1
+
+
+def test_other_failures_free_the_trainers_share_at_once(pool):
+    table, fx, life = setup(pool)
+    request = make(table, 6 * UNIT)
+    life.admit(request)
+    life.fail(request, "ckptd is shutting down")
+    assert len(pool.returned) == 1 and pool.free_bytes == pool.size
