@@ -134,3 +134,37 @@ def test_a_save_whose_planning_fails_after_staging_ahead_leaves_nothing(daemon, 
     assert [r["phase"] for r in daemon.status()["requests"]].count("aborted") >= 1
     assert not os.path.exists(failing) or os.listdir(failing) == [], os.listdir(failing)
     stager.close()
+
+
+def _three_saves_of_a_replicated_model(rank, world_size, root):
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    group = dist.new_group(backend="gloo")  # saves must not share the training group
+    torch.manual_seed(0)  # replicated: DCP's global plan takes items away from rank 1
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    stager, same = dcp.Stager(), []
+    for step in range(3):
+        path = os.path.join(root, f"step-{step}")
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        upload = DCP.async_save({"model": model.state_dict()},
+                                storage_writer=dcp.StorageWriter(path), async_stager=stager,
+                                process_group=group)
+        bump(model)  # released: the checkpoint must hold the values of the call
+        upload.result(timeout=120)
+        dist.barrier(group)
+        target = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
+        DCP.load(target, storage_reader=FileSystemReader(path), process_group=group)
+        same.append(all(torch.equal(target["model"][k], v) for k, v in expected.items()))
+    stager.close()
+    return same
+
+
+def test_two_ranks_stage_ahead_a_replicated_model_whose_items_dcp_deduplicates(daemon,
+                                                                               tmp_path):
+    from multirank import run_ranks, values
+
+    root = os.path.join(daemon.roots[0], "replicated")
+    assert values(run_ranks(_three_saves_of_a_replicated_model, 2, daemon.socket, tmp_path,
+                            args=(root,), daemon=False, timeout=240)) == [[True] * 3] * 2
