@@ -31,7 +31,7 @@ from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError
 from ckptd.protocol.errors import ProtocolError
 from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Frame, Kind
-from ckptd.replication.bulk_send import io_timeout
+from ckptd.replication.send_job import io_timeout
 from ckptd.replication.bulk_wire import Abort, Begin, Done, Ready, control_body, send_control
 from ckptd.replication.commands import Received
 from ckptd.storage.local_store import LocalStore, LocalStoreError, PartReceiver

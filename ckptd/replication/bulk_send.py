@@ -1,7 +1,8 @@
 """Sending parts on the bulk path: several authenticated tcp connections per peer.
 
 Owns the sending side of every part stream (a push to a holder, or a holder's copy
-served to a fetcher), as :class:`SendJob` s on a :class:`Lane` per peer:
+served to a fetcher): the :class:`~ckptd.replication.send_job.SendJob` s on a
+:class:`Lane` per peer:
 
 - a job is ``BEGIN`` (answered ``READY``), its chunks (each answered ``ACK`` once the
   receiver wrote it), then ``END`` once every chunk is acknowledged (answered ``DONE`` once
@@ -29,86 +30,18 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 from ckptd import knobs
-from ckptd.checksum import algorithm_named, combine_pieces
-from ckptd.protocol import PART_FRAME_BYTES
+from ckptd.checksum import algorithm_named
 from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Frame, Kind
-from ckptd.replication.bulk_wire import Abort, Begin, Done, End, Ready, control_body, send_control
+from ckptd.replication.bulk_wire import Abort, Done, End, Ready, control_body, send_control
 from ckptd.replication.commands import Sent
+from ckptd.replication.send_job import SendJob, io_timeout
 
 log = logging.getLogger(__name__)
 
 BEGIN, END, ABORT = "begin", "end", "abort"
-
-
-def io_timeout() -> float:
-    """Seconds a bulk connection's peer may leave bytes unacknowledged (or keepalive
-    probes unanswered) before the kernel drops the connection."""
-    return max(knobs.PEER_TIMEOUT.get(), 1.0)
-
-
-@dataclass(eq=False)
-class SendJob:
-    """One part streamed to one peer.
-
-    ``begin`` is the ``BEGIN`` body (which part, and the recorded crc32 when serving);
-    ``expected_crc`` makes the job check the bytes it reads against that record.
-    """
-
-    xfer: int
-    kind: str                     # "push" or "serve"
-    peer: str                     # the receiver's control address (status, logs)
-    source: object                # PoolItems or FileSource: .size, .frame(position), .close()
-    begin: Begin
-    stats: object                 # the peer's PeerStats
-    expected_crc: int | None = None
-    request_id: int | None = None
-    owner: int | None = None
-    iteration: int | None = None
-    started: float = field(default_factory=time.monotonic)
-    last_progress: float = field(default_factory=time.monotonic)
-    acked: set = field(default_factory=set)          # chunk offsets the receiver wrote
-    acked_bytes: int = 0
-    crcs: dict = field(default_factory=dict)         # offset -> (length, crc32), serving
-    end_queued: bool = False
-    finished: bool = False
-    abort_reason: str | None = None
-    sending: int = 0                                 # chunks being read/sent right now
-
-    @property
-    def size(self) -> int:
-        """Bytes of the part."""
-        return self.source.size
-
-    def offsets(self) -> list[int]:
-        """Chunk offsets not acknowledged yet."""
-        return [o for o in range(0, self.size, PART_FRAME_BYTES) if o not in self.acked]
-
-    def chunk_length(self, offset: int) -> int:
-        """Bytes of the chunk at ``offset``."""
-        return min(PART_FRAME_BYTES, self.size - offset)
-
-    def acknowledge(self, offset: int) -> None:
-        """The receiver wrote the chunk at ``offset``."""
-        length = self.chunk_length(offset)
-        self.acked.add(offset)
-        self.acked_bytes += length
-        self.last_progress = time.monotonic()
-        self.stats.add(sent=length)
-
-    def corruption(self) -> str | None:
-        """Why the bytes read do not match the recorded crc32 (serving), else ``None``."""
-        if self.expected_crc is None:
-            return None
-        checksum = combine_pieces(((o, n, c) for o, (n, c) in self.crcs.items()),
-                                  self.begin.algorithm)
-        if checksum.value == self.expected_crc:
-            return None
-        return (f"this daemon's copy is corrupted: {checksum.algorithm} {checksum.value:08x} read, "
-                f"{self.expected_crc:08x} recorded; not sent")
 
 
 class _Connection:

@@ -26,7 +26,8 @@ from typing import Callable
 
 from ckptd import knobs
 from ckptd.checksum import ChecksumMismatchError, read_sidecar
-from ckptd.replication.bulk_send import BulkSender, SendJob
+from ckptd.replication.bulk_send import BulkSender
+from ckptd.replication.send_job import SendJob
 from ckptd.replication.bulk_wire import Begin
 from ckptd.replication.commands import CancelPush, Push, PushDone, Sent
 from ckptd.replication.sealing import raw_key

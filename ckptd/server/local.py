@@ -43,7 +43,7 @@ from ckptd.server.local_parts import part_ranges
 from ckptd.server.redundancy import RedundancyLedger
 from ckptd.server.requests import ReplicaSet, SaveRequest, host_name
 from ckptd.server.resident import ResidentParts
-from ckptd.storage.durable import make_directories
+from ckptd.storage.directories import make_directories
 from ckptd.storage.local_store import LocalStore, LocalStoreError
 from ckptd.storage.local_store import LocalSession as StoredSession
 from ckptd.storage.roots import AllowedRoots

@@ -15,9 +15,8 @@ through :class:`DurableFile` or :func:`write_small_file`:
 3. rename onto the final name (``rename`` replaces a link at the destination instead of
    following it) and fsync the directory.
 
-A file that has its final name is therefore always complete. Directories the daemon creates
-are made durable too (:func:`make_directories` fsyncs each new directory's parent), so a
-committed checkpoint cannot vanish with its directory after a power loss.
+A file that has its final name is therefore always complete. The directories it lands in
+are opened without following links and created durably by :mod:`ckptd.storage.directories`.
 
 Pattern: temp + fsync + rename + directory fsync, in one place. No torch, no sockets.
 """
@@ -29,13 +28,13 @@ import errno as errno_mod
 import fcntl
 import os
 import secrets
-import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ckptd import knobs
 from ckptd.checksum import ALGORITHM, TMP_MARKER, Checksum, ChecksumWriter, sidecar_path
+from ckptd.storage.directories import DIRECTORY_FLAGS, open_directory
 from ckptd.storage.direct_io import DirectFileWriter, drop_cached_pages, write_mode_of
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -57,99 +56,6 @@ def is_temporary_of(name: str, final_name: str, pid: int | None = None) -> bool:
     """Whether directory entry ``name`` is a temporary of ``final_name`` (by ``pid``, if given)."""
     prefix = f".{final_name}." if pid is None else f".{final_name}.{pid}."
     return name.startswith(prefix) and name.endswith(TMP_MARKER)
-
-
-def fsync_directory(path: str) -> None:
-    """Make a rename, a creation or an unlink inside ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-def open_directory(path: str, create: bool = True) -> tuple[int, list[str]]:
-    """Open a directory walking from ``/`` one component at a time, never following a link.
-
-    Checkpoint paths reach here already resolved (``ckptd.storage.roots`` checked their
-    real location); a component that is a symbolic link *now* was planted after that
-    check, so the walk refuses it instead of writing where it points.
-
-    Parameters
-    ----------
-    path : str
-        An absolute path.
-    create : bool
-        Create missing components; each new directory is made durable in its parent.
-
-    Returns
-    -------
-    (fd, created)
-        An open descriptor of the directory (the caller closes it) and the directories
-        created, outermost first.
-
-    Raises
-    ------
-    OSError
-        ``ELOOP`` naming the component that is a link, ``ENOTDIR`` for one that is a
-        file, ``ENOENT`` for a missing one when ``create`` is false.
-    """
-    if not os.path.isabs(path):
-        raise ValueError(f"{path!r} is not an absolute path")
-    fd = os.open("/", _DIR_FLAGS)
-    created, walked = [], ""
-    try:
-        for part in [p for p in path.split("/") if p not in ("", ".")]:
-            if part == "..":
-                raise OSError(errno_mod.EINVAL, "'..' in a checkpoint path", path)
-            walked += "/" + part
-            try:
-                child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                try:
-                    os.mkdir(part, 0o777, dir_fd=fd)
-                    os.fsync(fd)  # the new entry survives a power loss
-                    created.append(walked)
-                except FileExistsError:
-                    pass  # made by someone else meanwhile; they make it durable
-                child = os.open(part, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=fd)
-            except OSError as exc:
-                if _is_link(part, fd):  # O_NOFOLLOW | O_DIRECTORY says ENOTDIR or ELOOP
-                    raise OSError(errno_mod.ELOOP, "is a symbolic link; ckptd does not follow "
-                                  "links inside a checkpoint path (planted after the path was "
-                                  "checked?)", walked) from None
-                raise OSError(exc.errno, exc.strerror, walked) from None
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, created
-
-
-def _is_link(name: str, dir_fd: int) -> bool:
-    try:
-        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
-    except OSError:
-        return False
-
-
-def make_directories(path: str) -> list[str]:
-    """Create ``path`` and its missing parents durably, following no link.
-
-    Returns
-    -------
-    list of str
-        The directories created (outermost first).
-    """
-    fd, created = open_directory(os.path.abspath(path), create=True)
-    os.close(fd)
-    return created
 
 
 def _load_sync_file_range():
@@ -247,7 +153,7 @@ class DurableFile:
         if dir_fd is not None:  # a file beside another one (its checksum record)
             self._dir_fd = os.dup(dir_fd)
         elif operator_path:
-            self._dir_fd = os.open(self.directory, _DIR_FLAGS)
+            self._dir_fd = os.open(self.directory, DIRECTORY_FLAGS)
         else:
             self._dir_fd, _ = open_directory(os.path.abspath(self.directory))
         try:

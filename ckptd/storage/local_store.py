@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from ckptd.checksum import (CORRUPT_MARKER, Checksum, ChecksumMismatchError, algorithm_named,
                             combine_pieces, sidecar_path, verify_file)
 from ckptd.protocol import check_session_id
-from ckptd.storage.durable import (DurableFile, fsync_directory, make_directories,
-                                   remove_written, write_small_file)
+from ckptd.storage.directories import fsync_directory, make_directories
+from ckptd.storage.durable import DurableFile, remove_written, write_small_file
 from ckptd.storage.roots import AllowedRoots, PathRefusedError
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import os
 import secrets
 
 from ckptd.checksum import TMP_MARKER, sidecar_path
-from ckptd.storage.durable import fsync_directory, open_directory
+from ckptd.storage.directories import fsync_directory, open_directory
 
 log = logging.getLogger(__name__)
 

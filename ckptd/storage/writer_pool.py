@@ -8,7 +8,8 @@ and starts a new one, and :meth:`check_stalls` gives up on a writer whose file m
 progress for the stall timeout (stuck in the kernel): its job fails, a fresh writer takes
 its place and its other jobs, and the stuck process is kept by
 :class:`ckptd.storage.stalls.StuckWriters` until it really exits. It knows files and byte ranges, not ranks or requests: each job carries
-its own completion callback.
+its own completion callback. One writer's socket and process are a
+:class:`ckptd.storage.writer_slot.WriterSlot`.
 
 Pattern: one ZeroMQ PAIR socket per writer, bound here and polled by the serve loop.
 """
@@ -18,36 +19,20 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import zmq
 
 from ckptd import knobs, protocol
 from ckptd.storage import priority
-from ckptd.storage.durable import remove_quietly
-from ckptd.storage.jobs import (REPLY_TYPES, StopWriter, WriteJob, WriteProgress, WriterReady,
+from ckptd.storage.jobs import (REPLY_TYPES, WriteJob, WriteProgress, WriterReady,
                                 WriteResult)
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
 from ckptd.storage.stalls import StuckWriters, stall_message
+from ckptd.storage.writer_slot import WriterSlot
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _WriterSlot:
-    index: int
-    endpoint: str
-    socket: zmq.Socket
-    process: subprocess.Popen | None = None
-    ready: bool = False
-    jobs: dict = field(default_factory=dict)
-    #: When it last said anything, or was given work while idle: a writer with jobs that
-    #: stays silent past the stall timeout is stuck on the first of them.
-    last_heard: float = field(default_factory=time.monotonic)
 
 
 class WriterPool:
@@ -84,17 +69,12 @@ class WriterPool:
         self._generation = 0  # a replacement writer gets a fresh endpoint
         self._watch = self._unwatch = lambda sock: None  # the serve loop's, once attached
         self.stuck = StuckWriters()
-        self.slots: list[_WriterSlot] = [self._new_slot(index) for index in range(count)]
+        self.slots: list[WriterSlot] = [self._new_slot(index) for index in range(count)]
         for slot in self.slots:
             self._spawn(slot)
 
-    def _new_slot(self, index: int) -> _WriterSlot:
-        endpoint = (f"ipc://{self.runtime_dir}/writer-{os.getpid()}-{index}"
-                    f"{f'-{self._generation}' if self._generation else ''}.sock")
-        sock = self.context.socket(zmq.PAIR)
-        sock.linger = 0
-        sock.bind(endpoint)
-        return _WriterSlot(index, endpoint, sock)
+    def _new_slot(self, index: int) -> WriterSlot:
+        return WriterSlot.bind(self.context, self.runtime_dir, index, self._generation)
 
     def attach(self, watch, unwatch) -> None:
         """Have the serve loop poll every writer socket, now and as writers are replaced:
@@ -103,18 +83,8 @@ class WriterPool:
         for slot in self.slots:
             watch(slot.socket)
 
-    def _spawn(self, slot: _WriterSlot) -> None:
-        slot.process = subprocess.Popen(
-            [sys.executable, "-m", "ckptd.storage.writer_process", "--endpoint", slot.endpoint,
-             "--parent-pid", str(os.getpid()), "--pool", self.pool_path, "--pool-size", str(self.pool_size),
-             "--log-level", self.log_level, "--nice", str(knobs.WRITER_NICE.get()),
-             "--sched", knobs.WRITER_SCHED.get(), "--io-class", knobs.WRITER_IO_CLASS.get()],
-            # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
-            # kill a writer mid-file; the daemon decides when writers stop.
-            stdin=subprocess.DEVNULL, start_new_session=True)
-        if self.journal is not None:
-            self.journal.note_process(slot.process.pid)
-        slot.ready = False
+    def _spawn(self, slot: WriterSlot) -> None:
+        slot.spawn(self.pool_path, self.pool_size, self.log_level, self.journal)
 
     def wait_ready(self, timeout: float) -> None:
         """Block until every writer has mapped the pool and said so.
@@ -195,17 +165,17 @@ class WriterPool:
         reply = REPLY_TYPES[msg.type].from_wire(msg.body)
         self._reply_handlers[type(reply)](slot, msg.id, reply)
 
-    def _on_ready(self, slot: _WriterSlot, msg_id: int, reply: WriterReady) -> None:
+    def _on_ready(self, slot: WriterSlot, msg_id: int, reply: WriterReady) -> None:
         slot.ready = True
         self._dispatch()
 
-    def _on_progress(self, slot: _WriterSlot, msg_id: int, reply: WriteProgress) -> None:
+    def _on_progress(self, slot: WriterSlot, msg_id: int, reply: WriteProgress) -> None:
         job = slot.jobs.get(msg_id)
         if job is not None:
             job.phase, job.bytes_done = reply.phase, reply.bytes_done
             job.progress_at = time.monotonic()
 
-    def _on_result(self, slot: _WriterSlot, msg_id: int, reply: WriteResult) -> None:
+    def _on_result(self, slot: WriterSlot, msg_id: int, reply: WriteResult) -> None:
         job = slot.jobs.pop(msg_id, None)
         if job is not None:
             job.on_done(job, reply)
@@ -237,7 +207,7 @@ class WriterPool:
                 self._replace_stuck(slot, next(iter(slot.jobs.values())),
                                     now - slot.last_heard, timeout)
 
-    def _replace_stuck(self, slot: _WriterSlot, job: WriteJob, waited: float,
+    def _replace_stuck(self, slot: WriterSlot, job: WriteJob, waited: float,
                        timeout: float) -> None:
         """Fail ``job``, keep its writer until it exits, start a fresh one in its place."""
         pid = slot.process.pid
@@ -246,10 +216,9 @@ class WriterPool:
         others = [j for j in slot.jobs.values() if j is not job]
         slot.jobs = {}
 
-        def close_socket(sock=slot.socket, endpoint=slot.endpoint) -> None:
-            self._unwatch(sock)
-            sock.close()
-            remove_quietly(endpoint.removeprefix("ipc://"))
+        def close_socket(stuck=slot) -> None:
+            self._unwatch(stuck.socket)
+            stuck.close()
 
         self.stuck.add(slot.process, job, close_socket)
         self._generation += 1
@@ -271,34 +240,14 @@ class WriterPool:
     def describe(self) -> list[dict]:
         """Per-writer state for status."""
         return [{"index": s.index, "pid": s.process.pid if s.process else None,
-                 "alive": bool(s.process and s.process.poll() is None),
-                 "jobs": len(s.jobs)} for s in self.slots]
+                 "alive": s.alive, "jobs": len(s.jobs)} for s in self.slots]
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask writers to exit; kill those that do not, and remove their leftovers."""
         for slot in self.slots:
-            try:
-                slot.socket.send_multipart(
-                    protocol.encode(StopWriter.message_type, 0, StopWriter().to_wire()),
-                    flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            slot.ask_to_stop()
         deadline = time.monotonic() + timeout
         for slot in self.slots:
-            if slot.process is None:
-                continue
-            try:
-                slot.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                slot.process.kill()
-                try:  # a writer in an uninterruptible write dies only when it returns
-                    slot.process.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    log.warning("writer pid %d did not exit after SIGKILL (stuck in the "
-                                "kernel); leaving it", slot.process.pid)
-            for directory in {os.path.dirname(job.path) for job in slot.jobs.values()}:
-                sweep_temporaries(directory, slot.process.pid)
-            slot.socket.close()
-            remove_quietly(slot.endpoint.removeprefix("ipc://"))
+            slot.stop(deadline, timeout)
         self.stuck.reap()
         self.stuck.abandon()

@@ -26,7 +26,8 @@ import os
 import shutil
 
 from ckptd import knobs
-from ckptd.storage.durable import make_directories, remove_quietly, write_small_file
+from ckptd.storage.directories import make_directories
+from ckptd.storage.durable import remove_quietly, write_small_file
 
 log = logging.getLogger(__name__)
 

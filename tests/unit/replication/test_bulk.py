@@ -21,7 +21,8 @@ from ckptd.checksum import read_sidecar
 from ckptd.protocol import PART_FRAME_BYTES
 from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError
 from ckptd.replication.bulk_receive import BulkListener, Target, Targets
-from ckptd.replication.bulk_send import BulkSender, SendJob
+from ckptd.replication.bulk_send import BulkSender
+from ckptd.replication.send_job import SendJob
 from ckptd.replication.bulk_wire import Begin
 from ckptd.replication.commands import Received, Sent
 from ckptd.replication.sealing import raw_key

@@ -7,8 +7,9 @@ import pytest
 
 from ckptd import knobs
 from ckptd.checksum import TMP_MARKER, checksum_bytes, verify_file
-from ckptd.storage.durable import (DurableFile, make_directories, remove_written,
-                                   temporaries_of, write_file_atomically, write_small_file)
+from ckptd.storage.directories import make_directories
+from ckptd.storage.durable import (DurableFile, remove_written, temporaries_of,
+                                   write_file_atomically, write_small_file)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 

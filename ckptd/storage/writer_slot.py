@@ -1,0 +1,104 @@
+"""One writer process as the daemon holds it: its PAIR socket, its process, its jobs.
+
+Owns a single writer's lifetime: the socket bound for it (:meth:`WriterSlot.bind`), the
+process started on it (:meth:`WriterSlot.spawn`, in its own session so a signal to the
+daemon's group never kills a writer mid-file), and its shutdown (:meth:`WriterSlot.stop`:
+asked, then killed, then its temporaries swept). Which writer gets which job is
+:class:`ckptd.storage.writer_pool.WriterPool`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from ckptd import knobs, protocol
+from ckptd.storage.durable import remove_quietly
+from ckptd.storage.jobs import StopWriter
+from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WriterSlot:
+    """One writer: its endpoint and socket, its process, and the jobs sent to it."""
+
+    index: int
+    endpoint: str
+    socket: zmq.Socket
+    process: subprocess.Popen | None = None
+    ready: bool = False
+    jobs: dict = field(default_factory=dict)
+    #: When it last said anything, or was given work while idle: a writer with jobs that
+    #: stays silent past the stall timeout is stuck on the first of them.
+    last_heard: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def bind(cls, context: zmq.Context, runtime_dir: str, index: int,
+             generation: int) -> WriterSlot:
+        """A slot with a fresh socket bound (a replacement writer gets a fresh endpoint)."""
+        endpoint = (f"ipc://{runtime_dir}/writer-{os.getpid()}-{index}"
+                    f"{f'-{generation}' if generation else ''}.sock")
+        sock = context.socket(zmq.PAIR)
+        sock.linger = 0
+        sock.bind(endpoint)
+        return cls(index, endpoint, sock)
+
+    def spawn(self, pool_path: str, pool_size: int, log_level: str,
+              journal: WrittenDirectories | None) -> None:
+        """Start the writer process on this slot's endpoint."""
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ckptd.storage.writer_process", "--endpoint", self.endpoint,
+             "--parent-pid", str(os.getpid()), "--pool", pool_path, "--pool-size", str(pool_size),
+             "--log-level", log_level, "--nice", str(knobs.WRITER_NICE.get()),
+             "--sched", knobs.WRITER_SCHED.get(), "--io-class", knobs.WRITER_IO_CLASS.get()],
+            # Own session: a Ctrl-C or SIGTERM sent to the daemon's process group must not
+            # kill a writer mid-file; the daemon decides when writers stop.
+            stdin=subprocess.DEVNULL, start_new_session=True)
+        if journal is not None:
+            journal.note_process(self.process.pid)
+        self.ready = False
+
+    @property
+    def alive(self) -> bool:
+        """Whether its process runs."""
+        return bool(self.process and self.process.poll() is None)
+
+    def ask_to_stop(self) -> None:
+        """Tell the writer to exit once its current job is done."""
+        try:
+            self.socket.send_multipart(
+                protocol.encode(StopWriter.message_type, 0, StopWriter().to_wire()),
+                flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def stop(self, deadline: float, timeout: float) -> None:
+        """Wait for the writer until ``deadline`` (monotonic), kill it if it is still there,
+        sweep its temporaries and close its socket."""
+        if self.process is None:
+            return
+        try:
+            self.process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            try:  # a writer in an uninterruptible write dies only when it returns
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("writer pid %d did not exit after SIGKILL (stuck in the "
+                            "kernel); leaving it", self.process.pid)
+        for directory in {os.path.dirname(job.path) for job in self.jobs.values()}:
+            sweep_temporaries(directory, self.process.pid)
+        self.close()
+
+    def close(self) -> None:
+        """Close the socket and remove its endpoint file."""
+        self.socket.close()
+        remove_quietly(self.endpoint.removeprefix("ipc://"))
