@@ -16,6 +16,8 @@ commits ``.metadata`` last), :class:`StorageWriter` for stock ``dcp.save``,
 - :mod:`~ckpt_client.dcp.files` — file names and which items go into which file
 - :mod:`~ckpt_client.dcp.reader` — the checksum-verifying reader
 - :mod:`~ckpt_client.dcp.stager` — the ``Stager`` for stock ``dcp.async_save``
+- :mod:`~ckpt_client.dcp.stage_ahead` — a ``Stager``'s save staged with the remembered
+  plan before DCP plans it
 """
 
 from ckpt_client.dcp.files import (DCP_SUFFIX, METADATA_NAME, chunk_files, item_nbytes,

@@ -11,7 +11,10 @@ What users call: :class:`LocalCheckpointManager`, :class:`BasicTensorAwareStateD
   every rank's daemon
 - :mod:`~ckpt_client.local.latest` — which iteration is complete, and who holds its parts
 - :mod:`~ckpt_client.local.loader` — where this rank's part comes from (memory, disk, peer)
-- :mod:`~ckpt_client.local.part_file` — reading a part file (or the daemon's memory copy)
+- :mod:`~ckpt_client.local.part_file` — reading a part file (or the daemon's memory copy),
+  checked in the same pass
+- :mod:`~ckpt_client.local.part_io` — the reads behind it (O_DIRECT or buffered, memory-tier
+  copies in cache-sized pieces)
 """
 
 from ckpt_client.local.cliques import CliqueReplicationStrategy
