@@ -128,11 +128,11 @@ def test_a_save_whose_planning_fails_after_staging_ahead_leaves_nothing(daemon, 
     with pytest.raises(DCPCheckpointException) as info:  # carrying the planner's error
         upload.result(timeout=120)
     assert "global planning failed" in repr(info.value.args)
-    wait_for(lambda: all(r["phase"] in ("aborted", "done") for r in daemon.status()["requests"])
-             and daemon.status()["pool"]["used_bytes"] == 0, 60,
-             "the daemon to drop the save staged ahead")
-    assert [r["phase"] for r in daemon.status()["requests"]].count("aborted") >= 1
-    assert not os.path.exists(failing) or os.listdir(failing) == [], os.listdir(failing)
+    # Aborted, or (when its writes won the race) forgotten with its files deleted.
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0
+             and (not os.path.exists(failing) or os.listdir(failing) == []), 60,
+             "the daemon to drop the save staged ahead and its files")
+    assert all(r["phase"] != "writing" for r in daemon.status()["requests"])
     stager.close()
 
 
