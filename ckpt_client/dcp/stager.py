@@ -36,7 +36,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckptd import knobs
+from ckpt_client.transport import waits
 from ckpt_client.dcp.stage_ahead import PlanMemory, StagedAhead
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 
@@ -109,9 +109,10 @@ class StagingTicket:
         CheckpointException
             If staging failed, or the thread running the save ended without staging (its
             planning failed, or the writer was not ckptd's), or nothing took the save up
-            within ``timeout`` (default: ``CKPTD_STAGE_TIMEOUT``).
+            within ``timeout`` (default: the trainer's wait for a STAGE reply, which outlasts
+            the daemon's ``CKPTD_STAGE_TIMEOUT``).
         """
-        limit = knobs.STAGE_TIMEOUT.get() if timeout is None else timeout
+        limit = waits.stage_reply() if timeout is None else timeout
         while not self._done.wait(0.05):
             consumer = self._consumer
             if consumer is not None and not consumer.is_alive():

@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Callable
 
-from ckptd import knobs
+from ckpt_client.transport import waits
 from ckptd.checksum import ChecksumMismatchError
 from ckptd.protocol import HeldPart, LocalFetch, MessageType
 from ckpt_client.errors import DaemonUnavailableError
@@ -98,7 +98,7 @@ class PartLoader:
         reply = self._connect().call(
             MessageType.LOCAL_FETCH, LocalFetch(session=self.session_id, iteration=iteration,
                                                 owner=rank, holders=holders),
-            timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
+            timeout=waits.local_load())
         if reply.moved_aside:
             log.warning("rank %d: the corrupted part was moved aside to %s (kept for "
                         "inspection, never loaded)", rank, reply.moved_aside)

@@ -37,7 +37,8 @@ from functools import partial
 from pathlib import Path
 
 
-from ckptd import knobs, protocol
+from ckptd import protocol
+from ckpt_client.transport import waits
 from ckptd.protocol import LocalCommit, LocalInventory, MessageType, SaveFormat
 from ckpt_client.collectives import all_gather, rank_and_world
 from ckpt_client.queue import spans
@@ -255,7 +256,7 @@ class LocalCheckpointManager:
         try:
             inventory = connection.call(MessageType.LOCAL_INVENTORY,
                                         LocalInventory(session=self.session_id),
-                                        timeout=knobs.LOCAL_LOAD_TIMEOUT.get())
+                                        timeout=waits.local_load())
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             error = f"rank {rank}: listing local parts failed: {exc}"
         gathered = all_gather((rank, inventory, error))

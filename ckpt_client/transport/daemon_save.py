@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from ckptd.protocol import Abort, ErrorCode, Forget, MessageType, Phase, Poll, RequestState
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection
+from ckpt_client.transport import waits
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class DaemonSave:
     _staged: threading.Event = field(default_factory=threading.Event, repr=False)
     _staging_error: str | None = None
     _cancelled: bool = False
+    accepted_at: float | None = None  # monotonic time of the STAGE reply: finalize's clock
 
     @property
     def rank(self) -> int:
@@ -85,8 +87,20 @@ class DaemonSave:
             If staging failed (daemon refused, died, or the copy failed).
         TimeoutError
             If ``timeout`` seconds passed first (staging goes on).
+
+        Without ``timeout`` the wait still ends: after both staging exchanges' waits
+        (:func:`ckpt_client.transport.waits.staging`, longer than the daemon's own staging
+        deadlines), with a :class:`CheckpointException` that says what to check.
         """
-        if not self._staged.wait(timeout):
+        if timeout is None:
+            limit = waits.staging()
+            if not self._staged.wait(limit):
+                raise CheckpointException("staging a checkpoint failed", {self.rank: (
+                    f"rank {self.rank}: the save of {self.path} was not staged within "
+                    f"{limit:.0f}s, longer than the daemon's staging deadlines: the daemon "
+                    f"is silent or this process's copy hangs; check ckptd status --socket "
+                    f"{self.connection.socket_path} and the daemon's log, then save again")})
+        elif not self._staged.wait(timeout):
             raise TimeoutError(f"rank {self.rank}: the save of {self.path} was not staged "
                                f"within {timeout:.1f}s")
         if self._staging_error is not None:
@@ -105,6 +119,12 @@ class DaemonSave:
             return self.last
         if not self._staged.is_set():
             return RequestState(phase=PENDING)
+        limit = waits.save_outcome(self.connection.tiered)
+        if self.accepted_at is not None and time.monotonic() - self.accepted_at > limit:
+            return self._give_up(DaemonUnavailableError(
+                self.connection.socket_path, f"the ckptd daemon (pid {self.connection.daemon_pid})"
+                f" gave no outcome within {limit:.0f}s of accepting the save, longer than its "
+                f"own deadline for a save (CKPTD_SAVE_DEADLINE)"))
         try:
             reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]))
             self.last = reply.requests[self.request_id]
@@ -128,13 +148,18 @@ class DaemonSave:
 
     def _give_up(self, exc: DaemonUnavailableError) -> RequestState:
         """The daemon did not answer (dead, or stopped: SIGSTOP, a hung node): this rank's
-        wait ends here. An abort is left queued on the connection, so a daemon that resumes
-        drops the save instead of committing what this rank reports as failed."""
+        wait ends here. An abort and a forget that deletes the files are left queued on the
+        connection, in that order: a daemon that resumes drops the save if it is still in
+        flight, and removes what it wrote if its writers finished meanwhile (the daemon may
+        have handled their results before it reads the abort), so nothing of a save this
+        rank reports as failed stays."""
         try:
             abort = Abort(request_ids=[self.request_id],
                           reason="the trainer gave up waiting: the daemon did not answer")
-            self.connection.channel.send(MessageType.ABORT, {
-                **abort.to_wire(), "incarnation": self.connection.incarnation})
+            forget = Forget(request_ids=[self.request_id], delete_files=True)
+            for msg_type, body in ((MessageType.ABORT, abort), (MessageType.FORGET, forget)):
+                self.connection.channel.send(msg_type, {
+                    **body.to_wire(), "incarnation": self.connection.incarnation})
         except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
             pass
         seen = self.last.phase

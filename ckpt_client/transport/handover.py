@@ -29,11 +29,13 @@ import logging
 import os
 import queue
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
 
-from ckptd import knobs, protocol
+from ckptd import protocol
+from ckpt_client.transport import waits
 from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection
@@ -85,8 +87,9 @@ class StagingJob:
             if self.plan is not None:
                 self.plan.withdraw()
             return None
-        reply = connection.call(MessageType.STAGE, self.body, timeout=knobs.STAGE_TIMEOUT.get())
+        reply = connection.call(MessageType.STAGE, self.body, timeout=waits.stage_reply())
         save.request_id = reply.request_id
+        save.accepted_at = time.monotonic()
         save.placements = reply.placements
         buffers = self.body.buffers
         ours = [i for i in range(len(buffers)) if self.specs is None or self.specs[i] is None]
@@ -103,7 +106,7 @@ class StagingJob:
         self._wait_for_release()
         try:
             staged = connection.call(MessageType.STAGED, Staged(request_id=save.request_id),
-                                     timeout=knobs.STAGE_TIMEOUT.get())
+                                     timeout=waits.staged_reply())
         except DaemonRequestError as exc:
             if exc.code != ErrorCode.IPC_DENIED or self.specs is None:
                 raise
@@ -178,7 +181,7 @@ class BackgroundStager:
     def stop(self) -> None:
         """Finish the queued jobs, then end the thread."""
         self._jobs.put(None)
-        self._thread.join(timeout=knobs.STAGE_TIMEOUT.get())
+        self._thread.join(timeout=waits.staging())
 
 
 def _reason(exc: BaseException) -> str:

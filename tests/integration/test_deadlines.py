@@ -311,3 +311,35 @@ def test_a_rank_stopped_before_its_copy_fails_the_save_by_the_staging_deadline_o
         if os.path.isdir(b_dir) else []
     assert visible == [] and not os.path.exists(os.path.join(b_dir, ".metadata")), visible
     wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
+
+
+def test_a_give_up_after_the_daemon_handled_the_writers_result_still_leaves_nothing(
+        daemon, monkeypatch):
+    """The order the resume race can take, forced: the daemon handles the writer's result
+    (the save is done in its books, the file at its final name) before the trainer ever
+    hears it; then the daemon is SIGSTOPped, the trainer's finalize gives up on it and
+    reports failure. When the daemon resumes it reads the queued abort and delete after
+    that result: the file goes, so no rank reports failure for a save that stays."""
+    monkeypatch.setenv("CKPTD_CALL_TIMEOUT", "3")
+    path = os.path.join(daemon.roots[0], "raced.pt")
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
+    try:
+        checkpoint.async_save({"w": torch.ones(1 << 12)}, path)
+        wait_for(lambda: daemon.status()["totals"]["saves_done"] == 1, 60,
+                 "the daemon to handle the writer's result")
+        assert os.path.exists(path)  # done in the daemon's books; the trainer polled nothing
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(CheckpointException) as raised:
+                checkpoint.finalize_async_save(blocking=True)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert "gave up" in str(raised.value) and "ckptd status --socket" in str(raised.value)
+        wait_for(lambda: not os.path.exists(path), 60, "the resumed daemon to remove the file")
+        assert not [r for r in daemon.status()["requests"] if r["path"] == path
+                    and r["phase"] not in ("done", "aborted", "failed")]
+        checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
+        checkpoint.finalize_async_save(blocking=True)
+    finally:
+        checkpoint.close()
+    assert torch.load(path, weights_only=True)["w"][0] == 2.0
