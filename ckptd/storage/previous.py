@@ -69,8 +69,8 @@ def keep_aside(path: str, previous: str) -> bool:
     """
     try:
         dir_fd, _ = open_directory(os.path.dirname(os.path.abspath(path)), create=False)
-    except FileNotFoundError:
-        return False  # a new directory: nothing to keep
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # a new directory (or none can exist there): nothing to keep
     name, kept = os.path.basename(path), os.path.basename(previous)
     try:
         for source, target in ((name, kept), (os.path.basename(sidecar_path(name)),
@@ -94,7 +94,11 @@ def keep_aside(path: str, previous: str) -> bool:
 
 
 def restore_previous(path: str, previous: str, file_id: list | None) -> bool:
-    """Put back the file a failed or aborted save replaced at ``path``.
+    """Put back the file a failed or aborted save replaced at ``path``; never raises.
+
+    It runs on the serve loop while a failed save is being wound up: an error here must
+    not stop the failure from reaching the trainers, so it is logged instead (the kept
+    link stays where it is, and the next start's sweep of temporaries removes it).
 
     Parameters
     ----------
@@ -114,12 +118,22 @@ def restore_previous(path: str, previous: str, file_id: list | None) -> bool:
         the save's own file and record are gone then.
     """
     try:
+        return _restore(path, previous, file_id)
+    except OSError as exc:
+        log.error("could not put back the previous %s from %s (%s): the save failed and "
+                  "left the path as it was; check the directory's permissions and space",
+                  path, previous, exc)
+        return False
+
+
+def _restore(path: str, previous: str, file_id: list | None) -> bool:
+    try:
         kept = os.lstat(previous)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return False  # nothing was kept: the path was new, or the link never happened
     try:
         current = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         current = None
     if current is not None and current.st_ino == kept.st_ino and current.st_dev == kept.st_dev:
         drop_previous(previous)  # the rename never happened: the old file is still there
@@ -147,6 +161,6 @@ def drop_previous(previous: str) -> None:
     for name in (previous, _sidecar_previous(previous)):
         try:
             os.unlink(name)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             pass
 

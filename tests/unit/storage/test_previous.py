@@ -84,3 +84,16 @@ def test_an_old_file_without_a_record_gets_no_stale_record_back(tmp_path):
     assert restore_previous(str(path), previous, new_id)
     assert path.read_bytes() == b"old"
     assert names(tmp_path) == ["stock.distcp"]
+
+
+def test_a_path_under_a_file_is_nothing_to_keep_or_put_back(tmp_path):
+    # A save to "a file's child" fails in its writer; winding it up must not raise in the
+    # serve loop, or the failure never reaches the trainers (they waited to the deadline).
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"not a directory")
+    path = str(blocker / "model.pt")
+    previous = previous_name(path)
+    assert keep_aside(path, previous) is False
+    assert restore_previous(path, previous, None) is False
+    drop_previous(previous)
+    assert blocker.read_bytes() == b"not a directory"
