@@ -46,6 +46,7 @@ from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUn
 from ckpt_client.local.cliques import CliqueReplicationStrategy
 from ckpt_client.local.latest import Latest, choose_latest
 from ckpt_client.local.loader import PartLoader
+from ckpt_client.local.save_report import save_report
 from ckpt_client.local.session import SessionRegistration
 from ckpt_client.local.tensor_aware import (BasicTensorAwareStateDict, TensorAwareStateDict,
                                             part_state_dict, restore_from_part)
@@ -209,18 +210,8 @@ class LocalCheckpointManager:
 
     def _finalize_save(self, iteration: int, daemon_save) -> None:
         """Every rank's part is durable: report replication, commit on this node."""
-        replication = daemon_save.last.replication or {}
-        holders = replication.get("holders", {})
-        replicated_to = sorted(a for a, h in holders.items() if h["state"] == "done")
         own = self._session.address_of(daemon_save.connection.rank) or "this node"
-        self.last_save_report = {
-            "iteration": iteration,
-            "copies": [own, *replicated_to],
-            "wanted_copies": 1 + int(replication.get("wanted") or 0),
-            "replicated_to": replicated_to,
-            "failed": {a: h["error"] for a, h in holders.items() if h["state"] != "done"},
-            "reduced_redundancy": bool(replication.get("reduced_redundancy")),
-        }
+        self.last_save_report = save_report(iteration, daemon_save.last.replication or {}, own)
         if self.last_save_report["reduced_redundancy"]:
             log.warning("rank %d: iteration %d saved with reduced redundancy: %s",
                         daemon_save.connection.rank, iteration,

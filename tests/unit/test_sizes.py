@@ -24,7 +24,6 @@ KNOWN_OVER = {
     "ckptd/server/saves.py": 484,
     "ckptd/server/saves.py:SaveService": 357,
     "ckptd/tiers/service.py:TierService": 331,
-    "ckpt_client/local/manager.py:LocalCheckpointManager": 256,
 }
 
 
