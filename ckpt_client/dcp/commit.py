@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from ckptd.protocol import CommitFile, MessageType
 from ckpt_client.collectives import Group
 from ckpt_client.dcp.files import METADATA_NAME
+from ckpt_client.transport import waits
 from ckpt_client.transport.connection import DaemonConnection
 
 
@@ -50,11 +51,13 @@ def metadata_bytes(metadata: Metadata, results: list, storage_meta: StorageMeta 
 
 def commit_metadata(connection: DaemonConnection, directory: str, metadata: Metadata,
                     results: list, storage_meta: StorageMeta | None, *,
-                    stock_files: bool = False, timeout: float | None = None) -> None:
+                    stock_files: bool = False) -> None:
     """Commit ``<directory>/.metadata`` (:func:`metadata_bytes`) through the daemon.
 
-    ``timeout``: how long the daemon may take to answer (a tiered daemon answers once
-    every file the metadata names is durable at the target); default: an ordinary call.
+    The wait outlasts the daemon's own deadline for the commit
+    (:func:`ckpt_client.transport.waits.commit_file`: a tiered daemon answers once every
+    file the metadata names is durable at the target), so a rank never reports a commit
+    failed that the daemon goes on to make.
 
     Raises
     ------
@@ -65,7 +68,7 @@ def commit_metadata(connection: DaemonConnection, directory: str, metadata: Meta
     connection.call(MessageType.COMMIT_FILE,
                     CommitFile(path=os.path.join(directory, METADATA_NAME),
                                stock_files=stock_files),
-                    frames=[data], timeout=timeout)
+                    frames=[data], timeout=waits.commit_file(connection.tiered))
 
 
 def commit_on_coordinator(group: Group, results, commit: Callable[[list], None], *,

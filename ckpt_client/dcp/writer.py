@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckpt_client.transport import waits
 from ckptd.protocol import SaveFormat
 from ckpt_client.dcp.commit import commit_metadata, metadata_bytes
 from ckpt_client.dcp.files import DCP_SUFFIX, chunk_files, resolve_items
@@ -192,9 +191,7 @@ class DaemonStorageWriter(_StorageWriterBase):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit ``.metadata`` through the daemon (temp file, fsync, rename); a tiered
         daemon answers once every file it names is durable at the target."""
-        connection = self.connection
-        commit_metadata(connection, self.path, metadata, results, self.storage_meta(),
-                        timeout=waits.save_outcome(tiered=True) if connection.tiered else None)
+        commit_metadata(self.connection, self.path, metadata, results, self.storage_meta())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

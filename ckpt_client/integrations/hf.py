@@ -42,6 +42,7 @@ from transformers.utils import WEIGHTS_NAME  # noqa: E402
 from ckptd.protocol import CommitFile, MessageType  # noqa: E402
 from ckpt_client import connect  # noqa: E402
 from ckpt_client import TorchAsyncCheckpoint  # noqa: E402
+from ckpt_client.transport import waits  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,10 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def _commit_marker(directory: str, socket: str | None) -> None:
-    connect(socket).call(MessageType.COMMIT_FILE,
-                         CommitFile(path=os.path.join(directory, COMPLETE_MARKER)),
-                         frames=[b"complete\n"])
+    connection = connect(socket)
+    connection.call(MessageType.COMMIT_FILE,
+                    CommitFile(path=os.path.join(directory, COMPLETE_MARKER)),
+                    frames=[b"complete\n"], timeout=waits.commit_file(connection.tiered))
 
 
 class _Pending:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ckptd import knobs
 
 __all__ = ["margin", "stage_reply", "staged_reply", "staging", "save_outcome", "local_load",
-           "daemon_deadline_of_save"]
+           "daemon_deadline_of_save", "daemon_deadline_of_commit", "commit_file"]
 
 
 def margin() -> float:
@@ -56,6 +56,23 @@ def daemon_deadline_of_save(tiered: bool) -> float:
 def save_outcome(tiered: bool) -> float:
     """Finalize: from the STAGE request to the daemon's word on the save's outcome."""
     return daemon_deadline_of_save(tiered) + margin()
+
+
+def daemon_deadline_of_commit() -> float:
+    """The longest a daemon without a stage dir takes to answer a ``commit_file``: its
+    writer may sit behind a job on a writer that stalls (the daemon replaces that writer
+    after ``--stall-timeout`` without progress and hands the commit to a fresh one), and
+    the commit's own write and fsync may then stall as long before the daemon fails it."""
+    return 2 * knobs.STALL_TIMEOUT.get()
+
+
+def commit_file(tiered: bool) -> float:
+    """``commit_file`` (a DCP ``.metadata``, a completion marker): a tiered daemon answers
+    once every file the commit names is durable at the target (the save's outcome);
+    otherwise once its writer has the file durable (:func:`daemon_deadline_of_commit`)."""
+    if tiered:
+        return save_outcome(tiered=True)
+    return daemon_deadline_of_commit() + margin()
 
 
 def local_load() -> float:

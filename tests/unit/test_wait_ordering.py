@@ -29,9 +29,9 @@ SETTINGS = {
     "defaults": {},
     "tiny": dict(CALL_TIMEOUT=0.1, SERVE_TICK=0.01, WAIT_MARGIN=0.0, STAGE_TIMEOUT=0.5,
                  STAGING_DEADLINE=0.5, SAVE_DEADLINE=1.0, FLUSH_DEADLINE=1.0,
-                 LOCAL_LOAD_TIMEOUT=0.5),
+                 LOCAL_LOAD_TIMEOUT=0.5, STALL_TIMEOUT=0.5),
     "huge deadlines": dict(STAGE_TIMEOUT=1e6, STAGING_DEADLINE=1e6, SAVE_DEADLINE=1e7,
-                           FLUSH_DEADLINE=1e7, LOCAL_LOAD_TIMEOUT=1e6),
+                           FLUSH_DEADLINE=1e7, LOCAL_LOAD_TIMEOUT=1e6, STALL_TIMEOUT=1e6),
     "slow tick, short calls": dict(SERVE_TICK=5.0, CALL_TIMEOUT=1.0, WAIT_MARGIN=0.0),
     "negative margin": dict(WAIT_MARGIN=-1e6),
 }
@@ -48,6 +48,10 @@ def daemon_decides_by() -> dict:
         "save_outcome(non-tiered)": save + tick + call,
         "save_outcome(tiered)": save + knobs.FLUSH_DEADLINE.get() + tick + call,
         "local_load": knobs.LOCAL_LOAD_TIMEOUT.get() + tick,
+        # A commit's writer may sit behind a stalled one (replaced one stall check after
+        # --stall-timeout), then stall itself as long before the daemon fails the commit.
+        "commit_file(non-tiered)": 2 * (knobs.STALL_TIMEOUT.get() + tick),
+        "commit_file(tiered)": save + knobs.FLUSH_DEADLINE.get() + tick + call,
     }
 
 
@@ -55,7 +59,9 @@ def trainer_waits() -> dict:
     return {"stage_reply": waits.stage_reply(), "staged_reply": waits.staged_reply(),
             "save_outcome(non-tiered)": waits.save_outcome(tiered=False),
             "save_outcome(tiered)": waits.save_outcome(tiered=True),
-            "local_load": waits.local_load()}
+            "local_load": waits.local_load(),
+            "commit_file(non-tiered)": waits.commit_file(tiered=False),
+            "commit_file(tiered)": waits.commit_file(tiered=True)}
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -71,8 +77,10 @@ def test_the_order_holds_when_the_deadlines_come_from_the_environment(monkeypatc
     monkeypatch.setenv("CKPTD_SAVE_DEADLINE", "90000")
     monkeypatch.setenv("CKPTD_STAGING_DEADLINE", "4000")
     monkeypatch.setenv("CKPTD_CALL_TIMEOUT", "1")
+    monkeypatch.setenv("CKPTD_STALL_TIMEOUT", "7000")
     assert waits.save_outcome(tiered=False) > 90000 + knobs.SERVE_TICK.get() + 1
     assert waits.staged_reply() > 4000
+    assert waits.commit_file(tiered=False) > 2 * 7000
 
 
 # ------------------------------------------------------------------ the daemon's side
@@ -120,9 +128,10 @@ def test_the_daemon_fails_a_save_before_the_trainer_would_give_up(setting):
 
 #: Requests whose answer waits on a daemon decision that has a deadline.
 JUDGED = {"STAGE": "stage_reply", "STAGED": "staged_reply",
-          "LOCAL_INVENTORY": "local_load", "LOCAL_FETCH": "local_load"}
+          "LOCAL_INVENTORY": "local_load", "LOCAL_FETCH": "local_load",
+          "COMMIT_FILE": "commit_file"}
 DAEMON_DEADLINE_KNOBS = {"STAGE_TIMEOUT", "STAGING_DEADLINE", "SAVE_DEADLINE", "FLUSH_DEADLINE",
-                         "LOCAL_LOAD_TIMEOUT"}
+                         "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT"}
 
 
 def client_sources():
