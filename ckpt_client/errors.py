@@ -83,6 +83,31 @@ class DaemonRequestError(RuntimeError):
         super().__init__(f"{text}. {self.hint}" if self.hint else text)
 
 
+class DaemonNotAnsweringError(DaemonUnavailableError):
+    """A ckptd daemon runs on the socket but did not answer in time.
+
+    Its process is alive (so starting another is the wrong advice): it is stopped
+    (SIGSTOP, a debugger), hung, or too loaded to answer. A kind of
+    :class:`DaemonUnavailableError`, so ``except`` clauses written for that catch it.
+
+    Attributes
+    ----------
+    socket_path : str
+        The daemon's socket.
+    daemon_pid : int or None
+        The daemon's process id, where known.
+    """
+
+    def __init__(self, socket_path: str, reason: str, daemon_pid: int | None = None) -> None:
+        self.socket_path, self.daemon_pid = socket_path, daemon_pid
+        process = f" (pid {daemon_pid})" if daemon_pid is not None else ""
+        state = f"`grep State /proc/{daemon_pid}/status`" if daemon_pid is not None else "ps"
+        RuntimeError.__init__(
+            self, f"{reason}. The daemon{process} at {socket_path} is running but silent: check "
+                  f"`ckptd status --socket {socket_path}`, the daemon's log, and whether it is "
+                  f"stopped (SIGSTOP; {state} says 'T (stopped)': send SIGCONT) or overloaded")
+
+
 class DaemonReplyError(DaemonUnavailableError):
     """The daemon answered with a reply this ``ckpt_client`` cannot read.
 

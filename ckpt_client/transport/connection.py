@@ -28,7 +28,8 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.protocol import process_alive
 from ckpt_client.collectives import initialized, rank_and_world
-from ckpt_client.errors import DaemonReplyError, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.errors import (DaemonNotAnsweringError, DaemonReplyError, DaemonRequestError,
+                               DaemonUnavailableError)
 from ckpt_client.transport.autostart import start_local_daemon
 
 log = logging.getLogger(__name__)
@@ -131,10 +132,11 @@ class DaemonConnection:
         except protocol.ErrorReply as exc:
             raise DaemonRequestError(exc.body) from None
         except protocol.ReplyTimeout:
-            self.ensure_daemon_alive()
-            raise DaemonUnavailableError(
+            self.ensure_daemon_alive()  # a dead daemon raises here; past it, it is silent
+            raise DaemonNotAnsweringError(
                 self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) did not answer "
-                                  f"a {msg_type} request within {timeout:.0f}s") from None
+                                  f"a {msg_type} request within {timeout:.0f}s",
+                self.daemon_pid) from None
         except (zmq.ZMQError, protocol.ProtocolError) as exc:
             raise DaemonUnavailableError(
                 self.socket_path, f"talking to the ckptd daemon (pid {self.daemon_pid}) "
@@ -254,10 +256,20 @@ def connect(socket: str | os.PathLike | None = None, auto_start: bool | None = N
         start_local_daemon(socket_path)
         conn = _hello(socket_path, rank, world_size)
     if conn is None:
-        raise DaemonUnavailableError(socket_path, f"no ckptd daemon answers on {socket_path}")
+        _raise_unanswered(socket_path)
     conn.pool  # map the staging pool now, so the first save does not pay for it
     _connections[socket_path] = conn
     return conn
+
+
+def _raise_unanswered(socket_path: str) -> None:
+    """No hello came back: say whether a daemon runs there (silent) or none does."""
+    pid = protocol.ready_pid(socket_path)
+    if pid is not None and process_alive(pid) and protocol.socket_is_live(socket_path):
+        raise DaemonNotAnsweringError(
+            socket_path, f"the ckptd daemon (pid {pid}) serving {socket_path} did not answer "
+                         f"its hello within {knobs.HELLO_TIMEOUT.get():.0f}s", pid)
+    raise DaemonUnavailableError(socket_path, f"no ckptd daemon answers on {socket_path}")
 
 
 def _hello(socket_path: str, rank: int, world_size: int) -> DaemonConnection | None:
