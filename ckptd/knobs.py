@@ -226,9 +226,12 @@ DIRECT_MIN_BYTES = _knob(
     "DIRECT_MIN_BYTES", 64 << 10, parse_size,
     "Tensors written straight from the pool from this size (smaller ones via the bounce buffer)")
 # A direct write past a file's end holds the inode lock alone until the disk answers; into
-# space allocated ahead, the writer's threads write side by side.
+# space allocated ahead, the writer's threads write side by side. One chunk ahead is enough
+# for that, and no more: space allocated ahead is taken from every other file being written
+# to the same filesystem until the file is cut to size (256 MiB ahead filled a small node
+# tmpfs with two ranks' parts and replicas, and the others failed with ENOSPC).
 DIRECT_ALLOCATE_BYTES = _knob(
-    "DIRECT_ALLOCATE_BYTES", 256 << 20, parse_size,
+    "DIRECT_ALLOCATE_BYTES", 8 << 20, parse_size,
     "Space allocated ahead of a file's direct writes, per step (0: none)")
 CHECKSUM = _knob(
     "CHECKSUM", "crc32c", str,
