@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass, field
 
 from ckptd.protocol import (Empty, ErrorCode, HeldPart, LocalCommit, LocalCommitReply,
-                            LocalFetch, LocalFetchReply, LocalInventory, LocalInventoryReply,
+                            LocalFetch, LocalInventory, LocalInventoryReply,
                             LocalSession, LocalSessionReply, PeerInfoReply, SaveFormat,
                             holder_order)
 from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDone, PartRef,
@@ -39,6 +39,7 @@ from ckptd.replication.commands import (CancelPush, ConnectPeers, Fetch, FetchDo
 from ckptd.replication.replicator import Replicator
 from ckptd.server import local_status
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
+from ckptd.server.local_fetches import PendingFetches
 from ckptd.server.local_parts import part_ranges
 from ckptd.server.redundancy import RedundancyLedger
 from ckptd.server.requests import ReplicaSet, SaveRequest, host_name
@@ -113,9 +114,7 @@ class LocalService:
         self.sessions: dict[str, SessionPeers] = {}
         self.resident: ResidentParts | None = None
         self.redundancy = RedundancyLedger()
-        # answered on FetchDone: (call, request, where a corrupted copy was set aside)
-        self._fetches: dict[int, tuple[Call, LocalFetch, str | None]] = {}
-        self._next_fetch = 1
+        self.fetches = PendingFetches()  # answered on FetchDone
         self._pushed: dict[tuple, int] = {}  # (request id, peer) -> bytes acknowledged
 
     def routes(self) -> dict:
@@ -155,7 +154,7 @@ class LocalService:
                 self.daemon.saves.lifecycle.replica_done(request, event.holder, event.ok,
                                                          event.error, event.nbytes)
         elif isinstance(event, FetchDone):
-            self._fetch_done(event)
+            self.fetches.done(event, self.store)
 
     def release_resident(self) -> None:
         """Give every resident part's space back (the daemon is stopping)."""
@@ -247,8 +246,7 @@ class LocalService:
         moved_aside = self.store.set_aside_if_corrupt(path)
         peers = self.sessions.get(session.session_id) or SessionPeers([])
         keyed = [holder for address in body.holders if (holder := peers.holder(address))]
-        fetch_id, self._next_fetch = self._next_fetch, self._next_fetch + 1
-        self._fetches[fetch_id] = (call, body, moved_aside)
+        fetch_id = self.fetches.add(call, body, moved_aside)
         log.info("rank %d: fetching rank %d's part of iteration %d from %s", rank.rank,
                  body.owner, body.iteration, ", ".join(body.holders) or "(no holder)")
         self.replicator.command(Fetch(fetch_id, PartRef(session.session_id, body.owner,
@@ -256,44 +254,8 @@ class LocalService:
         return DEFERRED
 
     def expire_fetches(self, now: float, limit: float) -> None:
-        """Fail the fetches still unanswered ``limit`` seconds after they were asked for:
-        the daemon ends the wait (a holder that trickles bytes never trips the per-stream
-        no-progress limit), so the trainer's own, longer wait never has to."""
-        for fetch_id, (call, body, moved_aside) in list(self._fetches.items()):
-            waited = now - call.received_at
-            if waited <= limit:
-                continue
-            del self._fetches[fetch_id]  # a late FetchDone finds nothing to answer
-            message = (f"fetching rank {body.owner}'s part of iteration {body.iteration} "
-                       f"(session {body.session!r}) from {', '.join(body.holders) or 'no holder'} "
-                       f"did not finish within {limit:g}s (CKPTD_LOCAL_LOAD_TIMEOUT)")
-            log.error("%s", message)
-            call.fail(ErrorCode.PART_UNAVAILABLE, message,
-                      "check the peers' links and daemons (ckptd status on each node), then "
-                      "load again, or load an older iteration or a persistent checkpoint",
-                      rank=body.owner, iteration=body.iteration, holders_tried=[],
-                      moved_aside=moved_aside)
-
-    def _fetch_done(self, event: FetchDone) -> None:
-        pending = self._fetches.pop(event.fetch_id, None)
-        if pending is None:
-            return
-        call, body, moved_aside = pending
-        if event.ok:
-            log.info("got rank %d's part of iteration %d from %s", body.owner, body.iteration,
-                     event.holder)
-            call.reply(LocalFetchReply(path=event.path, holder=event.holder, tried=event.tried,
-                                       moved_aside=moved_aside,
-                                       identity=self.store.verified_file_identity(event.path)))
-            return
-        tried = "; ".join(f"{t['holder']}: {t['error']}" for t in event.tried) or "none"
-        message = (f"rank {body.owner}'s part of iteration {body.iteration} (session "
-                   f"{body.session!r}) is not available from any holder; holders tried: {tried}")
-        log.error("%s", message)
-        call.fail(ErrorCode.PART_UNAVAILABLE, message,
-                  "no node holds a verified copy any more; load an older iteration or a "
-                  "persistent checkpoint", rank=body.owner, iteration=body.iteration,
-                  holders_tried=event.tried, moved_aside=moved_aside)
+        """Fail the fetches unanswered ``limit`` seconds after they were asked for."""
+        self.fetches.expire(now, limit)
 
     # ------------------------------------------------------------------ saves
     def part_path_for(self, rank: int, session_id: str | None, iteration: int) -> str:
