@@ -115,7 +115,7 @@ class ProcessMessages:
             started_at=daemon.started_at, uptime_s=time.time() - daemon.started_at,
             state="draining" if daemon.stopping_since is not None else "serving",
             roots=list(daemon.roots.roots),
-            write_modes=dict(daemon.saves.write_modes),
+            write_modes=dict(daemon.saves.writes.write_modes),
             pool={"path": pool.path, "size_bytes": pool.size, "used_bytes": pool.used_bytes,
                   "free_bytes": pool.free_bytes, "waiting_requests": pool.waiting,
                   "pinned": pool.registered_with_cuda,

@@ -4,13 +4,15 @@ Handlers (registered on the client endpoint): ``stage`` (build a request, reserv
 for staging space, or hand CUDA handles to the stager), ``staged`` (the trainer's copy is
 in), ``poll``, ``forget``, ``abort``, and ``commit_file`` / ``handover`` (a checkpoint's
 commit, by :class:`ckptd.server.file_commits.FileCommits`). It also implements
-:class:`ckptd.server.lifecycle.SaveEffects`: answering a queued STAGE, turning a staged
-request into writer jobs, removing what a failed save wrote (putting back the files it
-replaced, :mod:`ckptd.storage.previous`), and feeding writer results and device-copy
-results back to the lifecycle.
+:class:`ckptd.server.lifecycle.SaveEffects`: answering a queued STAGE, handing a staged
+request to :class:`ckptd.server.save_writes.SaveWrites` (its writer jobs, their results,
+the files it replaced, removing what a failed save wrote) and its device copy to
+:class:`ckptd.server.device_copies.DeviceCopies`.
 
-Phases and extents are the lifecycle's; files are the writers'; replication is the local
-service's. This module decides *what* to write for each save format.
+Phases and extents are the lifecycle's; files are the writers' and :class:`SaveWrites`';
+replication is the local service's; what a STAGE becomes is built by
+:mod:`ckptd.server.new_requests`. This module owns the requests' admission and the replies
+to trainers.
 """
 
 from __future__ import annotations
@@ -18,22 +20,19 @@ from __future__ import annotations
 import logging
 import os
 
-from ckptd import protocol
 from ckptd.protocol import (Abort, AbortReply, CommitFile, ErrorCode, Forget, ForgetReply,
-                            Handover, Phase, Poll, PollReply, RequestState, SaveFormat, Stage,
-                            Staged, StagedReply, StageReply)
+                            Handover, Phase, Poll, PollReply, RequestState, Stage, Staged,
+                            StagedReply, StageReply)
+from ckptd.server.device_copies import DeviceCopies
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.file_commits import FileCommits
-from ckptd.server.local_parts import clear_gaps, part_ranges
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
-from ckptd.server.ranks import RankInfo, RankRegistry
+from ckptd.server.new_requests import copiers_of, request_from_journal, request_from_stage
+from ckptd.server.ranks import RankRegistry
 from ckptd.server.requests import RequestTable, SaveRequest
+from ckptd.server.save_writes import SaveWrites
 from ckptd.staging.pool import PoolTooSmallError
-from ckptd.storage.durable import remove_written
-from ckptd.storage.previous import drop_previous, previous_name, restore_previous
-from ckptd.storage.layout import check_prediction, predict_placements
-from ckptd.storage.jobs import WriteItems, WriteJob, WriteResult, WriteTorch
-from ckptd.storage.roots import AllowedRoots, PathRefusedError
+from ckptd.storage.roots import AllowedRoots
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +53,14 @@ class SaveService:
         self.roots: AllowedRoots = daemon.roots
         self.lifecycle: SaveLifecycle | None = None  # made once the pool exists (start)
         self.device: DeviceCopies | None = None
+        self.writes: SaveWrites | None = None
         self.commits = FileCommits(daemon)
-        #: How the writers last wrote a checkpoint file under each root (or the local
-        #: directory): "direct" or "buffered: <why>", for ``ckptd status``.
-        self.write_modes: dict[str, str] = {}
 
     def start(self) -> None:
         """Bind to the staging pool and the CUDA stager (created at daemon start)."""
         self.lifecycle = SaveLifecycle(self.daemon.pool, self.table, self)
         self.device = DeviceCopies(self.daemon.cuda, self.ranks, self.table, self.lifecycle)
+        self.writes = SaveWrites(self.daemon, self.lifecycle)
 
     def cancel_device_copy(self, request: SaveRequest) -> None:
         """An aborted or failed save's device copy: stop it, or release its handles."""
@@ -108,11 +106,11 @@ class SaveService:
         if self.daemon.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
                                "the save was not started; retry once a daemon is running")
-        request = self._new_request(rank, body)
+        request = request_from_stage(self.daemon, rank, body)
         # A save's deadlines count from its STAGE's arrival (a tiered one may have waited
         # for the stage budget before it became a request).
         request.created_at = call.received_at
-        copiers = self._copiers_of(request)
+        copiers = copiers_of(request)
         if DEVICE_COPY in copiers:
             self.device.check(rank.rank)
         try:
@@ -123,42 +121,6 @@ class SaveService:
                                "than the pool streams through it in chunks, but one torch.save "
                                "file or local part must fit whole") from None
         self.daemon.note_busy()
-        return request
-
-    @staticmethod
-    def _copiers_of(request: SaveRequest) -> tuple[str, ...]:
-        """Who fills the extent: the trainer (buffers without a spec; also an empty
-        save, which the trainer confirms), the CUDA stager (buffers with one), or both."""
-        specs = request.cuda_specs or [None] * len(request.buffers)
-        device = any(spec is not None for spec in specs)
-        client = any(spec is None for spec in specs) or not specs
-        return ((CLIENT_COPY,) if client else ()) + ((DEVICE_COPY,) if device else ())
-
-    def _new_request(self, rank: RankInfo, body: Stage) -> SaveRequest:
-        try:
-            if body.format == SaveFormat.LOCAL:  # the store names the part: session, iteration, rank
-                path = self.daemon.local.part_path_for(rank.rank, body.session, body.iteration)
-            else:
-                path = self.roots.check(body.path)
-        except PathRefusedError as exc:
-            raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
-        offsets, length = protocol.layout_extent([b[2] for b in body.buffers])
-        request_id = self.table.new_id()
-        tier = self.daemon.tier
-        tiered = tier is not None and tier.wants(body.format)
-        request = SaveRequest(
-            id=request_id, stage_key=tier.key_for(request_id) if tiered else None,
-            rank=rank.rank, routing_id=rank.routing_id, format=body.format,
-            path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
-            skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
-            cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
-            stock_files=body.format == SaveFormat.DCP and body.stock_files,
-            trainer_pid=rank.pid,
-            near=self.daemon.placement.near(body.cuda, rank.pid))
-        if tiered and body.format == SaveFormat.DCP:
-            # Known now, so the coordinator can hand its commit over at staging time.
-            request.placements = predict_placements(body.buffers, body.files,
-                                                    request.stock_files)
         return request
 
     @staticmethod
@@ -299,21 +261,8 @@ class SaveService:
             call.reply(self._staged_reply(request))
 
     def write(self, request: SaveRequest) -> int:
-        """Submit a staged request's writer jobs; returns how many (a tiered save's files
-        are written into the stage directory)."""
-        place = self.daemon.tier.place(request) if request.tiered else None
-        keep = None if request.tiered else lambda path: request.previous.setdefault(
-            path, previous_name(path))  # a tiered save's local copy replaces nothing
-        ranges = None
-        if request.format == SaveFormat.LOCAL:
-            clear_gaps(self.daemon.pool, request)
-            ranges = part_ranges(self.daemon.pool, request)
-        jobs = list(jobs_for(request, self._job_done(request), place, keep, ranges))
-        request.jobs = list(jobs)
-        for job in jobs:
-            job.on_stuck = lambda job, pid: self.lifecycle.writer_stuck(request, pid)
-            self.daemon.writers.submit(job)
-        return len(jobs)
+        """Submit a staged request's writer jobs (:class:`SaveWrites`)."""
+        return self.writes.write(request)
 
     def replicate(self, request: SaveRequest) -> list[str]:
         """Local parts stream to their holders while they are written."""
@@ -324,24 +273,8 @@ class SaveService:
         self.daemon.local.cancel_replication(request)
 
     def remove_outputs(self, request: SaveRequest) -> None:
-        """Delete what a failed or aborted save wrote (for a tiered save: also at the
-        target, and the commits that needed it are abandoned)."""
-        if request.tiered:
-            self.daemon.tier.discard(request)
-        for entry in request.written:
-            previous = request.previous.pop(entry["path"], None)
-            if previous is not None:  # the file it replaced goes back (a later one stays)
-                restore_previous(entry["path"], previous, entry.get("file_id"))
-            remove_written(entry["path"], entry.get("file_id"))
-        request.written = []
-        self.drop_kept_files(request)  # what it kept of files it never replaced
-
-    def drop_kept_files(self, request: SaveRequest) -> None:
-        """Drop what a save kept of the files it replaced (it is done, or they are back),
-        except for files still being written: their writers answer later."""
-        writing = {job.path for job in request.jobs}
-        for path in [p for p in request.previous if p not in writing]:
-            drop_previous(request.previous.pop(path))
+        """Delete what a failed or aborted save wrote (:class:`SaveWrites`)."""
+        self.writes.remove_outputs(request)
 
     def flush(self, request: SaveRequest) -> None:
         """A tiered save is durable locally: hand it to the flusher."""
@@ -349,136 +282,4 @@ class SaveService:
 
     def resumed_request(self, key: str, entry: dict, files: list) -> SaveRequest:
         """A tiered save a previous daemon left in the journal, flushing again."""
-        total = sum(f.size for f in files)
-        request = SaveRequest(
-            id=self.table.new_id(), rank=int(entry["rank"]), routing_id=b"",
-            format=str(entry["format"]), path=str(entry["target"]),
-            buffers=[["bytes", [total], total]], offsets=[0], extent_length=0,
-            phase=Phase.FLUSHING, stage_key=key)
-        request.written = [{"name": os.path.basename(f.target), "path": f.local,
-                            "size": f.size, "crc32": f.crc32} for f in files]
-        request.staged_at = request.created_at
-        self.table.add(request)
-        return request
-
-    def _job_done(self, request: SaveRequest):
-        def on_done(job: WriteJob, result: WriteResult) -> None:
-            request.jobs = [j for j in request.jobs if j is not job]
-            written = None
-            wrong = check_prediction(request.placements, getattr(job.body, "name", None),
-                                     result.items) if result.ok else None
-            if wrong is not None:
-                log.error("request %d (rank %d): %s", request.id, request.rank, wrong)
-                result = WriteResult(ok=False, path=result.path, error=wrong)
-            if result.ok and result.write_mode:
-                self._note_write_mode(result.path, result.write_mode)
-            if result.ok:
-                written = {"name": getattr(job.body, "name", None), "path": result.path,
-                           "size": result.size, "crc32": result.crc32,
-                           "algorithm": result.algorithm, "items": result.items,
-                           "file_id": result.file_id,
-                           "timing": {"writer": job.writer, "started_at": result.started_at,
-                                      "synced_at": result.synced_at or result.started_at,
-                                      "ended_at": result.started_at + result.seconds}}
-            if not result.ok and job.path in request.previous:  # renamed, then failed or died?
-                # Put the old file back now, while no later save of the path can have begun.
-                restore_previous(job.path, request.previous.pop(job.path), None)
-            self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
-                                    job.nbytes, result.error, result.errno)
-            if request.phase == Phase.DONE:
-                self.drop_kept_files(request)
-        return on_done
-
-    def _note_write_mode(self, path: str, mode: str) -> None:
-        local_dir = self.daemon.config.local_dir
-        roots = AllowedRoots.of([*self.roots.roots, *([local_dir] if local_dir else [])])
-        root = roots.root_of(os.path.realpath(path))
-        if root is not None:
-            self.write_modes[root] = mode
-
-
-def jobs_for(request: SaveRequest, on_done, place=None, keep=None, part_ranges=None):
-    """The writer jobs of a staged request: what each save format writes, and where
-    (``place(target path) -> path written``: a tiered save's local copy; ``keep(path) ->
-    name``: where the writer keeps the file it replaces, :mod:`ckptd.storage.previous`;
-    ``part_ranges``: the pool ranges of a local part,
-    :func:`ckptd.server.local_parts.part_ranges`)."""
-    base = request.extent.offset
-    place = place or (lambda path: path)
-    keep = keep or (lambda path: "")
-
-    def item(index: int) -> list:
-        dtype, shape, nbytes = request.buffers[index]
-        return [base + request.offsets[index], nbytes, dtype, shape]
-
-    if request.format == SaveFormat.LOCAL:  # a part is raw pool ranges, header included
-        items = [[offset, nbytes, "bytes", [nbytes]] for offset, nbytes in part_ranges]
-        yield WriteJob(WriteItems(request.path, os.path.basename(request.path), items,
-                                  request.bytes_total), on_done)
-    elif request.format == SaveFormat.TORCH:
-        yield WriteJob(WriteTorch(place(request.path), request.skeleton,
-                                  [item(i) for i in range(len(request.buffers))],
-                                  request.bytes_total, previous=keep(request.path)), on_done)
-    else:
-        for name, indices in request.files:
-            path = os.path.join(request.path, name)
-            yield WriteJob(WriteItems(place(path), name, [item(i) for i in indices],
-                                      sum(request.buffers[i][2] for i in indices),
-                                      stock=request.stock_files, previous=keep(path)), on_done)
-
-
-class DeviceCopies:
-    """The save service's hand-over to the CUDA stager (``None`` on a node without CUDA).
-
-    Owns nothing of a request: it starts a request's device copy once the lifecycle
-    leased its extent, cancels it (or releases never-opened handles) when the save ends
-    early, and reports results to the lifecycle, which alone decides the phase.
-    """
-
-    def __init__(self, cuda, ranks: RankRegistry, table: RequestTable,
-                 lifecycle: SaveLifecycle) -> None:
-        self.cuda, self.ranks, self.table, self.lifecycle = cuda, ranks, table, lifecycle
-
-    def check(self, rank: int) -> None:
-        """Refuse CUDA handles on a daemon without a device."""
-        if self.cuda is None:
-            raise RequestError(ErrorCode.BAD_REQUEST,
-                               f"rank {rank}: this daemon has no CUDA device",
-                               "send CPU copies through the staging pool instead")
-
-    def release_unopened(self, specs: list | None, routing_id: bytes) -> None:
-        """Handles of a refused request: handed over, never to be opened."""
-        if specs and self.cuda is not None:
-            self.cuda.release(specs, self._pid(routing_id))
-
-    def _pid(self, routing_id: bytes) -> int | None:
-        try:
-            return self.ranks.of(routing_id).pid
-        except RequestError:  # never registered: nothing of it can be held open
-            return None
-
-    def start(self, request: SaveRequest) -> None:
-        """Queue the request's device-to-host copy into its leased extent."""
-        if DEVICE_COPY not in request.copiers:
-            return
-        from ckptd.staging.cuda import CudaJob
-
-        rank = self.ranks.of(request.routing_id)
-        self.cuda.submit(CudaJob(request.id, request.extent.offset, request.offsets,
-                                 request.buffers, request.cuda_specs, rank.pid))
-
-    def cancel(self, request: SaveRequest) -> None:
-        """Stop the copy of a save that ended early, or release its handles if queued."""
-        if self.cuda is None:
-            return
-        if request.lease is None:  # still queued for space: its copy never started
-            self.cuda.release(request.cuda_specs, self._pid(request.routing_id))
-        else:
-            self.cuda.cancel(request.id)
-
-    def on_copied(self, result) -> None:
-        """A :class:`ckptd.staging.cuda.CudaStaged` arrived from the stager."""
-        request = self.table.find(result.request_id)
-        if request is not None:
-            request.ipc_kept = list(result.kept)
-            self.lifecycle.copied(request, DEVICE_COPY, result.error, result.code)
+        return request_from_journal(self.table, key, entry, files)

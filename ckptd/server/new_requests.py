@@ -1,0 +1,72 @@
+"""Building save requests: from a trainer's STAGE, or from a tiered save's journal entry.
+
+Owns no state: it turns a message (or what a previous daemon journaled) into a
+:class:`ckptd.server.requests.SaveRequest` and says who fills its extent. Admitting it to
+the pool is the lifecycle's; answering the trainer is the save service's.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckptd import protocol
+from ckptd.protocol import ErrorCode, Phase, SaveFormat, Stage
+from ckptd.server.endpoint import RequestError
+from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY
+from ckptd.server.ranks import RankInfo
+from ckptd.server.requests import RequestTable, SaveRequest
+from ckptd.storage.layout import predict_placements
+from ckptd.storage.roots import PathRefusedError
+
+
+def copiers_of(request: SaveRequest) -> tuple[str, ...]:
+    """Who fills the extent: the trainer (buffers without a spec; also an empty
+    save, which the trainer confirms), the CUDA stager (buffers with one), or both."""
+    specs = request.cuda_specs or [None] * len(request.buffers)
+    device = any(spec is not None for spec in specs)
+    client = any(spec is None for spec in specs) or not specs
+    return ((CLIENT_COPY,) if client else ()) + ((DEVICE_COPY,) if device else ())
+
+
+def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
+    """The request a trainer's STAGE asks for (its path checked, its extent laid out)."""
+    try:
+        if body.format == SaveFormat.LOCAL:  # the store names the part: session, iteration, rank
+            path = daemon.local.part_path_for(rank.rank, body.session, body.iteration)
+        else:
+            path = daemon.roots.check(body.path)
+    except PathRefusedError as exc:
+        raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
+    offsets, length = protocol.layout_extent([b[2] for b in body.buffers])
+    request_id = daemon.table.new_id()
+    tier = daemon.tier
+    tiered = tier is not None and tier.wants(body.format)
+    request = SaveRequest(
+        id=request_id, stage_key=tier.key_for(request_id) if tiered else None,
+        rank=rank.rank, routing_id=rank.routing_id, format=body.format,
+        path=path, buffers=body.buffers, offsets=offsets, extent_length=length,
+        skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
+        cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
+        stock_files=body.format == SaveFormat.DCP and body.stock_files,
+        trainer_pid=rank.pid,
+        near=daemon.placement.near(body.cuda, rank.pid))
+    if tiered and body.format == SaveFormat.DCP:
+        # Known now, so the coordinator can hand its commit over at staging time.
+        request.placements = predict_placements(body.buffers, body.files,
+                                                request.stock_files)
+    return request
+
+
+def request_from_journal(table: RequestTable, key: str, entry: dict, files: list) -> SaveRequest:
+    """A tiered save a previous daemon left in the journal, flushing again."""
+    total = sum(f.size for f in files)
+    request = SaveRequest(
+        id=table.new_id(), rank=int(entry["rank"]), routing_id=b"",
+        format=str(entry["format"]), path=str(entry["target"]),
+        buffers=[["bytes", [total], total]], offsets=[0], extent_length=0,
+        phase=Phase.FLUSHING, stage_key=key)
+    request.written = [{"name": os.path.basename(f.target), "path": f.local,
+                        "size": f.size, "crc32": f.crc32} for f in files]
+    request.staged_at = request.created_at
+    table.add(request)
+    return request

@@ -1,0 +1,147 @@
+"""A save's files: its writer jobs, their results, the files it replaced, and removal.
+
+Owns what each save format writes and where (:func:`jobs_for`), submitting those jobs to
+the writers, turning each writer result into a ``written`` entry for the lifecycle, the
+files a save replaced while it runs (kept under :mod:`ckptd.storage.previous` names:
+put back when the save fails, dropped once it is done), deleting what a failed or aborted
+save wrote, and how the writers last wrote under each root (``write_modes``, for
+``ckptd status``). Phases are the lifecycle's; it must not answer trainers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ckptd.protocol import Phase, SaveFormat
+from ckptd.server.lifecycle import SaveLifecycle
+from ckptd.server.local_parts import clear_gaps, part_ranges
+from ckptd.server.requests import SaveRequest
+from ckptd.storage.durable import remove_written
+from ckptd.storage.jobs import WriteItems, WriteJob, WriteResult, WriteTorch
+from ckptd.storage.layout import check_prediction
+from ckptd.storage.previous import drop_previous, previous_name, restore_previous
+from ckptd.storage.roots import AllowedRoots
+
+log = logging.getLogger(__name__)
+
+
+class SaveWrites:
+    """The files of save requests (see the module docstring).
+
+    Parameters
+    ----------
+    daemon : ckptd.server.daemon.Daemon
+        For the pool, the writers, the tier service, the allowed roots and the config.
+    lifecycle : SaveLifecycle
+        Told each writer result (it alone decides the phase).
+    """
+
+    def __init__(self, daemon, lifecycle: SaveLifecycle) -> None:
+        self.daemon = daemon
+        self.lifecycle = lifecycle
+        #: How the writers last wrote a checkpoint file under each root (or the local
+        #: directory): "direct" or "buffered: <why>", for ``ckptd status``.
+        self.write_modes: dict[str, str] = {}
+
+    def write(self, request: SaveRequest) -> int:
+        """Submit a staged request's writer jobs; returns how many (a tiered save's files
+        are written into the stage directory)."""
+        place = self.daemon.tier.place(request) if request.tiered else None
+        keep = None if request.tiered else lambda path: request.previous.setdefault(
+            path, previous_name(path))  # a tiered save's local copy replaces nothing
+        ranges = None
+        if request.format == SaveFormat.LOCAL:
+            clear_gaps(self.daemon.pool, request)
+            ranges = part_ranges(self.daemon.pool, request)
+        jobs = list(jobs_for(request, self._job_done(request), place, keep, ranges))
+        request.jobs = list(jobs)
+        for job in jobs:
+            job.on_stuck = lambda job, pid: self.lifecycle.writer_stuck(request, pid)
+            self.daemon.writers.submit(job)
+        return len(jobs)
+
+    def remove_outputs(self, request: SaveRequest) -> None:
+        """Delete what a failed or aborted save wrote (for a tiered save: also at the
+        target, and the commits that needed it are abandoned)."""
+        if request.tiered:
+            self.daemon.tier.discard(request)
+        for entry in request.written:
+            previous = request.previous.pop(entry["path"], None)
+            if previous is not None:  # the file it replaced goes back (a later one stays)
+                restore_previous(entry["path"], previous, entry.get("file_id"))
+            remove_written(entry["path"], entry.get("file_id"))
+        request.written = []
+        self.drop_kept_files(request)  # what it kept of files it never replaced
+
+    def drop_kept_files(self, request: SaveRequest) -> None:
+        """Drop what a save kept of the files it replaced (it is done, or they are back),
+        except for files still being written: their writers answer later."""
+        writing = {job.path for job in request.jobs}
+        for path in [p for p in request.previous if p not in writing]:
+            drop_previous(request.previous.pop(path))
+
+    def _job_done(self, request: SaveRequest):
+        def on_done(job: WriteJob, result: WriteResult) -> None:
+            request.jobs = [j for j in request.jobs if j is not job]
+            written = None
+            wrong = check_prediction(request.placements, getattr(job.body, "name", None),
+                                     result.items) if result.ok else None
+            if wrong is not None:
+                log.error("request %d (rank %d): %s", request.id, request.rank, wrong)
+                result = WriteResult(ok=False, path=result.path, error=wrong)
+            if result.ok and result.write_mode:
+                self._note_write_mode(result.path, result.write_mode)
+            if result.ok:
+                written = {"name": getattr(job.body, "name", None), "path": result.path,
+                           "size": result.size, "crc32": result.crc32,
+                           "algorithm": result.algorithm, "items": result.items,
+                           "file_id": result.file_id,
+                           "timing": {"writer": job.writer, "started_at": result.started_at,
+                                      "synced_at": result.synced_at or result.started_at,
+                                      "ended_at": result.started_at + result.seconds}}
+            if not result.ok and job.path in request.previous:  # renamed, then failed or died?
+                # Put the old file back now, while no later save of the path can have begun.
+                restore_previous(job.path, request.previous.pop(job.path), None)
+            self.lifecycle.job_done(request, result.path or job.path, result.ok, written,
+                                    job.nbytes, result.error, result.errno)
+            if request.phase == Phase.DONE:
+                self.drop_kept_files(request)
+        return on_done
+
+    def _note_write_mode(self, path: str, mode: str) -> None:
+        local_dir = self.daemon.config.local_dir
+        roots = AllowedRoots.of([*self.daemon.roots.roots, *([local_dir] if local_dir else [])])
+        root = roots.root_of(os.path.realpath(path))
+        if root is not None:
+            self.write_modes[root] = mode
+
+
+def jobs_for(request: SaveRequest, on_done, place=None, keep=None, part_ranges=None):
+    """The writer jobs of a staged request: what each save format writes, and where
+    (``place(target path) -> path written``: a tiered save's local copy; ``keep(path) ->
+    name``: where the writer keeps the file it replaces, :mod:`ckptd.storage.previous`;
+    ``part_ranges``: the pool ranges of a local part,
+    :func:`ckptd.server.local_parts.part_ranges`)."""
+    base = request.extent.offset
+    place = place or (lambda path: path)
+    keep = keep or (lambda path: "")
+
+    def item(index: int) -> list:
+        dtype, shape, nbytes = request.buffers[index]
+        return [base + request.offsets[index], nbytes, dtype, shape]
+
+    if request.format == SaveFormat.LOCAL:  # a part is raw pool ranges, header included
+        items = [[offset, nbytes, "bytes", [nbytes]] for offset, nbytes in part_ranges]
+        yield WriteJob(WriteItems(request.path, os.path.basename(request.path), items,
+                                  request.bytes_total), on_done)
+    elif request.format == SaveFormat.TORCH:
+        yield WriteJob(WriteTorch(place(request.path), request.skeleton,
+                                  [item(i) for i in range(len(request.buffers))],
+                                  request.bytes_total, previous=keep(request.path)), on_done)
+    else:
+        for name, indices in request.files:
+            path = os.path.join(request.path, name)
+            yield WriteJob(WriteItems(place(path), name, [item(i) for i in indices],
+                                      sum(request.buffers[i][2] for i in indices),
+                                      stock=request.stock_files, previous=keep(path)), on_done)
