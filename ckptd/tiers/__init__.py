@@ -15,7 +15,9 @@ Modules, one job each:
 - :mod:`ckptd.tiers.flusher` -- copies of every save: bounded parallelism, backoff,
   stalls, deadlines, progress for ``ckptd status``;
 - :mod:`ckptd.tiers.service` -- the serve loop's side: which requests are tiered, their
-  hand-over, the commits of DCP checkpoints, resuming from the journal, retention.
+  flushes, resuming from the journal, retention;
+- :mod:`ckptd.tiers.commits` -- the commits of DCP checkpoints (each ``.metadata``),
+  pending until every file they name is durable at the target.
 
 Nothing here runs on the serve loop's thread except the bookkeeping: every call that
 touches the target (which may stall for minutes) runs on a worker thread.

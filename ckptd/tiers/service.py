@@ -8,11 +8,9 @@ Owns, per daemon with ``--stage-dir``:
   or refuse at once with ``stage_full``);
 - each tiered request's flush, from the moment its local copy is durable (journal entry
   first) to the moment every file is durable at the target; then the local copy goes;
-- :class:`PendingCommit`: the commit of a DCP checkpoint (its ``.metadata``), handed to
-  the coordinator's daemon at staging time (``handover``) or asked for at finalize
-  (``commit_file``). It is written at the target only once every file it names is durable
-  there with its checksum record, whichever node flushed it, and never after a save of
-  this daemon that it depends on has failed;
+- the table of DCP commits (:class:`ckptd.tiers.commits.TierCommits`, which keeps them):
+  it routes ``handover`` and ``commit_file`` there, tells it when a file lands at its
+  target, and abandons the commits a failed save's files were needed by;
 - resuming the journal's unfinished flushes and commits when the daemon starts.
 
 The lifecycle still owns every request's phase: this service reports to it
@@ -26,69 +24,17 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 from ckptd import knobs
-from ckptd.checksum import Checksum
-from ckptd.protocol import CommitFileReply, ErrorCode, HandoverReply, Phase, SaveFormat
+from ckptd.protocol import ErrorCode, HandoverReply, SaveFormat
 from ckptd.server.endpoint import Call, RequestError
-from ckptd.storage.durable import write_small_file
 from ckptd.tiers.copy import FlushFile, remove_at_target
 from ckptd.tiers.flusher import Flusher, FlushFailure, FlushJob
+from ckptd.tiers.commits import TierCommits
 from ckptd.tiers.retention import Retention
-from ckptd.tiers.stage import StageDir, commit_key
+from ckptd.tiers.stage import StageDir
 
 log = logging.getLogger(__name__)
-
-METADATA_NAME = ".metadata"
-#: Finished commits remembered, so a late ``commit_file`` learns their outcome.
-_RECENT_COMMITS = 64
-
-
-@dataclass
-class PendingCommit:
-    """A DCP checkpoint's ``.metadata``, waiting for the files it names."""
-
-    key: str
-    path: str             # the .metadata's final path at the target
-    files: list           # names inside the checkpoint directory
-    record: bool          # files carry checksum records (not torch's exact files)
-    local: str            # its bytes, durable in the stage directory
-    size: int
-    crc32: int
-    deadline: float
-    waiters: list = field(default_factory=list)  # commit_file calls owed an answer
-    outcome: str = "pending"                     # pending, committed, failed
-    error: str | None = None
-    errno: int | None = None
-
-    @property
-    def directory(self) -> str:
-        """The checkpoint directory."""
-        return os.path.dirname(self.path)
-
-    def answer(self) -> None:
-        """Answer every ``commit_file`` waiting for this commit."""
-        waiters, self.waiters = self.waiters, []
-        for call in waiters:
-            answer_commit(call, self)
-
-    def to_journal(self) -> dict:
-        """Its journal entry."""
-        return {"kind": "commit", "path": self.path, "files": self.files,
-                "record": self.record, "local": self.local, "size": self.size,
-                "crc32": self.crc32, "deadline": self.deadline}
-
-
-def answer_commit(call: Call, commit: PendingCommit) -> None:
-    """The reply ``commit_file`` gets for a finished commit."""
-    if commit.outcome == "committed":
-        call.reply(CommitFileReply(path=commit.path, size=commit.size))
-    else:
-        call.fail(ErrorCode.WRITE_FAILED, f"could not commit {commit.path}: {commit.error}",
-                  "the checkpoint is not committed; earlier checkpoints are intact",
-                  errno=commit.errno, path=commit.path)
 
 
 class TierService:
@@ -113,10 +59,8 @@ class TierService:
         self.stage = stage
         self.policy = policy
         self.flusher: Flusher | None = None
-        self.commits: dict[str, PendingCommit] = {}
-        self.recent_commits: OrderedDict[str, PendingCommit] = OrderedDict()
+        self.commits = TierCommits(self)
         self.waiting: list[tuple] = []  # (call, body, need, start) of saves waiting for the budget
-        self.committed_total = 0
         self.retention = None if keep_last is None else Retention(
             os.path.join(stage.path, "retention.json"), keep_last, self._in_flight)
 
@@ -243,7 +187,7 @@ class TierService:
             self.stage.remove_local(job.key)
             self.stage.forget(job.key)
             self._release(job.key)
-            self._check_commits(request.path)
+            self.commits.check(request.path)
             if self.retention is not None and request.format == SaveFormat.TORCH:
                 self.retention.committed_one(request.path, "torch", [])
         self.daemon.saves.lifecycle.flush_done(request, failure)
@@ -263,110 +207,28 @@ class TierService:
         self.stage.remove_local(key)
         self.stage.forget(key)
         self._release(key)
-        names = {os.path.basename(t) for t in targets} | {n for n, _ in request.files}
-        for commit in list(self.commits.values()):
-            if commit.directory == (request.path if request.format == SaveFormat.DCP
-                                    else None) and names & set(commit.files):
-                self._end_commit(commit, f"a save it needs failed: {request.error}", None)
+        if request.format == SaveFormat.DCP:
+            names = {os.path.basename(t) for t in targets} | {n for n, _ in request.files}
+            self.commits.abandon_needing(request.path, names,
+                                         f"a save it needs failed: {request.error}")
 
     def _release(self, key: str) -> None:
         if self.stage.release(key):
             self._budget_freed()
 
+    def _in_flight(self, path: str) -> bool:
+        """Whether a save or a commit to checkpoint ``path`` is still under way."""
+        return (self.commits.under_way_in(path)
+                or any(r.path == path for r in self.daemon.table.in_flight()))
+
     # ------------------------------------------------------------------ commits
     def on_handover(self, call: Call, body, path: str) -> HandoverReply:
         """A coordinator hands over its checkpoint's commit (``handover``)."""
-        metadata_path = os.path.join(path, METADATA_NAME)
-        commit = self._new_commit(metadata_path, bytes(call.frames[0]), list(body.files),
-                                  not body.stock_files)
-        log.info("commit of %s handed over: %d file(s) to wait for", path, len(commit.files))
-        return HandoverReply(path=metadata_path, files=len(commit.files))
+        return self.commits.on_handover(call, body, path)
 
     def on_commit_file(self, call: Call, path: str, data: bytes, stock: bool):
-        """``commit_file`` on a tiered daemon: the handed-over commit's outcome, or a new
-        commit of files already flushed (stock ``dcp.save``, whose writes waited)."""
-        from ckptd.server.endpoint import DEFERRED
-
-        commit = self.commits.get(path) or self.recent_commits.get(path)
-        if commit is None:
-            commit = self._new_commit(path, data, [], not stock)
-        if commit.outcome == "pending":
-            commit.waiters.append(call)
-            return DEFERRED
-        answer_commit(call, commit)
-        return DEFERRED
-
-    def _new_commit(self, path: str, data: bytes, files: list, record: bool) -> PendingCommit:
-        previous = self.commits.get(path)
-        if previous is not None:  # a new save into the same directory: the old commit is void
-            self._end_commit(previous, "superseded by a newer save to the same path", None)
-        self.recent_commits.pop(path, None)
-        key = commit_key(path)
-        local = os.path.join(self.stage.local_dir(key), METADATA_NAME)
-        write_small_file(local, data, checksum=True)
-        checksum = Checksum.from_json(open(local + ".ckptd-sum").read())
-        commit = PendingCommit(key, path, files, record, local, checksum.size, checksum.value,
-                               time.time() + knobs.FLUSH_DEADLINE.get())
-        self.stage.record(key, commit.to_journal())
-        self._start_commit(commit)
-        return commit
-
-    def _start_commit(self, commit: PendingCommit) -> None:
-        self.commits[commit.path] = commit
-        requires = [(os.path.join(commit.directory, name), commit.record)
-                    for name in commit.files]
-        job = FlushJob(commit.key, commit.directory,
-                       [FlushFile(commit.local, commit.path, commit.size, commit.crc32,
-                                  commit.record)],
-                       commit.deadline, lambda job, failure: self._committed(commit, failure),
-                       requires=requires)
-        self.flusher.submit(job)
-
-    def _check_commits(self, directory: str) -> None:
-        """A file of ``directory`` reached its target: a commit may be complete now."""
-        for commit in self.commits.values():
-            if commit.directory == directory:
-                job = self.flusher.jobs.get(commit.key)
-                if job is not None:
-                    for state in job.states:
-                        if state.task is None and not state.done:
-                            state.retry_at = 0.0
-        self.flusher.tick()
-
-    def _committed(self, commit: PendingCommit, failure: FlushFailure | None) -> None:
-        if failure is None:
-            commit.outcome = "committed"
-            self.committed_total += 1
-            log.info("committed %s (%d file(s) durable at the target)", commit.path,
-                     len(commit.files))
-            self._forget_commit(commit)
-            if self.retention is not None:
-                self.retention.committed_one(commit.directory, "dcp", commit.files)
-        else:
-            self._end_commit(commit, failure.message, failure.errno)
-
-    def _end_commit(self, commit: PendingCommit, reason: str, errno: int | None) -> None:
-        """Give a commit up: it will never be written."""
-        if commit.outcome != "pending":
-            return
-        self.flusher.cancel(commit.key)
-        commit.outcome, commit.error, commit.errno = "failed", reason, errno
-        log.error("commit of %s abandoned: %s", commit.path, reason)
-        self._forget_commit(commit)
-
-    def _forget_commit(self, commit: PendingCommit) -> None:
-        self.commits.pop(commit.path, None)
-        self.stage.remove_local(commit.key)
-        self.stage.forget(commit.key)
-        self.recent_commits[commit.path] = commit
-        while len(self.recent_commits) > _RECENT_COMMITS:
-            self.recent_commits.popitem(last=False)
-        commit.answer()
-
-    def _in_flight(self, path: str) -> bool:
-        """Whether a save or a commit to checkpoint ``path`` is still under way."""
-        return (any(c.directory == path for c in self.commits.values())
-                or any(r.path == path for r in self.daemon.table.in_flight()))
+        """``commit_file`` on a tiered daemon (see :class:`TierCommits`)."""
+        return self.commits.on_commit_file(call, path, data, stock)
 
     # ------------------------------------------------------------------ restart
     def _resume(self) -> None:
@@ -375,20 +237,13 @@ class TierService:
         for key, entry in entries.items():
             try:
                 if entry.get("kind") == "commit":
-                    self._resume_commit(key, entry)
+                    self.commits.resume(key, entry)
                 else:
                     self._resume_save(key, entry)
             except (KeyError, TypeError, ValueError) as exc:
                 log.error("journal entry %s is malformed (%s); not resumed", key, exc)
                 self.stage.remove_local(key)
                 self.stage.forget(key)
-
-    def _resume_commit(self, key: str, entry: dict) -> None:
-        commit = PendingCommit(key, entry["path"], list(entry["files"]), bool(entry["record"]),
-                               entry["local"], int(entry["size"]), int(entry["crc32"]),
-                               float(entry["deadline"]))
-        log.info("resuming the commit of %s from the journal", commit.path)
-        self._start_commit(commit)
 
     def _resume_save(self, key: str, entry: dict) -> None:
         files = [FlushFile.from_json(f) for f in entry["files"]]
@@ -411,8 +266,8 @@ class TierService:
                 "retries": self.flusher.retries if self.flusher else 0,
                 "stalls": self.flusher.stalls if self.flusher else 0,
                 "bytes_flushed": self.flusher.bytes_flushed if self.flusher else 0,
-                "commits_pending": [c.path for c in self.commits.values()],
-                "commits_done": self.committed_total}
+                "commits_pending": list(self.commits.pending),
+                "commits_done": self.commits.committed_total}
 
     def close(self) -> None:
         """Stop copying (the journal keeps what is unfinished for the next daemon)."""
