@@ -287,6 +287,10 @@ class SaveLifecycle:
         else:
             self._settle(request)
         request.lease.drop(WRITERS)
+        if request.forget_when_written:
+            # Only now: forgotten earlier, it left status while its files were still
+            # being renamed into place, as if nothing of it were left to remove.
+            self.table.forget(request.id)
 
     def _settle(self, request: SaveRequest) -> None:
         """Writes and replicas all answered: decide the outcome."""

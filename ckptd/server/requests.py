@@ -117,6 +117,7 @@ class SaveRequest:
     stale_of: str | None = None  # the previous save whose bytes this one repeats
     staging_since: float | None = None  # when it got its staging space
     jobs: list = field(default_factory=list)  # its writer jobs not answered yet (WriteJob)
+    forget_when_written: bool = False  # FORGET came while its writers still worked
     progress_at: float = field(default_factory=time.monotonic)  # last step of its own
 
     def moved(self) -> None:

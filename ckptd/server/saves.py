@@ -198,6 +198,10 @@ class SaveService:
             request = self.table.get(request_id)
             if request is None or request.routing_id != call.routing_id or not request.finished:
                 continue
+            if request.jobs:  # stopped while writing: what they write goes when they answer
+                request.forget_when_written = True
+                forgotten.append(request_id)
+                continue
             if body.delete_files:
                 self.remove_outputs(request)
             self.table.forget(request_id)

@@ -359,3 +359,17 @@ def test_other_failures_free_the_trainers_share_at_once(pool):
     life.admit(request)
     life.fail(request, "ckptd is shutting down")
     assert len(pool.returned) == 1 and pool.free_bytes == pool.size
+
+
+def test_a_request_forgotten_while_its_writers_work_leaves_the_table_when_they_answer(pool):
+    # A trainer's give-up sends FORGET right after ABORT: the save must stay in status until
+    # its writers answer and what they renamed into place has been removed.
+    table, fx, life = setup(pool, jobs=1)
+    request = make(table)
+    life.admit(request)
+    life.copied(request, CLIENT_COPY)
+    life.abort(request, "aborted")
+    request.forget_when_written = True
+    assert request.id in table.requests
+    ok(life, request)
+    assert fx.removed == [request.id] and request.id not in table.requests
