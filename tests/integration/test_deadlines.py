@@ -69,19 +69,31 @@ def dcp_saves_around_a_stall(rank, world_size, root, signals):
     queue.schedule_async_request(dcp.async_save(state(1), os.path.join(root, "A")))
     queue.maybe_finalize_async_calls(blocking=True)
     await_signal(signals, "go", f"a{rank}")
-    queue.schedule_async_request(dcp.async_save(state(2), os.path.join(root, "B")))
-    try:
-        queue.maybe_finalize_async_calls(blocking=True)
-        outcome = None
-    except CheckpointException as exc:
-        outcome = (exc.failing_ranks, exc.failures)
+    outcome = outcome_of(queue, lambda: dcp.async_save(state(2), os.path.join(root, "B")))
     await_signal(signals, "cleared", f"b{rank}")
-    queue.schedule_async_request(dcp.async_save(state(3), os.path.join(root, "C")))
+    return outcome, save_c_then_load(queue, state(3), root, "A")[f"w{rank}"]
+
+
+def outcome_of(queue, save) -> tuple | None:
+    """Schedule ``save()`` and finalize it: None if it succeeds, else its (failing ranks,
+    failures) — staging may already fail."""
+    try:
+        queue.schedule_async_request(save())
+        queue.maybe_finalize_async_calls(blocking=True)
+        return None
+    except CheckpointException as exc:
+        return exc.failing_ranks, exc.failures
+
+
+def save_c_then_load(queue, state: dict, root: str, load: str) -> dict:
+    """Save C (the save after the fault), load checkpoint ``load``: the first value of
+    each tensor read back (the queue is closed after)."""
+    queue.schedule_async_request(dcp.async_save(state, os.path.join(root, "C")))
     queue.maybe_finalize_async_calls(blocking=True)
-    loaded = state(0)
-    DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, "A")))
+    loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+    DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, load)))
     queue.close()
-    return outcome, float(loaded[f"w{rank}"][0])
+    return {key: float(value[0]) for key, value in loaded.items()}
 
 
 def await_signal(signals, name: str, done: str, timeout: float = 180.0) -> None:
@@ -240,20 +252,10 @@ def dcp_save_with_a_rank_stopped_in_staging(rank, world_size, root, signals):
     queue = AsyncCallsQueue()
     state = lambda value: {f"w{rank}": torch.full((4 << 20,), float(value))}  # noqa: E731 16 MiB
     await_signal(signals, "go", f"ready{rank}")
-    try:
-        queue.schedule_async_request(dcp.async_save(
-            state(1), os.path.join(root, "B"),
-            planner=DefaultSavePlanner(enable_plan_caching=True)))
-        queue.maybe_finalize_async_calls(blocking=True)
-        outcome = None
-    except CheckpointException as exc:
-        outcome = (exc.failing_ranks, exc.failures)
-    queue.schedule_async_request(dcp.async_save(state(2), os.path.join(root, "C")))
-    queue.maybe_finalize_async_calls(blocking=True)
-    loaded = state(0)
-    DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, "C")))
-    queue.close()
-    return outcome, float(loaded[f"w{rank}"][0])
+    outcome = outcome_of(queue, lambda: dcp.async_save(
+        state(1), os.path.join(root, "B"),
+        planner=DefaultSavePlanner(enable_plan_caching=True)))
+    return outcome, save_c_then_load(queue, state(2), root, "C")[f"w{rank}"]
 
 
 def requests_of(daemon, path: str) -> dict:
