@@ -18,13 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
-from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
 import gates
 import two_ranks
-from ckpt_client.integrations.torchtitan import CkptdCheckpointManager
-from torchtitan_run import TrainState, snapshot
+from torchtitan_run import build_training, snapshot
 
 
 def local_shards(value):
@@ -57,17 +54,7 @@ def main() -> None:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizers = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
-        pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]).build(
-        model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
-        optimizers=optimizers, training_steps=int(steps))
-    state = TrainState()
-    checkpointer = CkptdCheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=2, keep_latest_k=2,
-        async_mode=mode).build(dataloader=None, model_parts=[model], optimizers=optimizers,
-                               lr_schedulers=schedulers, states={"train_state": state},
-                               sd_adapter=None, base_folder=base)
+    optimizers, schedulers, state, checkpointer = build_training(model, int(steps), mode, base)
 
     def record(name: str) -> None:
         torch.save(local_shards(snapshot(model, optimizers, schedulers, state)),

@@ -41,6 +41,23 @@ def snapshot(model, optimizers, schedulers, state) -> dict:
                           "lr": schedulers.state_dict(), "step": state.step})
 
 
+def build_training(model, steps: int, mode: str, base: str) -> tuple:
+    """torchtitan's optimizer and scheduler containers, the train state and our checkpoint
+    manager around ``model``, as both the one-rank and the two-rank runs train it."""
+    optimizers = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
+        pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]).build(
+        model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+        optimizers=optimizers, training_steps=steps)
+    state = TrainState()
+    checkpointer = CkptdCheckpointManager.Config(
+        enable=True, folder="checkpoint", interval=2, keep_latest_k=2,
+        async_mode=mode).build(dataloader=None, model_parts=[model], optimizers=optimizers,
+                               lr_schedulers=schedulers, states={"train_state": state},
+                               sd_adapter=None, base_folder=base)
+    return optimizers, schedulers, state, checkpointer
+
+
 def main() -> None:
     base, refs, gate_dir, steps, mode = sys.argv[1:6]
     resume = sys.argv[6:] == ["resume"]
@@ -48,17 +65,7 @@ def main() -> None:
                             world_size=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-    optimizers = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
-        pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})]).build(
-        model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
-        optimizers=optimizers, training_steps=int(steps))
-    state = TrainState()
-    checkpointer = CkptdCheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=2, keep_latest_k=2,
-        async_mode=mode).build(dataloader=None, model_parts=[model], optimizers=optimizers,
-                               lr_schedulers=schedulers, states={"train_state": state},
-                               sd_adapter=None, base_folder=base)
+    optimizers, schedulers, state, checkpointer = build_training(model, int(steps), mode, base)
     if resume:
         assert checkpointer.load(step=-1), "nothing to resume from"
         torch.save(snapshot(model, optimizers, schedulers, state), os.path.join(refs, "resumed.pt"))
