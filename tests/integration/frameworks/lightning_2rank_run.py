@@ -14,14 +14,11 @@ import os
 import sys
 
 import torch
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 import gates
 import two_ranks
-from ckpt_client.integrations.lightning import CkptdCheckpointIO
-from lightning_run import Record, Regressor
+from lightning_run import Record, fit
 
 
 class RecordEachRank(Record):
@@ -59,15 +56,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(128, 32), torch.randn(128, 1))  # one epoch: 16 steps
-    trainer = Trainer(
-        max_steps=int(max_steps), accelerator="cpu", devices=2, strategy="ddp", logger=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        plugins=[CkptdCheckpointIO()],
-        callbacks=[RecordEachRank(refs, gate_dir, resume),
-                   ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=2,
-                                   monitor="gstep", mode="max", save_last=True)])
-    trainer.fit(Regressor(), DataLoader(data, batch_size=4, shuffle=True),
-                ckpt_path="last" if resume else None)
+    fit(ckpt_dir, int(max_steps), data, RecordEachRank(refs, gate_dir, resume), resume,
+        devices=2, strategy="ddp")
 
 
 if __name__ == "__main__":

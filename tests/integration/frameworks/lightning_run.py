@@ -73,13 +73,21 @@ def main() -> None:
     resume = sys.argv[5:] == ["resume"]
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 32), torch.randn(64, 1))
+    fit(ckpt_dir, int(max_steps), data, Record(refs, gate_dir, resume), resume, devices=1)
+
+
+def fit(ckpt_dir: str, max_steps: int, data, record, resume: bool, **placement) -> None:
+    """Train the regressor through our plugin, keeping the top two and the last checkpoint
+    every two steps, as both the one-rank and the two-rank runs do (``placement``: the
+    Trainer's devices and strategy)."""
     trainer = Trainer(
-        max_steps=int(max_steps), accelerator="cpu", devices=1, logger=False,
+        max_steps=max_steps, accelerator="cpu", logger=False,
         enable_progress_bar=False, enable_model_summary=False,
         plugins=[CkptdCheckpointIO()],
-        callbacks=[Record(refs, gate_dir, resume),
+        callbacks=[record,
                    ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=2,
-                                   monitor="gstep", mode="max", save_last=True)])
+                                   monitor="gstep", mode="max", save_last=True)],
+        **placement)
     trainer.fit(Regressor(), DataLoader(data, batch_size=4, shuffle=True),
                 ckpt_path="last" if resume else None)
 
