@@ -68,7 +68,8 @@ def commit_metadata(connection: DaemonConnection, directory: str, metadata: Meta
     connection.call(MessageType.COMMIT_FILE,
                     CommitFile(path=os.path.join(directory, METADATA_NAME),
                                stock_files=stock_files),
-                    frames=[data], timeout=waits.commit_file(connection.tiered))
+                    frames=[data], timeout=waits.commit_file(connection.deadlines,
+                                                             connection.tiered))
 
 
 def commit_on_coordinator(group: Group, results, commit: Callable[[list], None], *,

@@ -112,7 +112,9 @@ class StagingTicket:
             within ``timeout`` (default: the trainer's wait for a STAGE reply, which outlasts
             the daemon's ``CKPTD_STAGE_TIMEOUT``).
         """
-        limit = waits.stage_reply() if timeout is None else timeout
+        # No connection is known before a save thread takes the ticket up: this
+        # process's own reading of the daemon's deadlines is all there is.
+        limit = waits.stage_reply(None) if timeout is None else timeout
         while not self._done.wait(0.05):
             consumer = self._consumer
             if consumer is not None and not consumer.is_alive():

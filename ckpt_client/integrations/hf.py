@@ -70,7 +70,8 @@ def _commit_marker(directory: str, socket: str | None) -> None:
     connection = connect(socket)
     connection.call(MessageType.COMMIT_FILE,
                     CommitFile(path=os.path.join(directory, COMPLETE_MARKER)),
-                    frames=[b"complete\n"], timeout=waits.commit_file(connection.tiered))
+                    frames=[b"complete\n"],
+                    timeout=waits.commit_file(connection.deadlines, connection.tiered))
 
 
 class _Pending:

@@ -95,10 +95,11 @@ class PartLoader:
                                         "other node holds a replica)")
         log.info("rank %d: part of iteration %d %s here; fetching from %s", rank, iteration,
                  "corrupted" if damage else "missing", holders)
-        reply = self._connect().call(
+        connection = self._connect()
+        reply = connection.call(
             MessageType.LOCAL_FETCH, LocalFetch(session=self.session_id, iteration=iteration,
                                                 owner=rank, holders=holders),
-            timeout=waits.local_load())
+            timeout=waits.local_load(connection.deadlines))
         if reply.moved_aside:
             log.warning("rank %d: the corrupted part was moved aside to %s (kept for "
                         "inspection, never loaded)", rank, reply.moved_aside)

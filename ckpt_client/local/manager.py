@@ -247,7 +247,7 @@ class LocalCheckpointManager:
         try:
             inventory = connection.call(MessageType.LOCAL_INVENTORY,
                                         LocalInventory(session=self.session_id),
-                                        timeout=waits.local_load())
+                                        timeout=waits.local_load(connection.deadlines))
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             error = f"rank {rank}: listing local parts failed: {exc}"
         gathered = all_gather((rank, inventory, error))

@@ -82,6 +82,9 @@ class DaemonConnection:
         self.host = hello.host
         #: The daemon stages saves on node-local disk first (``--stage-dir``).
         self.tiered = hello.tiered
+        #: The deadlines the daemon enforces (``None``: an older daemon did not say); every
+        #: wait on it is at least as long (:mod:`ckpt_client.transport.waits`).
+        self.deadlines = hello.deadlines
         self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
         self._death_hooks: list[Callable[[DaemonConnection], None]] = []

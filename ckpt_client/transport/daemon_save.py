@@ -93,7 +93,7 @@ class DaemonSave:
         deadlines), with a :class:`CheckpointException` that says what to check.
         """
         if timeout is None:
-            limit = waits.staging()
+            limit = waits.staging(self.connection.deadlines)
             if not self._staged.wait(limit):
                 raise CheckpointException("staging a checkpoint failed", {self.rank: (
                     f"rank {self.rank}: the save of {self.path} was not staged within "
@@ -119,7 +119,7 @@ class DaemonSave:
             return self.last
         if not self._staged.is_set():
             return RequestState(phase=PENDING)
-        limit = waits.save_outcome(self.connection.tiered)
+        limit = waits.save_outcome(self.connection.deadlines, self.connection.tiered)
         if self.accepted_at is not None and time.monotonic() - self.accepted_at > limit:
             return self._give_up(DaemonUnavailableError(
                 self.connection.socket_path, f"the ckptd daemon (pid {self.connection.daemon_pid})"

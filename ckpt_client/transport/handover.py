@@ -87,7 +87,7 @@ class StagingJob:
             if self.plan is not None:
                 self.plan.withdraw()
             return None
-        reply = connection.call(MessageType.STAGE, self.body, timeout=waits.stage_reply())
+        reply = connection.call(MessageType.STAGE, self.body, timeout=waits.stage_reply(connection.deadlines))
         save.request_id = reply.request_id
         save.accepted_at = time.monotonic()
         save.placements = reply.placements
@@ -106,7 +106,7 @@ class StagingJob:
         self._wait_for_release()
         try:
             staged = connection.call(MessageType.STAGED, Staged(request_id=save.request_id),
-                                     timeout=waits.staged_reply())
+                                     timeout=waits.staged_reply(connection.deadlines))
         except DaemonRequestError as exc:
             if exc.code != ErrorCode.IPC_DENIED or self.specs is None:
                 raise
@@ -181,7 +181,7 @@ class BackgroundStager:
     def stop(self) -> None:
         """Finish the queued jobs, then end the thread."""
         self._jobs.put(None)
-        self._thread.join(timeout=waits.staging())
+        self._thread.join(timeout=waits.staging(None))
 
 
 def _reason(exc: BaseException) -> str:

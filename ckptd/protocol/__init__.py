@@ -47,8 +47,8 @@ __all__ = [
     "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Empty",
     "Trace", "TraceSpans",
     # typed reply bodies of the client channel, and which request each answers
-    "HelloReply", "StageReply", "StagedReply", "WrittenFile", "RequestState", "PollReply",
-    "ForgetReply", "AbortReply", "CommitFileReply", "HandoverReply", "PingReply",
+    "DaemonDeadlines", "HelloReply", "StageReply", "StagedReply", "WrittenFile", "RequestState",
+    "PollReply", "ForgetReply", "AbortReply", "CommitFileReply", "HandoverReply", "PingReply",
     "PeerInfoReply", "LocalSessionReply", "HeldPart", "LocalInventoryReply", "LocalFetchReply",
     "LocalCommitReply", "TraceSpansReply", "REPLIES", "reply_type_for",
     # staging layout and local parts

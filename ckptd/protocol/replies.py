@@ -19,17 +19,38 @@ from __future__ import annotations
 
 from dataclasses import field
 
-from ckptd.protocol.body import Body, Empty
+from ckptd.protocol.body import Body, Empty, check
 from ckptd.protocol.names import MessageType
 
-__all__ = ["HelloReply", "StageReply", "StagedReply", "WrittenFile", "RequestState",
+__all__ = ["DaemonDeadlines", "HelloReply", "StageReply", "StagedReply", "WrittenFile", "RequestState",
            "PollReply", "ForgetReply", "AbortReply", "CommitFileReply", "HandoverReply",
            "PingReply", "PeerInfoReply", "LocalSessionReply", "HeldPart", "LocalInventoryReply",
            "LocalFetchReply", "LocalCommitReply", "TraceSpansReply", "REPLIES", "reply_type_for"]
 
 
+def _seconds() -> float:
+    return check(lambda s: s > 0, "a positive number of seconds")
+
+
+class DaemonDeadlines(Body):
+    """The deadlines a daemon enforces, in seconds, as it runs (its command line and its
+    own environment, which need not be the trainer's): a trainer makes each of its waits
+    at least the daemon's deadline for the same thing plus a margin, so the daemon stays
+    the judge of a save even when it was started with longer limits than the trainer's
+    environment names."""
+
+    stall_timeout_s: float = _seconds()       # --stall-timeout: a write or fsync without progress
+    stage_timeout_s: float = _seconds()       # a STAGE without staging space, from its arrival
+    staging_deadline_s: float = _seconds()    # the copies into the pool, from the space granted
+    save_deadline_s: float = _seconds()       # a whole save, request to durable
+    flush_deadline_s: float = _seconds()      # a tiered save's flush to its target
+    local_load_timeout_s: float = _seconds()  # a fetch of a local part
+    serve_tick_s: float = _seconds()          # how often the daemon checks all of these
+
+
 class HelloReply(Body):
-    """The daemon a trainer registered with: who it is, and its staging pool."""
+    """The daemon a trainer registered with: who it is, its staging pool, and the
+    deadlines it enforces (``None`` from a daemon that predates them)."""
 
     daemon_pid: int
     incarnation: str  # random per daemon start; every later request names it
@@ -41,6 +62,7 @@ class HelloReply(Body):
     cuda: bool = False
     cuda_devices: list[str] = field(default_factory=list)  # GPUs it opens IPC handles on
     tiered: bool = False  # saves are durable on node-local disk first (--stage-dir)
+    deadlines: DaemonDeadlines | None = None
 
 
 class StageReply(Body):

@@ -27,7 +27,7 @@ import logging
 import time
 
 from ckptd import knobs
-from ckptd.protocol import Phase
+from ckptd.protocol import DaemonDeadlines, Phase
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
 from ckptd.server.requests import RequestTable, SaveRequest
 
@@ -61,6 +61,17 @@ class SaveDeadlines:
         self.table, self.lifecycle, self.writers = table, lifecycle, writers
         self.stall_timeout = stall_timeout
         self.tier, self.local = tier, local
+
+    def enforced(self) -> DaemonDeadlines:
+        """The deadlines this daemon enforces, as a trainer's hello reply tells them: the
+        trainer's environment may not name what this daemon's command line set."""
+        return DaemonDeadlines(
+            stall_timeout_s=self.stall_timeout, stage_timeout_s=knobs.STAGE_TIMEOUT.get(),
+            staging_deadline_s=knobs.STAGING_DEADLINE.get(),
+            save_deadline_s=knobs.SAVE_DEADLINE.get(),
+            flush_deadline_s=knobs.FLUSH_DEADLINE.get(),
+            local_load_timeout_s=knobs.LOCAL_LOAD_TIMEOUT.get(),
+            serve_tick_s=knobs.SERVE_TICK.get())
 
     def check(self) -> None:
         """One round of checks (every serve tick)."""

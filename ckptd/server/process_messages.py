@@ -55,7 +55,8 @@ class ProcessMessages:
                           pool_size=daemon.pool.size, writers=daemon.config.writers,
                           host=host_name(), cuda=daemon.cuda is not None,
                           cuda_devices=sorted(daemon.cuda.devices) if daemon.cuda is not None
-                          else [], tiered=daemon.tier is not None)
+                          else [], tiered=daemon.tier is not None,
+                          deadlines=daemon.deadlines.enforced())
 
     def on_goodbye(self, call: Call, body: Empty) -> Empty:
         """A trainer disconnects: space reserved for copies that will never come is freed;
@@ -121,12 +122,8 @@ class ProcessMessages:
                   "pinned": pool.registered_with_cuda,
                   "numa_nodes": [r.node for r in pool.regions]},
             writers=daemon.writers.describe(),
-            deadlines={"stall_timeout_s": daemon.config.stall_timeout,
-                       "stuck_after_s": knobs.STUCK_AFTER.get(),
-                       "staging_deadline_s": knobs.STAGING_DEADLINE.get(),
-                       "save_deadline_s": knobs.SAVE_DEADLINE.get(),
-                       "stage_timeout_s": knobs.STAGE_TIMEOUT.get(),
-                       "local_load_timeout_s": knobs.LOCAL_LOAD_TIMEOUT.get()},
+            deadlines={**daemon.deadlines.enforced().to_wire(),
+                       "stuck_after_s": knobs.STUCK_AFTER.get()},
             stuck_writers=daemon.writers.stuck.describe(),
             **daemon.local.status_sections(),
             tier=daemon.tier.describe() if daemon.tier is not None else None,

@@ -42,6 +42,27 @@ def test_stall_timeout_comes_from_the_environment_by_default(start_daemon):
     assert deadlines == {**deadlines, "stall_timeout_s": 42.0, "stuck_after_s": 3.0}
 
 
+def test_deadlines_set_only_on_the_daemon_make_the_trainer_wait_longer(start_daemon):
+    """A stall timeout on ``ckptd serve``'s command line and a save deadline in the
+    daemon's environment alone (the trainer's environment has the defaults): the daemon
+    says them in its hello, and the trainer's commit and finalize waits outlast them."""
+    from ckpt_client import connect
+    from ckpt_client.transport import waits
+
+    daemon = start_daemon(extra_args=["--stall-timeout", "1e6"],
+                          env={"CKPTD_SAVE_DEADLINE": "1e7"})
+    assert "CKPTD_SAVE_DEADLINE" not in os.environ and "CKPTD_STALL_TIMEOUT" not in os.environ
+    connection = connect(daemon.socket, auto_start=False)
+    try:
+        said = connection.deadlines
+        assert said.stall_timeout_s == 1e6 and said.save_deadline_s == 1e7
+        assert waits.commit_file(connection.deadlines, tiered=False) > 2 * 1e6
+        assert waits.save_outcome(connection.deadlines, tiered=False) > 1e7
+        assert waits.save_outcome(connection.deadlines, tiered=True) > 1e7
+    finally:
+        connection.close()
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon"])
 def test_stall_timeout_must_be_a_positive_number(tmp_path, value):
     result = subprocess.run(
@@ -345,3 +366,4 @@ def test_a_give_up_after_the_daemon_handled_the_writers_result_still_leaves_noth
     finally:
         checkpoint.close()
     assert torch.load(path, weights_only=True)["w"][0] == 2.0
+

@@ -18,7 +18,7 @@ import os
 import pytest
 
 from ckptd import knobs
-from ckptd.protocol import Phase
+from ckptd.protocol import DaemonDeadlines, Phase
 from ckptd.server.deadlines import SaveDeadlines
 from ckptd.server.requests import SaveRequest
 from ckpt_client.transport import waits
@@ -55,13 +55,21 @@ def daemon_decides_by() -> dict:
     }
 
 
-def trainer_waits() -> dict:
-    return {"stage_reply": waits.stage_reply(), "staged_reply": waits.staged_reply(),
-            "save_outcome(non-tiered)": waits.save_outcome(tiered=False),
-            "save_outcome(tiered)": waits.save_outcome(tiered=True),
-            "local_load": waits.local_load(),
-            "commit_file(non-tiered)": waits.commit_file(tiered=False),
-            "commit_file(tiered)": waits.commit_file(tiered=True)}
+def trainer_waits(said: DaemonDeadlines | None = None) -> dict:
+    """Each trainer wait, with ``said`` the daemon's hello (None: an older daemon)."""
+    return {"stage_reply": waits.stage_reply(said), "staged_reply": waits.staged_reply(said),
+            "save_outcome(non-tiered)": waits.save_outcome(said, tiered=False),
+            "save_outcome(tiered)": waits.save_outcome(said, tiered=True),
+            "local_load": waits.local_load(said),
+            "commit_file(non-tiered)": waits.commit_file(said, tiered=False),
+            "commit_file(tiered)": waits.commit_file(said, tiered=True)}
+
+
+def deadlines_of_a_daemon_with(**values) -> DaemonDeadlines:
+    """The hello's deadlines of a daemon whose knobs are ``values`` (the rest defaults),
+    built the way the daemon builds them."""
+    with knobs.override(**values):
+        return SaveDeadlines(None, None, None, knobs.STALL_TIMEOUT.get()).enforced()
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -70,7 +78,26 @@ def test_every_trainer_wait_outlasts_the_daemon_deadline_for_the_same_thing(sett
         daemon, trainer = daemon_decides_by(), trainer_waits()
         short = {k: (trainer[k], daemon[k]) for k in daemon if not trainer[k] > daemon[k]}
         assert not short, f"trainer waits (trainer, daemon) not longer than the daemon's: {short}"
-        assert waits.staging() > waits.stage_reply() + waits.staged_reply()
+        assert waits.staging(None) > waits.stage_reply(None) + waits.staged_reply(None)
+
+
+@pytest.mark.parametrize("daemon_setting", SETTINGS)
+@pytest.mark.parametrize("trainer_setting", ["defaults", "tiny"])
+def test_a_deadline_set_only_where_the_daemon_runs_still_makes_the_trainer_wait_longer(
+        daemon_setting, trainer_setting):
+    """The daemon's command line and environment are not the trainer's: what the daemon
+    said in its hello must lengthen the trainer's waits (the daemon's deadlines come from
+    its settings, the trainer's own knobs from another)."""
+    said = deadlines_of_a_daemon_with(**SETTINGS[daemon_setting])
+    # A poll in flight when the daemon decides is the trainer's call, with its timeout.
+    call = SETTINGS[trainer_setting].get("CALL_TIMEOUT", knobs.CALL_TIMEOUT.default)
+    with knobs.override(**{**SETTINGS[daemon_setting], "CALL_TIMEOUT": call}):
+        daemon = daemon_decides_by()
+    with knobs.override(**SETTINGS[trainer_setting]):
+        own, trainer = daemon_decides_by(), trainer_waits(said)
+    short = {k: (trainer[k], daemon[k], own[k]) for k in daemon
+             if not trainer[k] > max(daemon[k], own[k])}
+    assert not short, f"trainer waits (trainer, daemon, own) not longer than both: {short}"
 
 
 def test_the_order_holds_when_the_deadlines_come_from_the_environment(monkeypatch):
@@ -78,9 +105,9 @@ def test_the_order_holds_when_the_deadlines_come_from_the_environment(monkeypatc
     monkeypatch.setenv("CKPTD_STAGING_DEADLINE", "4000")
     monkeypatch.setenv("CKPTD_CALL_TIMEOUT", "1")
     monkeypatch.setenv("CKPTD_STALL_TIMEOUT", "7000")
-    assert waits.save_outcome(tiered=False) > 90000 + knobs.SERVE_TICK.get() + 1
-    assert waits.staged_reply() > 4000
-    assert waits.commit_file(tiered=False) > 2 * 7000
+    assert waits.save_outcome(None, tiered=False) > 90000 + knobs.SERVE_TICK.get() + 1
+    assert waits.staged_reply(None) > 4000
+    assert waits.commit_file(None, tiered=False) > 2 * 7000
 
 
 # ------------------------------------------------------------------ the daemon's side
@@ -106,18 +133,18 @@ def test_the_daemon_fails_a_save_before_the_trainer_would_give_up(setting):
     overdue = SaveDeadlines._overdue
     with knobs.override(**SETTINGS[setting]):
         waiting = knobs.STAGE_TIMEOUT.get()
-        assert overdue(request(Phase.WAITING_FOR_POOL, waits.stage_reply(), now), now)
+        assert overdue(request(Phase.WAITING_FOR_POOL, waits.stage_reply(None), now), now)
         assert overdue(request(Phase.WAITING_FOR_POOL, waiting * 0.99, now), now) is None
         staging = knobs.STAGING_DEADLINE.get()
         late = request(Phase.STAGING, 0.0, now, lease=Lease(), copiers=("client-copy",),
-                       staging_since=now - waits.staged_reply())
+                       staging_since=now - waits.staged_reply(None))
         assert "CKPTD_STAGING_DEADLINE" in overdue(late, now)
         early = request(Phase.STAGING, 0.0, now, lease=Lease(), copiers=("client-copy",),
                         staging_since=now - staging * 0.99)
         assert overdue(early, now) is None
         save = knobs.SAVE_DEADLINE.get()
         assert "CKPTD_SAVE_DEADLINE" in overdue(
-            request(Phase.WRITING, waits.save_outcome(tiered=False), now), now)
+            request(Phase.WRITING, waits.save_outcome(None, tiered=False), now), now)
         assert overdue(request(Phase.WRITING, save * 0.99, now), now) is None
         # A tiered flush has its own, longer deadline (the flusher's): the whole-save
         # deadline must not cut it short.
@@ -160,7 +187,11 @@ def test_client_calls_that_wait_on_a_daemon_deadline_take_their_timeout_from_wai
                     and isinstance(timeout.func.value, ast.Name)
                     and timeout.func.value.id == "waits" and timeout.func.attr == wanted):
                 wrong.append(f"{path}:{node.lineno}: a {first.attr} call must wait "
-                             f"timeout=waits.{wanted}()")
+                             f"timeout=waits.{wanted}(connection.deadlines, ...)")
+            elif not (timeout.args and isinstance(timeout.args[0], ast.Attribute)
+                      and timeout.args[0].attr == "deadlines"):
+                wrong.append(f"{path}:{node.lineno}: waits.{wanted}() must be given the "
+                             f"connection's deadlines (what the daemon said in its hello)")
     assert not wrong, "\n".join(wrong)
     assert seen == set(JUDGED), f"no client call found for {set(JUDGED) - seen}"
 
