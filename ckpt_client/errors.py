@@ -108,6 +108,29 @@ class DaemonNotAnsweringError(DaemonUnavailableError):
                   f"stopped (SIGSTOP; {state} says 'T (stopped)': send SIGCONT) or overloaded")
 
 
+class StagingTimeoutError(DaemonUnavailableError):
+    """Zero-stall saves queued on a connection were not staged in time.
+
+    Raised where a save must first wait for the earlier zero-stall saves of its
+    connection (they reach the daemon in planning order) and they did not end within
+    every one's staging wait: the daemon is silent, or this process's copy into the pool
+    hangs. A kind of :class:`DaemonUnavailableError`, so the save that waited is handled
+    like one the daemon could not take (a DCP or local save is refused on every rank).
+
+    Attributes
+    ----------
+    socket_path : str
+        The daemon's socket.
+    """
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        self.socket_path = socket_path
+        RuntimeError.__init__(
+            self, f"{reason}: the daemon at {socket_path} is silent or this process's copy "
+                  f"into its pool hangs. Check `ckptd status --socket {socket_path}` and the "
+                  f"daemon's log, drop the stuck saves with close(abort=True), then save again")
+
+
 class DaemonReplyError(DaemonUnavailableError):
     """The daemon answered with a reply this ``ckpt_client`` cannot read.
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from ckptd import protocol
 from ckpt_client.transport import waits
 from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
-from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
+from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError, StagingTimeoutError
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.cuda_exports import IpcPlan, plan_ipc
 from ckpt_client.transport.daemon_save import DaemonSave
@@ -150,7 +150,8 @@ def _transport_bytes(buffers: list, specs: list | None) -> dict:
 class BackgroundStager:
     """The thread that stages a connection's zero-stall saves, one after another."""
 
-    def __init__(self) -> None:
+    def __init__(self, connection: DaemonConnection) -> None:
+        self.connection = connection
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ckpt-client-stager", daemon=True)
         self._thread.start()
@@ -160,8 +161,24 @@ class BackgroundStager:
         self._jobs.put(job)
 
     def wait_idle(self) -> None:
-        """Return once every queued job has run."""
-        self._jobs.join()
+        """Return once every queued job has run.
+
+        Raises
+        ------
+        StagingTimeoutError
+            If they did not all run within :func:`ckpt_client.transport.waits.background_staging`
+            (each job's staging wait, one after another): they go on in the background.
+        """
+        jobs = self._jobs
+        with jobs.all_tasks_done:
+            queued = jobs.unfinished_tasks
+            limit = waits.background_staging(self.connection.deadlines, queued)
+            if not jobs.all_tasks_done.wait_for(lambda: jobs.unfinished_tasks == 0, limit):
+                raise StagingTimeoutError(
+                    self.connection.socket_path,
+                    f"rank {self.connection.rank}: {jobs.unfinished_tasks} of the {queued} "
+                    f"zero-stall save(s) queued before this one were not staged within "
+                    f"{limit:.0f}s, longer than the daemon's staging deadlines for them")
 
     def _run(self) -> None:
         while True:
@@ -181,7 +198,7 @@ class BackgroundStager:
     def stop(self) -> None:
         """Finish the queued jobs, then end the thread."""
         self._jobs.put(None)
-        self._thread.join(timeout=waits.staging(None))
+        self._thread.join(timeout=waits.staging(self.connection.deadlines))
 
 
 def _reason(exc: BaseException) -> str:
@@ -209,7 +226,7 @@ class Handover:
     def stager(self) -> BackgroundStager:
         """The background thread of zero-stall saves (started on first use)."""
         if self._stager is None:
-            self._stager = BackgroundStager()
+            self._stager = BackgroundStager(self.connection)
         return self._stager
 
     def wait_for_background(self) -> None:

@@ -22,8 +22,9 @@ from __future__ import annotations
 from ckptd import knobs
 from ckptd.protocol import DaemonDeadlines
 
-__all__ = ["margin", "stage_reply", "staged_reply", "staging", "save_outcome", "local_load",
-           "daemon_deadline_of_save", "daemon_deadline_of_commit", "commit_file"]
+__all__ = ["margin", "stage_reply", "staged_reply", "staging", "background_staging",
+           "save_outcome", "local_load", "daemon_deadline_of_save", "daemon_deadline_of_commit",
+           "commit_file"]
 
 
 def _longer(knob: knobs.Knob, daemon: DaemonDeadlines | None, said: str) -> float:
@@ -58,6 +59,12 @@ def staging(daemon: DaemonDeadlines | None) -> float:
     """``wait_staged()`` without a timeout: both exchanges of one save's staging (the
     trainer's copy runs under the daemon's staging deadline, between them)."""
     return stage_reply(daemon) + staged_reply(daemon) + margin(daemon)
+
+
+def background_staging(daemon: DaemonDeadlines | None, saves: int) -> float:
+    """Waiting for a connection's background thread to stage the ``saves`` zero-stall
+    saves queued on it: they are staged one after another, each within :func:`staging`."""
+    return max(1, saves) * staging(daemon)
 
 
 def daemon_deadline_of_save(daemon: DaemonDeadlines | None, tiered: bool) -> float:

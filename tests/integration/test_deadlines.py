@@ -367,3 +367,45 @@ def test_a_give_up_after_the_daemon_handled_the_writers_result_still_leaves_noth
         checkpoint.close()
     assert torch.load(path, weights_only=True)["w"][0] == 2.0
 
+
+def test_a_save_behind_a_stuck_zero_stall_save_ends_with_what_to_do(start_daemon):
+    """A zero-stall save whose bytes are copied but held (the early staging's ``hold``,
+    never released here) keeps the connection's background thread busy; a blocking save
+    on the same connection waits for it first, and that wait must end by itself (each
+    queued save's staging wait), naming the socket and what to do, not hang."""
+    import threading
+
+    from ckpt_client import connect
+    from ckpt_client.errors import StagingTimeoutError
+    from ckpt_client.transport.handover import stage
+    from ckptd import knobs
+
+    tiny = dict(STAGE_TIMEOUT=0.3, STAGING_DEADLINE=0.3, CALL_TIMEOUT=0.3, SERVE_TICK=0.05,
+                WAIT_MARGIN=0.0)
+    daemon = start_daemon(env={f"CKPTD_{name}": str(value) for name, value in tiny.items()})
+    root, hold, outcome = daemon.roots[0], threading.Event(), {}
+    with knobs.override(**tiny):
+        connection = connect(daemon.socket, auto_start=False)
+        try:
+            stuck = stage(connection, "torch", os.path.join(root, "held.pt"),
+                          [torch.ones(1 << 10)], zero_stall=True, hold=hold)
+
+            def blocking_save() -> None:
+                try:
+                    stage(connection, "torch", os.path.join(root, "next.pt"), [torch.ones(8)])
+                except StagingTimeoutError as exc:
+                    outcome["error"] = str(exc)
+
+            thread = threading.Thread(target=blocking_save, daemon=True)
+            thread.start()
+            thread.join(timeout=60)
+            assert not thread.is_alive(), "the blocking save still waits for the held one"
+            message = outcome["error"]
+            assert "rank 0" in message and "1 of the 1 zero-stall save(s)" in message
+            assert f"ckptd status --socket {daemon.socket}" in message
+            assert "close(abort=True)" in message
+        finally:
+            hold.set()  # the held save goes on (the daemon has failed it by now)
+            with pytest.raises(CheckpointException):
+                stuck.wait_staged(timeout=30)
+            connection.close()

@@ -100,6 +100,25 @@ def test_a_deadline_set_only_where_the_daemon_runs_still_makes_the_trainer_wait_
     assert not short, f"trainer waits (trainer, daemon, own) not longer than both: {short}"
 
 
+def test_the_trainer_waits_in_the_background_for_every_queued_save():
+    said = deadlines_of_a_daemon_with(STAGING_DEADLINE=5e5)
+    assert waits.background_staging(said, 3) >= 3 * waits.staging(said) > 3 * 5e5
+    assert waits.background_staging(None, 0) == waits.staging(None)
+
+
+def test_an_older_daemon_without_deadlines_in_its_hello_still_works():
+    from ckptd.protocol import HelloReply, ProtocolError
+
+    hello = dict(daemon_pid=1, incarnation="x", version="0", pool_path="/p", pool_size=1)
+    assert HelloReply.from_wire(hello).deadlines is None
+    said = deadlines_of_a_daemon_with().to_wire()
+    assert HelloReply.from_wire({**hello, "deadlines": said}).deadlines.save_deadline_s == \
+        knobs.SAVE_DEADLINE.default
+    with pytest.raises(ProtocolError, match="stall_timeout_s"):
+        HelloReply.from_wire({**hello, "deadlines": {**said, "stall_timeout_s": -1.0}})
+    assert waits.save_outcome(None, tiered=False) == trainer_waits()["save_outcome(non-tiered)"]
+
+
 def test_the_order_holds_when_the_deadlines_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("CKPTD_SAVE_DEADLINE", "90000")
     monkeypatch.setenv("CKPTD_STAGING_DEADLINE", "4000")
