@@ -115,12 +115,8 @@ class StagingTimeoutError(DaemonUnavailableError):
     connection (they reach the daemon in planning order) and they did not end within
     every one's staging wait: the daemon is silent, or this process's copy into the pool
     hangs. A kind of :class:`DaemonUnavailableError`, so the save that waited is handled
-    like one the daemon could not take (a DCP or local save is refused on every rank).
-
-    Attributes
-    ----------
-    socket_path : str
-        The daemon's socket.
+    like one the daemon could not take (a DCP or local save is refused on every rank);
+    its ``socket_path`` names the daemon.
     """
 
     def __init__(self, socket_path: str, reason: str) -> None:
