@@ -57,9 +57,33 @@ class SaveWrites:
         jobs = list(jobs_for(request, self._job_done(request), place, keep, ranges))
         request.jobs = list(jobs)
         for job in jobs:
-            job.on_stuck = lambda job, pid: self.lifecycle.writer_stuck(request, pid)
+            job.on_stuck = lambda job, pid: self._given_up(request, job, pid)
             self.daemon.writers.submit(job)
         return len(jobs)
+
+    def _given_up(self, request: SaveRequest, job: WriteJob, pid: int):
+        """``job``'s writer was given up as stuck (and SIGKILLed): returns what to do once
+        the process has really exited.
+
+        The file the job replaces is put back only then, not when the save fails: a call
+        the writer made before the kill (the rename of its file or of its checksum record,
+        held by a hung target) is still in the kernel and lands when the target answers.
+        Put back earlier, the old file would be replaced again by that late rename (or
+        left with the failed save's record beside it); and on a target that holds the
+        rename, the directory stays locked meanwhile, so putting it back would block the
+        serve loop instead of telling the ranks. Once the process is gone no call of it
+        can land any more, and the writer pool keeps the path busy until then, so no
+        later save of the path can be undone by it.
+        """
+        release = self.lifecycle.writer_stuck(request, pid)
+        previous = request.previous.pop(job.path, None)
+        if previous is None:
+            return release
+
+        def exited() -> None:
+            restore_previous(job.path, previous, None)
+            release()
+        return exited
 
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote (for a tiered save: also at the

@@ -10,6 +10,12 @@ chose, and the daemon later either drops that link (the save is done) or renames
 over the path (the save failed or was aborted), but only while the path still holds this
 save's file: a later save's file is never replaced.
 
+A writer given up as stuck is the one case where putting back must wait: the daemon
+cannot stop a rename it had already begun (a hung target holds it, and lands it when it
+answers), so the file goes back only once that writer process has exited
+(:mod:`ckptd.server.save_writes`). Tiered saves keep the files they replace at their
+target the same way (:mod:`ckptd.tiers.settle`).
+
 Both renames are atomic: a reader sees the old file or the new one, whole, never a gap
 and never a torn file. The previous names are temporaries of the daemon
 (``.<name>.<daemon pid>.<token>.prev.ckptd-tmp``): nobody holds their lock, so after a
@@ -117,8 +123,15 @@ def restore_previous(path: str, previous: str, file_id: list | None) -> bool:
         True if the previous file is back at ``path`` (and its checksum record beside it);
         the save's own file and record are gone then.
     """
+    return restore_previous_of(path, previous, None if file_id is None else [file_id])
+
+
+def restore_previous_of(path: str, previous: str, file_ids: list | None) -> bool:
+    """:func:`restore_previous` where the save may have committed any of several files
+    (a tiered flush tried again on a fresh temporary): ``file_ids`` lists each one's
+    ``[st_dev, st_ino]``, or is None when unknown. Never raises."""
     try:
-        return _restore(path, previous, file_id)
+        return _restore(path, previous, file_ids)
     except OSError as exc:
         log.error("could not put back the previous %s from %s (%s): the save failed and "
                   "left the path as it was; check the directory's permissions and space",
@@ -126,7 +139,7 @@ def restore_previous(path: str, previous: str, file_id: list | None) -> bool:
         return False
 
 
-def _restore(path: str, previous: str, file_id: list | None) -> bool:
+def _restore(path: str, previous: str, file_ids: list | None) -> bool:
     try:
         kept = os.lstat(previous)
     except (FileNotFoundError, NotADirectoryError):
@@ -136,10 +149,13 @@ def _restore(path: str, previous: str, file_id: list | None) -> bool:
     except (FileNotFoundError, NotADirectoryError):
         current = None
     if current is not None and current.st_ino == kept.st_ino and current.st_dev == kept.st_dev:
-        drop_previous(previous)  # the rename never happened: the old file is still there
+        # The file's rename never happened: the old file is still there. Its checksum
+        # record is renamed before it, though, so the record may be the failed save's.
+        _put_back_record(path, previous)
+        drop_previous(previous)
         return False
-    if file_id is not None and (current is None
-                                or [current.st_dev, current.st_ino] != list(file_id)):
+    if file_ids is not None and (current is None or [current.st_dev, current.st_ino]
+                                 not in [list(i) for i in file_ids]):
         drop_previous(previous)  # a later save's file is there now: it stays
         return False
     record = _sidecar_previous(previous)
@@ -151,9 +167,35 @@ def _restore(path: str, previous: str, file_id: list | None) -> bool:
         except FileNotFoundError:
             pass
     os.replace(previous, path)
+    # A rename between two links of one file does nothing and leaves both: a target that
+    # numbers its inodes by name (a FUSE layer without use_ino) hid that they were one.
+    drop_previous(previous)
     fsync_directory(os.path.dirname(path) or ".")
     log.info("put back the previous %s: the save that replaced it did not complete", path)
     return True
+
+
+def _put_back_record(path: str, previous: str) -> None:
+    """``path`` still holds the kept file: make the record beside it the kept one."""
+    record, kept_record = sidecar_path(path), _sidecar_previous(previous)
+    try:
+        kept = os.lstat(kept_record)
+    except (FileNotFoundError, NotADirectoryError):
+        kept = None
+    try:
+        current = os.lstat(record)
+    except (FileNotFoundError, NotADirectoryError):
+        current = None
+    if current is None or (kept is not None and (current.st_dev, current.st_ino)
+                           == (kept.st_dev, kept.st_ino)):
+        return  # the record is the old file's own (or it had none and still has none)
+    if kept is not None:
+        os.replace(kept_record, record)
+    else:  # the old file had no record: the one there describes the failed save's file
+        os.unlink(record)
+    fsync_directory(os.path.dirname(path) or ".")
+    log.warning("put back the checksum record of %s: the save that failed had replaced it "
+                "before its file", path)
 
 
 def drop_previous(previous: str) -> None:

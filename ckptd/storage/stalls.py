@@ -3,10 +3,12 @@
 A write or fsync to a hung storage target (a starved Lustre OST, a dead NFS server, a
 FUSE server that stopped answering) blocks its writer process in the kernel; even SIGKILL
 only takes effect when the call returns. The daemon cannot end such a write, so it gives
-up on it: the save fails, the writer is killed (so it can never rename its file into
-place when the storage wakes up) and replaced, and the killed process is kept here until
-it has really exited. Until then the staging bytes it reads must stay as they are: its
-job's ``release`` (the hold on the extent) is called only when the process is gone.
+up on it: the save fails, the writer is killed (so it runs no more code of its own) and
+replaced, and the killed process is kept here until it has really exited. A call it had
+already made may still land when the storage wakes up (a rename held by the target
+completes then), so until the process is gone its file stays busy and nothing it might
+still touch is changed: its job's ``release`` (the hold on the extent, and putting back
+the file the job replaced) is called only when the process is gone.
 
 Owns :class:`StuckWriters`; :func:`storage_target` and :func:`stall_message` say where
 and how a file stalled. No zmq sends, no scheduling: the writer pool decides when.
@@ -95,9 +97,15 @@ class StuckWriters:
         release = job.on_stuck(job, process.pid) if job.on_stuck is not None else None
         self.writers.append(StuckWriter(process, job, close_socket, release))
 
-    def reap(self) -> None:
-        """Let go of those that exited: remove their temporaries, free their extents."""
-        for stuck in [w for w in self.writers if w.process.poll() is not None]:
+    def paths(self) -> set[str]:
+        """The files the stuck writers were writing (busy until each writer exits)."""
+        return {w.job.path for w in self.writers}
+
+    def reap(self) -> bool:
+        """Let go of those that exited: remove their temporaries, free their extents.
+        Returns whether any had."""
+        exited = [w for w in self.writers if w.process.poll() is not None]
+        for stuck in exited:
             self.writers.remove(stuck)
             log.warning("stuck writer (pid %d) returned after %.0fs; its staging space is free "
                         "again", stuck.process.pid, time.time() - stuck.since)
@@ -105,6 +113,7 @@ class StuckWriters:
             stuck.close_socket()
             if stuck.release is not None:
                 stuck.release()
+        return bool(exited)
 
     def describe(self) -> list[dict]:
         """Status entries, oldest first."""

@@ -124,6 +124,7 @@ class WriterPool:
         one still writing, and the next) then rename in order, and the first one's
         cleanup can never take the second one's file."""
         busy = {job.path for slot in self.slots for job in slot.jobs.values()}
+        busy |= self.stuck.paths()  # until a stuck writer exits, its rename may still land
         waiting: deque[WriteJob] = deque()
         while self._backlog:
             job = self._backlog.popleft()
@@ -200,7 +201,8 @@ class WriterPool:
     def check_stalls(self, timeout: float) -> None:
         """Give up on writers whose file made no progress for ``timeout`` seconds; let go
         of those given up on earlier that have exited since."""
-        self.stuck.reap()
+        if self.stuck.reap():
+            self._dispatch()  # a job waiting for a stuck writer's path may go now
         now = time.monotonic()
         for slot in list(self.slots):
             if slot.jobs and now - slot.last_heard > timeout:  # it works through them in order

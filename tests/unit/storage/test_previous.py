@@ -2,9 +2,10 @@
 
 import os
 
-from ckptd.checksum import verify_file
-from ckptd.storage.durable import write_file_atomically
-from ckptd.storage.previous import drop_previous, keep_aside, previous_name, restore_previous
+from ckptd.checksum import sidecar_path, verify_file
+from ckptd.storage.durable import write_file_atomically, write_small_file
+from ckptd.storage.previous import (drop_previous, keep_aside, previous_name, restore_previous,
+                                    restore_previous_of)
 
 
 def write(path, data: bytes) -> list:
@@ -97,3 +98,29 @@ def test_a_path_under_a_file_is_nothing_to_keep_or_put_back(tmp_path):
     assert restore_previous(path, previous, None) is False
     drop_previous(previous)
     assert blocker.read_bytes() == b"not a directory"
+
+
+def test_a_record_renamed_before_a_file_that_never_was_is_put_back(tmp_path):
+    # A writer (or a tiered copy) renames the record first: given up while its file's
+    # rename was still to come, it leaves the old file with the failed save's record.
+    path = tmp_path / "last.pt"
+    write(path, b"old")
+    previous = previous_name(str(path))
+    assert keep_aside(str(path), previous)
+    write_small_file(sidecar_path(str(path)), b'{"stale": "the failed save\'s record"}')
+    assert not restore_previous(str(path), previous, None)
+    assert path.read_bytes() == b"old"
+    verify_file(str(path))
+    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+
+
+def test_any_of_several_attempts_files_is_rolled_back_and_no_other(tmp_path):
+    path = tmp_path / "last.pt"
+    previous, second = overwrite(path, b"second attempt")
+    assert restore_previous_of(str(path), previous, [[0, 0], second])
+    assert path.read_bytes() == b"old"
+    verify_file(str(path))
+    previous, _ = overwrite(path, b"a later save")
+    assert not restore_previous_of(str(path), previous, [second])
+    assert path.read_bytes() == b"a later save"
+    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
