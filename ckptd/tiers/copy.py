@@ -20,12 +20,13 @@ import errno as errno_mod
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptd import knobs
 from ckptd.checksum import (ALGORITHM, Checksum, ChecksumMismatchError, read_sidecar,
                             sidecar_path)
 from ckptd.storage.durable import DurableFile
+from ckptd.storage.previous import keep_aside
 
 #: A full, over-quota, read-only or forbidden target does not heal by itself in minutes.
 FAIL_FAST_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EROFS,
@@ -46,6 +47,11 @@ class FlushFile:
         As the local write recorded them.
     record : bool
         Write a checksum record beside it at the target (not for torch's exact files).
+    previous : str
+        Where the file it replaces at the target is kept until its save is over
+        (:mod:`ckptd.tiers.settle`); "" keeps nothing (a commit's ``.metadata``).
+    kept : bool or None
+        Whether something was kept there (None: no attempt got that far yet).
     """
 
     local: str
@@ -53,17 +59,25 @@ class FlushFile:
     size: int
     crc32: int
     record: bool = True
+    previous: str = ""
+    kept: bool | None = None
+    #: One attempt decides what is kept: a later one could find an earlier one's new
+    #: file at the target already and must not keep that as the previous file.
+    keeping: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def to_json(self) -> dict:
         """For the journal."""
         return {"local": self.local, "target": self.target, "size": self.size,
-                "crc32": self.crc32, "record": self.record}
+                "crc32": self.crc32, "record": self.record, "previous": self.previous}
 
     @classmethod
     def from_json(cls, doc: dict) -> "FlushFile":
         """From the journal."""
+        # The same previous name: a resumed attempt finds the link the last daemon made
+        # (keep_aside's EEXIST) and keeps it, instead of keeping a file it renamed there.
         return cls(str(doc["local"]), str(doc["target"]), int(doc["size"]),
-                   int(doc["crc32"]), bool(doc.get("record", True)))
+                   int(doc["crc32"]), bool(doc.get("record", True)),
+                   str(doc.get("previous", "")))
 
 
 class CopyError(OSError):
@@ -104,6 +118,8 @@ class CopyTask:
         self.abandoned = False
         self.done = False
         self.thread: threading.Thread | None = None
+        #: ``[st_dev, st_ino]`` of its temporary: the file at the target if it renamed.
+        self.file_id: list | None = None
 
     def start(self, on_finished) -> None:
         """Run on a new daemon thread; ``on_finished(task, error)`` is called from it."""
@@ -142,11 +158,14 @@ class CopyTask:
                          f"{missing[0]}")
         self._progress()
         expected = self._expected()
+        self._keep_previous()
         chunk = bytearray(knobs.FLUSH_CHUNK_BYTES.get())
         view = memoryview(chunk)
         with open(self.file.local, "rb", buffering=0) as source:
             with DurableFile(self.file.target, checksum=self.file.record,
                              algorithm=expected.algorithm) as durable:
+                info = os.fstat(durable.stream.fileno())
+                self.file_id = [info.st_dev, info.st_ino]
                 self._progress()
                 while True:
                     got = source.readinto(chunk)
@@ -166,6 +185,18 @@ class CopyTask:
                 os.fsync(durable.stream.fileno())
                 self._progress()
                 durable.commit()
+
+    def _keep_previous(self) -> None:
+        """Keep the file at the target aside, once per file, before any attempt renames."""
+        file = self.file
+        if not file.previous:
+            return
+        with file.keeping:
+            if file.kept is None:
+                try:
+                    file.kept = keep_aside(file.target, file.previous)
+                except FileExistsError:  # an earlier attempt's link landed after it failed
+                    file.kept = True
 
     def _expected(self) -> Checksum:
         """What the local write recorded (its checksum record, else the journal's)."""

@@ -50,6 +50,7 @@ class _FileState:
     attempt: int = 0
     retry_at: float = 0.0  # monotonic; 0: as soon as a copy slot is free
     task: CopyTask | None = None
+    tasks: list = field(default_factory=list)  # every attempt, abandoned ones included
     done: bool = False
     last_error: CopyError | None = None
 
@@ -131,6 +132,9 @@ class Flusher:
         self.results = Mailbox(context, "flusher")
         self._post_lock = threading.Lock()  # many workers, one mailbox producer at a time
         self.jobs: dict[str, FlushJob] = {}
+        #: Targets being settled after their save's flush ended (ckptd.tiers.settle): no
+        #: copy starts there until the thread settling them has returned.
+        self.held: dict[str, threading.Thread] = {}
         self.retries = 0
         self.stalls = 0
         self.bytes_flushed = 0
@@ -151,6 +155,18 @@ class Flusher:
                 if state.task is not None:
                     state.task.abandoned = True
         return job
+
+    def hold(self, targets: list[str], thread: threading.Thread) -> None:
+        """Start no copy to ``targets`` while ``thread`` runs."""
+        for target in targets:
+            self.held[target] = thread
+
+    def _is_held(self, target: str) -> bool:
+        thread = self.held.get(target)
+        if thread is not None and not thread.is_alive():
+            del self.held[target]
+            thread = None
+        return thread is not None
 
     def running(self) -> int:
         """Copies running now (abandoned ones not counted)."""
@@ -178,13 +194,15 @@ class Flusher:
             for state in job.states:
                 if slots <= 0:
                     return
-                if state.done or state.task is not None or state.retry_at > now:
+                if (state.done or state.task is not None or state.retry_at > now
+                        or self._is_held(state.file.target)):
                     continue
                 state.attempt += 1
                 if state.attempt > 1:
                     self.retries += 1
                     log.info("flush of %s: attempt %d", state.file.target, state.attempt)
                 state.task = CopyTask(state.file, state.attempt, job.requires)
+                state.tasks.append(state.task)
                 state.task.start(self._post)
                 slots -= 1
 

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 
 from ckptd import knobs
 from ckptd.protocol import ErrorCode, HandoverReply, SaveFormat
 from ckptd.server.endpoint import Call, RequestError
-from ckptd.tiers.copy import FlushFile, remove_at_target
+from ckptd.storage.previous import previous_name
+from ckptd.tiers.copy import FlushFile
 from ckptd.tiers.flusher import Flusher, FlushFailure, FlushJob
 from ckptd.tiers.commits import TierCommits
 from ckptd.tiers.retention import Retention
+from ckptd.tiers.settle import settle
 from ckptd.tiers.stage import StageDir
 
 log = logging.getLogger(__name__)
@@ -161,8 +162,10 @@ class TierService:
     def flush(self, request) -> None:
         """``request``'s local copy is durable: journal it, then copy it to its target."""
         key = request.stage_key
-        files = [FlushFile(w["path"], self._target_of(request, w), w["size"], w["crc32"],
-                           record=not request.stock_files) for w in request.written]
+        targets = [self._target_of(request, w) for w in request.written]
+        files = [FlushFile(w["path"], target, w["size"], w["crc32"],
+                           record=not request.stock_files, previous=previous_name(target))
+                 for w, target in zip(request.written, targets)]
         deadline = time.time() + knobs.FLUSH_DEADLINE.get()
         self.stage.record(key, {"kind": "save", "rank": request.rank, "format": request.format,
                                 "target": request.path, "deadline": deadline,
@@ -184,6 +187,7 @@ class TierService:
             for entry, file in zip(request.written, job.files):
                 entry["path"] = file.target  # where the file is now, for the poll reply
                 entry["file_id"] = None
+            self._settle(job, failed=False)
             self.stage.remove_local(job.key)
             self.stage.forget(job.key)
             self._release(job.key)
@@ -197,13 +201,9 @@ class TierService:
         target and its local copy, and abandon a commit that needs its files."""
         key = request.stage_key
         self.flusher.cancel(key)
-        # A DCP file's name is this save's own; a torch file's final name may hold the
-        # previous checkpoint (a failed flush never renamed onto it): leave that alone.
-        targets = [self._target_of(request, w) for w in request.written] \
-            if request.format == SaveFormat.DCP else []
-        if targets:
-            threading.Thread(target=remove_at_target, args=(targets,), daemon=True,
-                             name="ckptd-flush-cleanup").start()
+        if request.flush is not None:  # its previous files back, its own ones gone
+            self._settle(request.flush, failed=True)
+        targets = [self._target_of(request, w) for w in request.written]
         self.stage.remove_local(key)
         self.stage.forget(key)
         self._release(key)
@@ -211,6 +211,10 @@ class TierService:
             names = {os.path.basename(t) for t in targets} | {n for n, _ in request.files}
             self.commits.abandon_needing(request.path, names,
                                          f"a save it needs failed: {request.error}")
+
+    def _settle(self, job: FlushJob, failed: bool) -> None:
+        thread = settle(job.files, [t for s in job.states for t in s.tasks], failed)
+        self.flusher.hold([f.target for f in job.files], thread)
 
     def _release(self, key: str) -> None:
         if self.stage.release(key):

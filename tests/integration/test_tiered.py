@@ -335,6 +335,46 @@ def test_eio_is_retried_until_the_flush_deadline_then_fails_naming_it(start_daem
     checkpoint.close()
 
 
+
+def read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@needs_fuse
+@pytest.mark.parametrize("ending", ["abort", "deadline"])
+def test_an_overwrite_ended_while_its_rename_is_held_keeps_the_previous_file(
+        start_daemon, tmp_path, fault_target, monkeypatch, ending):
+    """The target holds the copy's rename (its checksum record's first: the copy thread is
+    inside the rename, the directory locked), and the save ends meanwhile: the trainer
+    aborts it, or the flush deadline passes. The held rename lands when the target
+    answers; the target must then hold the previous file and record, bit for bit."""
+    daemon = tiered(start_daemon, tmp_path, fault_target.mount,
+                    env={"CKPTD_FLUSH_DEADLINE": "3"} if ending == "deadline" else {})
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    path = os.path.join(fault_target.mount, "model.pt")
+    torch_save(path, state(1)).finalize_async_save(blocking=True)
+    backing = tmp_path / "backing"
+    old = {name: read(backing / name) for name in ("model.pt", "model.pt.ckptd-sum")}
+    fault_target.set(stall=True, ops=["rename"], match="/model.pt")
+    checkpoint = torch_save(path, state(2))
+    wait_for(lambda: fault_target.state()["blocked"] > 0, 60, "the copy's rename held")
+    if ending == "abort":
+        checkpoint.close(abort=True)
+        wait_for(lambda: request_of(daemon, path)["phase"] == "aborted", 30, "the abort")
+    else:
+        with pytest.raises(CheckpointException, match="deadline"):
+            checkpoint.finalize_async_save(blocking=True)
+        checkpoint.close()
+    fault_target.clear()  # the held rename lands now
+    wait_for(lambda: sorted(os.listdir(backing)) == sorted(old), 30,
+             "only the checkpoint and its record at the target")
+    assert {name: read(backing / name) for name in old} == old
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state(1)["w"])
+    torch_save(path, state(3)).finalize_async_save(blocking=True)  # the next one replaces it
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state(3)["w"])
+
+
 # ---------------------------------------------------------------------- retention
 def test_keep_last_deletes_only_older_checkpoints_once_newer_are_durable(start_daemon, tmp_path,
                                                                          monkeypatch):

@@ -101,3 +101,20 @@ def test_placements_follow_the_writers_rule_and_are_checked():
     assert predicted == {"f": [[0, size], [size, 7], [third, size]]}
     assert check_prediction(predicted, "f", predicted["f"]) is None
     assert "not where the hand-over said" in check_prediction(predicted, "f", [[0, size]])
+
+
+def test_a_copy_over_a_file_keeps_it_until_its_save_is_settled(tmp_path):
+    from ckptd.storage.previous import previous_name
+    from ckptd.tiers.settle import settle
+
+    target = tmp_path / "target" / "f.distcp"
+    for failed, expected in ((False, b"new"), (True, b"old")):
+        write_small_file(str(target), b"old", checksum=True)
+        file = local_copy(tmp_path, b"new")
+        file.previous = previous_name(file.target)
+        task = CopyTask(file, 1)
+        task.start(lambda task, error: None)
+        settle([file], [task], failed).join(30)  # waits for the copy, then settles
+        assert file.kept and target.read_bytes() == expected
+        assert present_at_target(str(target), True)
+        assert sorted(os.listdir(target.parent)) == ["f.distcp", "f.distcp.ckptd-sum"]
