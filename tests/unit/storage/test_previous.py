@@ -16,6 +16,13 @@ def names(directory) -> list:
     return sorted(os.listdir(directory))
 
 
+def assert_holds(path, data: bytes) -> None:
+    """``path`` holds ``data`` with its own record, and nothing is left beside it."""
+    assert path.read_bytes() == data
+    verify_file(str(path))
+    assert names(path.parent) == [path.name, path.name + ".ckptd-sum"]
+
+
 def overwrite(path, new: bytes = b"new") -> tuple[str, list]:
     """``path`` holds b"old"; a save keeps it aside and commits ``new`` over it."""
     write(path, b"old")
@@ -35,18 +42,14 @@ def test_a_failed_overwrite_puts_the_old_file_and_its_record_back(tmp_path):
     path = tmp_path / "last.pt"
     previous, new_id = overwrite(path)
     assert restore_previous(str(path), previous, new_id)
-    assert path.read_bytes() == b"old"
-    verify_file(str(path))
-    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+    assert_holds(path, b"old")
 
 
 def test_a_done_overwrite_drops_what_it_kept(tmp_path):
     path = tmp_path / "last.pt"
     previous, _ = overwrite(path)
     drop_previous(previous)
-    assert path.read_bytes() == b"new"
-    verify_file(str(path))
-    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+    assert_holds(path, b"new")
 
 
 def test_a_later_saves_file_is_never_replaced(tmp_path):
@@ -109,18 +112,14 @@ def test_a_record_renamed_before_a_file_that_never_was_is_put_back(tmp_path):
     assert keep_aside(str(path), previous)
     write_small_file(sidecar_path(str(path)), b'{"stale": "the failed save\'s record"}')
     assert not restore_previous(str(path), previous, None)
-    assert path.read_bytes() == b"old"
-    verify_file(str(path))
-    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+    assert_holds(path, b"old")
 
 
 def test_any_of_several_attempts_files_is_rolled_back_and_no_other(tmp_path):
     path = tmp_path / "last.pt"
     previous, second = overwrite(path, b"second attempt")
     assert restore_previous_of(str(path), previous, [[0, 0], second])
-    assert path.read_bytes() == b"old"
-    verify_file(str(path))
+    assert_holds(path, b"old")
     previous, _ = overwrite(path, b"a later save")
     assert not restore_previous_of(str(path), previous, [second])
-    assert path.read_bytes() == b"a later save"
-    assert names(tmp_path) == ["last.pt", "last.pt.ckptd-sum"]
+    assert_holds(path, b"a later save")
