@@ -84,6 +84,7 @@ class FlushJob:
     requires: list = field(default_factory=list)
     states: list = field(default_factory=list)
     finished: bool = False
+    settled: bool = False  # what it replaced at the target is being dropped or put back
 
     def __post_init__(self) -> None:
         self.states = [_FileState(f) for f in self.files]
@@ -194,8 +195,13 @@ class Flusher:
             for state in job.states:
                 if slots <= 0:
                     return
-                if (state.done or state.task is not None or state.retry_at > now
-                        or self._is_held(state.file.target)):
+                if state.done or state.task is not None or state.retry_at > now:
+                    continue
+                if self._is_held(state.file.target):  # what status and the deadline say
+                    state.last_error = state.last_error or CopyError(
+                        errno_mod.EBUSY, "waiting for an earlier save's copy to this target "
+                        "to return (it is stuck there; its file must be settled first)",
+                        state.file.target, fail_fast=False)
                     continue
                 state.attempt += 1
                 if state.attempt > 1:

@@ -213,6 +213,9 @@ class TierService:
                                          f"a save it needs failed: {request.error}")
 
     def _settle(self, job: FlushJob, failed: bool) -> None:
+        if job.settled:  # a failed save is wound up twice (abort, then forget)
+            return
+        job.settled = True
         thread = settle(job.files, [t for s in job.states for t in s.tasks], failed)
         self.flusher.hold([f.target for f in job.files], thread)
 

@@ -118,3 +118,33 @@ def test_a_copy_over_a_file_keeps_it_until_its_save_is_settled(tmp_path):
         assert file.kept and target.read_bytes() == expected
         assert present_at_target(str(target), True)
         assert sorted(os.listdir(target.parent)) == ["f.distcp", "f.distcp.ckptd-sum"]
+
+
+def test_no_copy_starts_to_a_target_while_it_is_settled(tmp_path):
+    import threading
+    import time
+
+    import zmq
+
+    from ckptd.tiers.flusher import Flusher, FlushJob
+
+    release = threading.Event()
+    settling = threading.Thread(target=release.wait, daemon=True)
+    settling.start()
+    context = zmq.Context()
+    flusher = Flusher(context, stall_timeout=60)
+    try:
+        file = local_copy(tmp_path, b"new")
+        flusher.hold([file.target], settling)
+        job = FlushJob("k", file.target, [file], time.time() + 60, lambda job, failure: None)
+        flusher.submit(job)
+        assert flusher.running() == 0
+        assert "earlier save's copy" in job.progress()["last_error"]
+        release.set()
+        settling.join(10)
+        flusher.tick()
+        assert flusher.running() == 1 and len(job.states[0].tasks) == 1
+        job.states[0].tasks[0].thread.join(10)  # it posts its result before the mailbox goes
+    finally:
+        flusher.close()
+        context.term()
