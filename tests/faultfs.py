@@ -163,7 +163,8 @@ class FaultFS:
         ops : list of str
             Operations the faults apply to (default ``["write", "fsync"]``).
         match : str
-            Only paths containing this substring (``""``: every path).
+            Only paths containing this substring (``""``: every path); a rename matches
+            by its new name, or else by its old one (a temporary renamed into place).
         """
         command: dict[str, Any] = {"op": "set"}
         for name, value in (("stall", stall), ("error", error), ("delay_per_mib", delay_per_mib),
@@ -350,7 +351,7 @@ def _operations(backing: str, faults: _Faults):
 
         @oserror
         def rename(self, old, new):
-            faults.apply("rename", new)
+            faults.apply("rename", new if faults.match in new else old)
             os.rename(real(old), real(new))
             return 0
 

@@ -3,9 +3,10 @@
 The stall deadline gives up on a writer that stops answering: the save fails on its
 ranks, the writer is SIGKILLed and replaced, and the file the save was replacing must be
 the previous checkpoint again, bit for bit with its checksum record, once the stuck call
-returns. The stuck call here is the ``rename`` that puts the writer's checksum record into
-place, held by a FUSE target (tests/faultfs.py): a kill cannot stop a rename that is in the
-kernel already; it holds the directory's lock and lands when the target answers. (A
+returns. The stuck call here is a ``rename`` that puts the writer's file, or its checksum
+record (renamed first), into place, held by a FUSE target (tests/faultfs.py): a kill cannot
+stop a rename that is in the kernel already; it holds the directory's lock and lands when
+the target answers. (A
 SIGSTOPped writer cannot stand in for it: the give-up's SIGKILL ends a stopped process
 before it runs again, so it never renames late.)
 """
@@ -35,8 +36,9 @@ def settled(daemon) -> bool:
 
 
 @needs_fuse
+@pytest.mark.parametrize("held", ["file", "record"])
 def test_a_writer_given_up_in_its_rename_leaves_the_previous_file_and_record(
-        start_daemon, tmp_path):
+        start_daemon, tmp_path, held):
     backing = tmp_path / "backing"
     with FaultFS(backing, tmp_path / "mnt") as fs:
         daemon = start_daemon(roots=[fs.mount], writers=1, extra_args=["--stall-timeout", "2"])
@@ -47,7 +49,10 @@ def test_a_writer_given_up_in_its_rename_leaves_the_previous_file_and_record(
             checkpoint.async_save({"w": old}, path)
             checkpoint.finalize_async_save(blocking=True)
             old_file, old_record = read(path), read(path + ".ckptd-sum")
-            fs.set(stall=True, ops=["rename"], match="/last.pt")
+            [writer] = daemon.status()["writers"]
+            # The file's temporary is .last.pt.<writer pid>.*, its record's .last.pt.ckptd-sum.*
+            fs.set(stall=True, ops=["rename"],
+                   match=f"/.last.pt.{writer['pid']}." if held == "file" else "/last.pt.ckptd-sum")
             checkpoint.async_save({"w": new}, path)
             wait_for(lambda: fs.state()["blocked"] > 0, 30, "the overwrite's rename held")
             # The daemon gives up on the writer and keeps answering meanwhile.

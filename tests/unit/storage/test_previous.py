@@ -3,7 +3,7 @@
 import os
 
 from ckptd.checksum import sidecar_path, verify_file
-from ckptd.storage.durable import write_file_atomically, write_small_file
+from ckptd.storage.durable import write_file_atomically
 from ckptd.storage.previous import (drop_previous, keep_aside, previous_name, restore_previous,
                                     restore_previous_of)
 
@@ -110,7 +110,9 @@ def test_a_record_renamed_before_a_file_that_never_was_is_put_back(tmp_path):
     write(path, b"old")
     previous = previous_name(str(path))
     assert keep_aside(str(path), previous)
-    write_small_file(sidecar_path(str(path)), b'{"stale": "the failed save\'s record"}')
+    write(tmp_path / "new.pt", b"new")  # the failed save's record, renamed into place:
+    os.replace(sidecar_path(str(tmp_path / "new.pt")), sidecar_path(str(path)))
+    os.unlink(tmp_path / "new.pt")
     assert not restore_previous(str(path), previous, None)
     assert_holds(path, b"old")
 
