@@ -47,7 +47,23 @@ def _with_rank(rank: int, reason: str) -> str:
     return reason if str(reason).startswith(prefix) else prefix + str(reason)
 
 
-class DaemonUnavailableError(RuntimeError):
+class _RebuiltFromArguments:
+    """Pickles as its constructor's arguments (kept in ``_arguments``), not as its message.
+
+    These errors cross process boundaries pickled: DCP gathers a rank's exception to the
+    coordinator, DCP's process executor sends it back to the trainer. An exception
+    pickles as ``type(e)(*e.args)``, and ``args`` holds the composed message, which
+    these constructors do not take: unpickling would fail and replace the error that
+    says what to do with a ``TypeError`` about ``__init__``.
+    """
+
+    _arguments: tuple = ()
+
+    def __reduce__(self):
+        return type(self), self._arguments, self.__dict__
+
+
+class DaemonUnavailableError(_RebuiltFromArguments, RuntimeError):
     """No ckptd daemon answers on the socket (or it died).
 
     Attributes
@@ -57,14 +73,14 @@ class DaemonUnavailableError(RuntimeError):
     """
 
     def __init__(self, socket_path: str, reason: str) -> None:
-        self.socket_path = socket_path
+        self.socket_path, self._arguments = socket_path, (socket_path, reason)
         super().__init__(
             f"{reason}. Start one with `ckptd serve --socket {socket_path} --root <checkpoint dir>`, "
             f"point CKPTD_SOCKET at the daemon's socket (the SLURM prolog exports it), or use "
             f"ckpt_client.connect(auto_start=True) for a single-node job")
 
 
-class DaemonRequestError(RuntimeError):
+class DaemonRequestError(_RebuiltFromArguments, RuntimeError):
     """The daemon refused a request (bad path, pool too small, ...).
 
     Attributes
@@ -78,7 +94,7 @@ class DaemonRequestError(RuntimeError):
     def __init__(self, body: dict) -> None:
         self.code = body.get("code")
         self.hint = body.get("hint", "")
-        self.body = body
+        self.body, self._arguments = body, (body,)
         text = body.get("message", "request refused")
         super().__init__(f"{text}. {self.hint}" if self.hint else text)
 
@@ -100,6 +116,7 @@ class DaemonNotAnsweringError(DaemonUnavailableError):
 
     def __init__(self, socket_path: str, reason: str, daemon_pid: int | None = None) -> None:
         self.socket_path, self.daemon_pid = socket_path, daemon_pid
+        self._arguments = (socket_path, reason, daemon_pid)
         process = f" (pid {daemon_pid})" if daemon_pid is not None else ""
         state = f"`grep State /proc/{daemon_pid}/status`" if daemon_pid is not None else "ps"
         RuntimeError.__init__(
@@ -141,7 +158,7 @@ class DaemonReplyError(DaemonUnavailableError):
     """
 
     def __init__(self, socket_path: str, reason: str) -> None:
-        self.socket_path = socket_path
+        self.socket_path, self._arguments = socket_path, (socket_path, reason)
         RuntimeError.__init__(
             self, f"{reason}. Run the same ckptd version for the daemon and the trainers "
                   f"(restart the daemon on {socket_path} from this environment)")
