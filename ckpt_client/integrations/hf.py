@@ -117,8 +117,11 @@ class CkptdTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint (with {COMPLETE_MARKER}) found in "
-                                 f"output directory ({self.args.output_dir})")
+                # Stock Trainer's words (code that matches on them keeps working), then ours.
+                raise ValueError(f"No valid checkpoint found in output directory "
+                                 f"({self.args.output_dir}): no checkpoint-N in it has the "
+                                 f"{COMPLETE_MARKER} marker ckptd writes once every file of "
+                                 f"a checkpoint is durable")
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -204,14 +207,28 @@ class CkptdTrainer(Trainer):
 
 
 # ---------------------------------------------------------------------- Accelerate
-def save_state(accelerator, output_dir: str, socket: str | None = None, **kwargs: Any) -> str:
+def save_state(accelerator, output_dir: str | None = None, socket: str | None = None,
+               **kwargs: Any) -> str:
     """``accelerator.save_state(output_dir)`` with the models' weights written by ckptd.
 
     Returns once the weights are staged (Accelerate writes the rest synchronously). Call
     :func:`wait_until_durable` (or :func:`load_state`) before relying on the files.
+    ``output_dir`` may be left out under ``ProjectConfiguration(automatic_checkpoint_naming=True)``,
+    as with Accelerate; when its ``total_limit`` makes ``save_state`` delete the oldest
+    checkpoints, the saves in flight are made durable first, so rotation never deletes
+    a directory the daemon is still writing into.
+
+    Raises
+    ------
+    ckpt_client.CheckpointException
+        If an earlier save this Accelerator handed over failed (rotation would have
+        started from it).
     """
     require("accelerate")
     checkpoint = _accelerate_checkpoint(accelerator, socket)
+    configuration = accelerator.project_configuration
+    if configuration.automatic_checkpoint_naming and configuration.total_limit is not None:
+        checkpoint.finalize_async_save(blocking=True, no_dist=True)
 
     def hand_weights_to_daemon(models, weights, directory):
         if not _saves_here(accelerator):
@@ -233,9 +250,11 @@ def wait_until_durable(accelerator, socket: str | None = None) -> None:
     _accelerate_checkpoint(accelerator, socket).finalize_async_save(blocking=True, no_dist=True)
 
 
-def load_state(accelerator, input_dir: str, socket: str | None = None, **kwargs: Any) -> None:
+def load_state(accelerator, input_dir: str | None = None, socket: str | None = None,
+               **kwargs: Any) -> None:
     """Wait until saves in flight are durable, then ``accelerator.load_state(input_dir)``
-    and load the weights :func:`save_state` wrote."""
+    and load the weights :func:`save_state` wrote (``input_dir`` left out: the newest
+    checkpoint of automatic naming, as Accelerate picks it)."""
     require("accelerate")
     wait_until_durable(accelerator, socket)
     # The weights may have been handed over by another process: wait until it, too,
