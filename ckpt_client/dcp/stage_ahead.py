@@ -17,6 +17,13 @@ the save (the trainer has moved on, so its tensors cannot be staged again). A sa
 planning fails never adopts its early saves: they are aborted (the daemon removes what
 they wrote) once the executor thread has ended.
 
+Only saves run by DCP's thread executor are staged ahead or remembered. With the
+``PROCESS`` executor the trainer is already released before DCP plans: the state dict is
+copied into the Stager's shared memory while it is pickled for DCP's helper process, and
+the helper plans afterwards. Its planning happens where the ticket (and this memory) does
+not go, so a process save neither uses nor changes the remembered plan, and one Stager
+may serve saves of both executors.
+
 Owns: :class:`PlanMemory` (a Stager's remembered plan) and :class:`StagedAhead` (one
 save's early staging until it is adopted or aborted). Planning is DCP's; staging is the
 writer's.

@@ -6,12 +6,15 @@ a gate in ``create_global_plan`` (a real planner that waits, not a mock): while 
 is shut, a save whose structure is unchanged must still be staged and release the
 trainer, and must hold the values from the moment of the call, loaded by stock
 ``dcp.load``. A save whose planning fails after it was staged ahead leaves nothing.
+With the process executor (planning in DCP's helper process, gated by a file) the
+trainer is released before planning too, without plan reuse.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 
 import pytest
@@ -168,3 +171,67 @@ def test_two_ranks_stage_ahead_a_replicated_model_whose_items_dcp_deduplicates(d
     root = os.path.join(daemon.roots[0], "replicated")
     assert values(run_ranks(_three_saves_of_a_replicated_model, 2, daemon.socket, tmp_path,
                             args=(root,), daemon=False, timeout=240)) == [[True] * 3] * 2
+
+
+class FileGatedPlanner(DefaultSavePlanner):
+    """DCP's default planner whose global planning waits for a file to appear: unlike an
+    event it crosses into the process executor's helper, where planning runs. It marks
+    that planning started with ``<gate>.entered``."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def create_global_plan(self, all_plans):
+        open(f"{self.gate}.entered", "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the test's gate file, bounded
+        return super().create_global_plan(all_plans)
+
+
+def _saves_across_executors(rank, world_size, root):
+    """One Stager: a thread save (it remembers the plan), a process save and a thread
+    save, each released while its planning waits on a shut gate; what each holds."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    warnings.simplefilter("ignore")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # DCP's helper process joins its own group
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    stager, outcome = dcp.Stager(), []
+    for name, kind in (("thread-1", "thread"), ("process", "process"), ("thread-2", "thread")):
+        path, gate = os.path.join(root, name), os.path.join(root, f"{name}.gate")
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        if name == "thread-1":
+            open(gate, "w").close()  # the first save plans from scratch: nothing to reuse
+        upload = DCP.async_save({"model": model.state_dict()},
+                                storage_writer=dcp.StorageWriter(path), async_stager=stager,
+                                planner=FileGatedPlanner(gate),
+                                async_checkpointer_type=AsyncCheckpointerType(kind))
+        # (the first save is released once planned and staged: nothing to tell)
+        released_before_planning = None if name == "thread-1" else not upload.done()
+        bump(model)  # released: the checkpoint must hold the values of the call
+        open(gate, "w").close()
+        upload.result(timeout=180)
+        got = loaded(path, expected)
+        outcome.append((name, released_before_planning, os.path.exists(f"{gate}.entered"),
+                        all(torch.equal(got[k], v) for k, v in expected.items())))
+    stager.close()
+    return outcome
+
+
+def test_the_process_executor_releases_the_trainer_before_planning(daemon, tmp_path):
+    """With ``AsyncCheckpointerType.PROCESS`` a ``Stager`` does not reuse plans, and need
+    not: the trainer is released once the state is copied into the stager's shared
+    memory, before the helper process plans. A process save between two thread saves
+    of one Stager neither uses nor spoils the remembered plan: each save returns while
+    its planning waits, and stock ``dcp.load`` reads exactly the values of its call."""
+    from multirank import run_ranks, values
+
+    root = os.path.join(daemon.roots[0], "executors")
+    os.makedirs(root)
+    [outcome] = values(run_ranks(_saves_across_executors, 1, daemon.socket, tmp_path,
+                                 args=(root,), daemon=False, timeout=240))
+    assert outcome == [("thread-1", None, True, True), ("process", True, True, True),
+                       ("thread-2", True, True, True)]
