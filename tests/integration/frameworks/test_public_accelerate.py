@@ -139,8 +139,8 @@ def test_checkpoint_deletion_keeps_the_newest_total_limit(root):
     rotation never deleted a directory the daemon was writing, so every save succeeded
     and the newest weights are the model's, read by stock ``torch.load``."""
     accelerator, model, optimizer, data = prepared(root, total_limit=2)
-    for _ in range(11):
-        train(1, model, data, optimizer, accelerator)
+    train(1, model, data, optimizer, accelerator)
+    for _ in range(11):  # back to back, as upstream: each rotation meets a save in flight
         save_state(accelerator)
     load_state(accelerator)  # waits until the last save is durable, raising if one failed
     assert sorted(os.listdir(os.path.join(root, "checkpoints"))) == \
