@@ -137,7 +137,7 @@ class StagingTimeoutError(DaemonUnavailableError):
     """
 
     def __init__(self, socket_path: str, reason: str) -> None:
-        self.socket_path = socket_path
+        self.socket_path, self._arguments = socket_path, (socket_path, reason)
         RuntimeError.__init__(
             self, f"{reason}: the daemon at {socket_path} is silent or this process's copy "
                   f"into its pool hangs. Check `ckptd status --socket {socket_path}` and the "

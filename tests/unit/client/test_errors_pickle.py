@@ -13,12 +13,14 @@ import pickle
 import pytest
 
 from ckpt_client.errors import (CheckpointException, DaemonNotAnsweringError, DaemonReplyError,
-                                DaemonRequestError, DaemonUnavailableError)
+                                DaemonRequestError, DaemonUnavailableError,
+                                StagingTimeoutError)
 
 ERRORS = [
     DaemonUnavailableError("/run/ckptd.sock", "no daemon answers"),
     DaemonNotAnsweringError("/run/ckptd.sock", "hello unanswered", 1234),
     DaemonReplyError("/run/ckptd.sock", "field 'x' missing"),
+    StagingTimeoutError("/run/ckptd.sock", "3 earlier zero-stall saves not staged"),
     DaemonRequestError({"code": "PATH_OUTSIDE_ROOTS", "message": "/x is outside the allowed "
                         "roots", "hint": "save under --root"}),
     CheckpointException("staging failed", {1: "rank 1: ENOSPC"}),
