@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import weakref
 from typing import Any
 
 from ckpt_client.integrations.versions import require
@@ -225,7 +224,7 @@ def save_state(accelerator, output_dir: str | None = None, socket: str | None = 
         started from it).
     """
     require("accelerate")
-    checkpoint = _accelerate_checkpoint(accelerator, socket)
+    checkpoint = _accelerate_checkpoint(socket)
     configuration = accelerator.project_configuration
     if configuration.automatic_checkpoint_naming and configuration.total_limit is not None:
         checkpoint.finalize_async_save(blocking=True, no_dist=True)
@@ -246,8 +245,15 @@ def save_state(accelerator, output_dir: str | None = None, socket: str | None = 
 
 
 def wait_until_durable(accelerator, socket: str | None = None) -> None:
-    """Return once every weight file :func:`save_state` handed over is durable."""
-    _accelerate_checkpoint(accelerator, socket).finalize_async_save(blocking=True, no_dist=True)
+    """Return once every weight file :func:`save_state` handed over in this process (by
+    this or an earlier Accelerator) is durable.
+
+    Raises
+    ------
+    ckpt_client.CheckpointException
+        If one of them failed (naming the file and errno).
+    """
+    _accelerate_checkpoint(socket).finalize_async_save(blocking=True, no_dist=True)
 
 
 def load_state(accelerator, input_dir: str | None = None, socket: str | None = None,
@@ -282,13 +288,14 @@ def _saves_here(accelerator) -> bool:
     return accelerator.is_main_process
 
 
-#: Each Accelerator's saves in flight (kept here: an Accelerator's attributes are its own).
-_ACCELERATE_CHECKPOINTS: "weakref.WeakKeyDictionary[Any, TorchAsyncCheckpoint]" = \
-    weakref.WeakKeyDictionary()
+#: The saves in flight of every Accelerator of this process, one queue per daemon socket:
+#: a load must wait for them all, since a loop restarted in the same process builds a new
+#: Accelerator and loads what the previous one may still be writing.
+_ACCELERATE_CHECKPOINTS: dict[str | None, TorchAsyncCheckpoint] = {}
 
 
-def _accelerate_checkpoint(accelerator, socket: str | None) -> TorchAsyncCheckpoint:
-    checkpoint = _ACCELERATE_CHECKPOINTS.get(accelerator)
+def _accelerate_checkpoint(socket: str | None) -> TorchAsyncCheckpoint:
+    checkpoint = _ACCELERATE_CHECKPOINTS.get(socket)
     if checkpoint is None:
-        checkpoint = _ACCELERATE_CHECKPOINTS[accelerator] = TorchAsyncCheckpoint(socket=socket)
+        checkpoint = _ACCELERATE_CHECKPOINTS[socket] = TorchAsyncCheckpoint(socket=socket)
     return checkpoint

@@ -24,6 +24,7 @@ from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckpt_client.integrations.hf import load_state, save_state  # noqa: E402
+from frameworks_common import writers_paused  # noqa: E402 - tests/integration/faults.py
 
 
 class Line(torch.nn.Module):
@@ -86,17 +87,19 @@ def checkpoint(root: str, n: int) -> str:
     return os.path.join(root, "checkpoints", f"checkpoint_{n}")
 
 
-def test_can_resume_training(root):
+def test_can_resume_training(root, shared_daemon):
     """Mirrors ``test_can_resume_training``: a run resumed from ``checkpoint_0`` and saved
     and reloaded midway ends exactly where the uninterrupted run ended, Adam state and
-    Python RNG draws included."""
-    accelerator, model, optimizer, data = prepared(root)
-    save_state(accelerator)
-    initial = values(model, optimizer)
-    truth_draws = train(3, model, data, optimizer, accelerator)
-    truth = values(model, optimizer)
-
-    accelerator, model, optimizer, data = prepared(root, iteration=1)
+    Python RNG draws included. ``checkpoint_0`` is still being written (the daemon's
+    writers held) when the second Accelerator of the process loads it: the load waits."""
+    with writers_paused(shared_daemon):
+        accelerator, model, optimizer, data = prepared(root)
+        save_state(accelerator)
+        initial = values(model, optimizer)
+        truth_draws = train(3, model, data, optimizer, accelerator)
+        truth = values(model, optimizer)
+        accelerator, model, optimizer, data = prepared(root, iteration=1)
+        assert not os.path.exists(os.path.join(checkpoint(root, 0), "pytorch_model.bin"))
     load_state(accelerator, checkpoint(root, 0))
     assert values(model, optimizer) == initial
     draws = train(2, model, data, optimizer, accelerator)
