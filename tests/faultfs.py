@@ -12,7 +12,7 @@ to the backing directory, except that writes and fsyncs can be made to
 - **fail**: answer with an errno (``"EIO"``, ``"ENOSPC"``, ``"EROFS"``, ``"EDQUOT"``...).
 
 Faults can be limited to some operations (``ops``: ``write``, ``fsync``, ``create``,
-``rename``...) and to paths containing a substring (``match``). The server runs in its own
+``rename``, ``read``...) and to paths containing a substring (``match``). The server runs in its own
 process (so a stalled test process never stalls the server) and takes commands over a
 Unix socket; each command answers with the server's state, including how many operations
 a stall holds right now, so a test waits on the condition, never on a guess.
@@ -59,7 +59,7 @@ import time
 from typing import Any
 
 #: Operations a fault can apply to.
-FAULT_OPS = ("create", "write", "fsync", "flush", "rename", "mkdir", "unlink", "truncate")
+FAULT_OPS = ("create", "write", "fsync", "flush", "rename", "mkdir", "unlink", "truncate", "read")
 _MIB = 1 << 20
 
 
@@ -399,6 +399,7 @@ def _operations(backing: str, faults: _Faults):
 
         @oserror
         def read(self, path, size, offset, fh):
+            faults.apply("read", path or "", size)
             return os.pread(fh, size, offset)
 
         @oserror

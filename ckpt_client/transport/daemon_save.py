@@ -16,7 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ckptd.protocol import Abort, ErrorCode, Forget, MessageType, Phase, Poll, RequestState
+from ckptd.protocol import (Abort, ErrorCode, Forget, MessageType, Phase, Poll, RequestState,
+                            Staged)
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport import waits
@@ -57,6 +58,10 @@ class DaemonSave:
     _staged: threading.Event = field(default_factory=threading.Event, repr=False)
     _staging_error: str | None = None
     _cancelled: bool = False
+    _copy_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _copying: bool = False           # this process is copying into the request's extent
+    _dropped_mid_copy: bool = False  # abort() told the daemon a copy was running
+    drop_reason: str | None = None   # why abort() dropped it, as the daemon logs it
     accepted_at: float | None = None  # monotonic time of the STAGE reply: finalize's clock
 
     @property
@@ -106,6 +111,29 @@ class DaemonSave:
         if self._staging_error is not None:
             raise CheckpointException("staging a checkpoint failed",
                                       {self.rank: self._staging_error})
+
+    def start_copy(self) -> bool:
+        """This process starts its copy into the request's extent; ``False`` (nothing to
+        copy) if the save was dropped already."""
+        with self._copy_lock:
+            if self._cancelled:
+                return False
+            self._copying = True
+            return True
+
+    def end_copy(self) -> None:
+        """The copy into the extent is over (done or failed). If the save was dropped
+        while it ran, the daemon still holds the extent for it: tell it the copy is over
+        (a STAGED, which the daemon refuses for a dropped save and then frees the space)."""
+        with self._copy_lock:
+            self._copying = False
+            tell, self._dropped_mid_copy = self._dropped_mid_copy, False
+        if tell:
+            try:
+                self.connection.call(MessageType.STAGED, Staged(request_id=self.request_id),
+                                     timeout=waits.staged_reply(self.connection.deadlines))
+            except (DaemonUnavailableError, DaemonRequestError):
+                pass  # refused (the save was dropped), or the daemon is gone: nothing held
 
     # ------------------------------------------------------------------ outcome
     def poll(self) -> RequestState:
@@ -201,15 +229,21 @@ class DaemonSave:
         ``reason`` (what made the trainer drop it) is what the daemon logs.
 
         Returns at once: a write already under way finishes, and the daemon removes its
-        file; a later save of the same path is written only after that (the writer pool
+        file; a copy of this process into the extent that is still running (a zero-stall
+        save dropped from another thread) keeps the extent held at the daemon until the
+        copy is over; a later save of the same path is written only after that (the writer pool
         keeps one job per path in flight), so it can never be overwritten or removed.
         A zero-stall save still queued here never reaches the daemon.
         """
-        self._cancelled = True
+        with self._copy_lock:  # a copy starts either before this (and is told) or never
+            self._cancelled = True
+            self.drop_reason = self.drop_reason or reason
+            copying = self._dropped_mid_copy = self._copying
         if self.request_id is not None:
             try:
                 self.connection.call(MessageType.ABORT, Abort(request_ids=[self.request_id],
-                                                              reason=reason[:1000]),
+                                                              reason=reason[:1000],
+                                                              copying=copying),
                                      timeout=5.0)
             except (DaemonUnavailableError, DaemonRequestError):
                 pass

@@ -94,14 +94,21 @@ class StagingJob:
         buffers = self.body.buffers
         ours = [i for i in range(len(buffers)) if self.specs is None or self.specs[i] is None]
         try:
-            if save._cancelled:
+            if not save.start_copy():
                 raise InterruptedError("the save was aborted while it was staged")
-            offsets, _ = protocol.layout_extent([b[2] for b in buffers])
-            handover_for(connection).copier.copy(reply.offset, offsets, buffers,
-                                                 self.sources, ours)
+            try:
+                offsets, _ = protocol.layout_extent([b[2] for b in buffers])
+                handover_for(connection).copier.copy(reply.offset, offsets, buffers,
+                                                     self.sources, ours)
+            finally:
+                save.end_copy()
+            if save._cancelled:
+                raise InterruptedError("the save was aborted while this process copied it")
         except BaseException as exc:
-            save.abort(f"the trainer's copy into the staging pool failed: "
-                       f"{type(exc).__name__}: {exc}")
+            # Dropped by the caller: the daemon hears the caller's reason (again, if the
+            # first ABORT went out before the request existed there).
+            save.abort(save.drop_reason or f"the trainer's copy into the staging pool "
+                                           f"failed: {type(exc).__name__}: {exc}")
             raise
         self._wait_for_release()
         try:

@@ -123,6 +123,11 @@ class Abort(Body, message="abort"):
     request_ids: list[int] | None = None
     reason: str = check(lambda r: 0 < len(r) <= 1000, "a non-empty reason of at most 1000 "
                         "characters", "the trainer gave no reason (an older ckpt_client)")
+    # The trainer's copy into these requests' extents may still be running (a zero-stall
+    # save dropped from another thread mid-copy): the daemon keeps the extent held until
+    # a STAGED says the copy is over, or the trainer is gone, so no other save is given
+    # space that a late copy still writes into.
+    copying: bool = False
 
 
 class CommitFile(Body, message="commit_file"):

@@ -322,8 +322,7 @@ class SaveLifecycle:
 
     # ------------------------------------------------------------------ endings
     def fail(self, request: SaveRequest, reason: str, trainer_may_copy: bool = False) -> None:
-        """End ``request`` as failed (daemon-side reasons: shutdown, a device copy error, a
-        deadline).
+        """End ``request`` as failed (shutdown, a device copy error, a deadline).
 
         ``trainer_may_copy``: the trainer is alive but has not confirmed its copy (a
         staging deadline: it may be stopped mid-copy); its hold on the extent stays until
@@ -337,10 +336,12 @@ class SaveLifecycle:
         if request.lease is not None:
             request.lease.drop(CLIENT_COPY)
 
-    def abort(self, request: SaveRequest, reason: str) -> None:
-        """End ``request`` as aborted (the trainer asked, or went away)."""
-        log.info("request %d (rank %d) aborted: %s", request.id, request.rank, reason)
-        self._stop(request, Phase.ABORTED, reason)
+    def abort(self, request: SaveRequest, reason: str, trainer_may_copy: bool = False) -> None:
+        """End ``request`` as aborted (the trainer asked, or went away); for
+        ``trainer_may_copy`` (dropped mid-copy) see :meth:`fail`."""
+        if not request.finished:  # a repeated abort is no news
+            log.info("request %d (rank %d) aborted: %s", request.id, request.rank, reason)
+        self._stop(request, Phase.ABORTED, reason, keep_copy_hold=trainer_may_copy)
 
     def _stop(self, request: SaveRequest, phase: str, reason: str,
               code: str | None = None, keep_copy_hold: bool = False) -> None:

@@ -130,7 +130,7 @@ class SaveService:
                           placements=request.placements)
 
     def _own_request(self, routing_id: bytes, request_id) -> SaveRequest:
-        request = self.table.get(request_id)
+        request = self.table.find(request_id)  # forgotten, yet holding its extent for a copy
         if request is None or request.routing_id != routing_id:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST,
                                f"no request {request_id!r} of this connection is known",
@@ -214,7 +214,7 @@ class SaveService:
         aborted = []
         for request in self.table.of_connection(call.routing_id):
             if body.request_ids is None or request.id in body.request_ids:
-                self.lifecycle.abort(request, f"dropped by the trainer: {body.reason}")
+                self.lifecycle.abort(request, f"dropped by the trainer: {body.reason}", body.copying)
                 aborted.append(request.id)
         return AbortReply(aborted=aborted)
 

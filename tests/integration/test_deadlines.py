@@ -409,3 +409,51 @@ def test_a_save_behind_a_stuck_zero_stall_save_ends_with_what_to_do(start_daemon
             with pytest.raises(CheckpointException):
                 stuck.wait_staged(timeout=30)
             connection.close()
+
+
+@needs_fuse
+def test_a_zero_stall_save_dropped_mid_copy_keeps_its_space_until_the_copy_is_over(
+        start_daemon, tmp_path):
+    """The background copy of a zero-stall save is held mid-copy (its source tensor maps a
+    file on a FUSE mount whose reads are stalled, so the copier thread blocks in a page
+    fault), and ``close(abort=True)`` drops the save. A second save (another process) must
+    not be given that space while the copy can still write into it: once the copy goes on,
+    the second save's file must hold its own bytes, not the dropped save's."""
+    from ckpt_client import connect
+    from ckpt_client.transport.handover import handover_for
+
+    count = 1 << 21  # 8 MiB of float32: the pool holds one such save, not two
+    backing, mount = tmp_path / "backing", tmp_path / "mnt"
+    with FaultFS(backing, mount) as fs:
+        # Written beside the mount: no page of it is cached on the FUSE side, so the copy
+        # reads it through the (stalled) server.
+        torch.full((count,), 1.0).numpy().tofile(backing / "source.bin")
+        daemon = start_daemon(pool_size="12M", writers=1)
+        root = daemon.roots[0]
+        first, second = os.path.join(root, "first.pt"), os.path.join(root, "second.pt")
+        fs.set(stall=True, ops=["read"], match="source.bin")
+        source = torch.from_file(str(mount / "source.bin"), size=count, dtype=torch.float32)
+        checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
+        checkpoint.async_save({"w": source}, first, zero_stall=True)
+        wait_for(lambda: fs.state()["blocked"] > 0, 60, "the background copy to block")
+        checkpoint.close(abort=True)
+        script = (f"import torch\nfrom ckpt_client import TorchAsyncCheckpoint\n"
+                  f"c = TorchAsyncCheckpoint(socket={daemon.socket!r})\n"
+                  f"c.async_save({{'w': torch.full(({count},), 2.0)}}, {second!r})\n"
+                  f"c.finalize_async_save(blocking=True)\nc.close()\n")
+        with writers_paused(daemon):
+            other = subprocess.Popen([sys.executable, "-c", script])
+            try:
+                wait_for(lambda: any(r["path"] == second and r["phase"] in
+                                     ("waiting_for_pool", "writing")
+                                     for r in daemon.status()["requests"]), 120,
+                         "the second save to ask for space")
+                fs.clear()  # the dropped save's copy goes on, into its extent
+                handover_for(connect(daemon.socket, auto_start=False)).wait_for_background()
+            finally:
+                fs.clear()
+        assert other.wait(timeout=120) == 0
+        checkpoint.close()
+    assert torch.equal(torch.load(second, weights_only=True)["w"], torch.full((count,), 2.0)), \
+        "the dropped save's late copy wrote into the second save's staging space"
+    assert not os.path.exists(first)
