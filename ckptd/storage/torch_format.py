@@ -45,7 +45,8 @@ from ckptd.storage.torch_pickle import (DTYPES, DtypeFormat, RawTensor, contiguo
 from ckptd.storage.torch_zip import DEFAULT_ALIGNMENT, ArchiveWriter, serialization_names_hash
 
 __all__ = ["DTYPES", "DtypeFormat", "RawTensor", "raw_tensor", "contiguous_strides",
-           "pickle_skeleton", "write_torch_file", "write_tensor_file", "tensor_archive_template",
+           "pickle_skeleton", "write_torch_file", "write_tensor_file", "write_archive",
+           "write_head_records", "tensor_archive_template",
            "DEFAULT_ALIGNMENT", "PAGE_ALIGNMENT"]
 
 #: The storage alignment of ckptd's own files: a page, O_DIRECT's unit.
@@ -100,15 +101,15 @@ def write_torch_file(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], *
         For a skeleton value that is not one of the types above, or a ``TensorRef`` out of
         range. Nothing has been written then: the pickle is built before the first write.
     """
-    return _write_archive(stream, skeleton, tensors, crc32, max_write, alignment).position
+    return write_archive(stream, skeleton, tensors, crc32, max_write, alignment).position
 
 
-def _write_archive(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], crc32: bool,
-                   max_write: int | None, alignment: int) -> ArchiveWriter:
+def write_archive(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], crc32: bool,
+                  max_write: int | None, alignment: int) -> ArchiveWriter:
+    """The archive of :func:`write_torch_file`, written; returns its writer (positions)."""
     data_pkl, storages = pickle_skeleton(skeleton, tensors)
     archive = ArchiveWriter(stream, crc32, max_write, alignment)
-    archive.record("data.pkl", data_pkl)
-    archive.record(".format_version", _FORMAT_VERSION)
+    write_head_records(archive, data_pkl)
     archive.record(".storage_alignment", str(alignment).encode())
     archive.record("byteorder", sys.byteorder.encode())
     for key, tensor in enumerate(storages):
@@ -119,6 +120,13 @@ def _write_archive(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], crc
     archive.record(".data/serialization_id", serialization_id.encode())
     archive.close()
     return archive
+
+
+def write_head_records(archive: ArchiveWriter, data_pkl: bytes) -> None:
+    """The records every archive starts with, up to the ones fixed by the alignment:
+    ``data.pkl`` (the skeleton) and ``.format_version``."""
+    archive.record("data.pkl", data_pkl)
+    archive.record(".format_version", _FORMAT_VERSION)
 
 
 def write_tensor_file(stream: Any, tensor: RawTensor, *, crc32: bool = False,
@@ -181,7 +189,7 @@ def tensor_archive_template(dtype: str, shape: tuple, alignment: int) -> tuple[b
     try:
         view = memoryview(pages)[:nbytes]
         sink = _TemplateSink(pages)
-        archive = _write_archive(sink, TensorRef(0), [raw_tensor(view, dtype, list(shape))],
+        archive = write_archive(sink, TensorRef(0), [raw_tensor(view, dtype, list(shape))],
                                  False, None, alignment)
         view.release()
     finally:

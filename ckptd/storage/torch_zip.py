@@ -23,7 +23,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-__all__ = ["ArchiveWriter", "DEFAULT_ALIGNMENT", "serialization_names_hash"]
+__all__ = ["ArchiveWriter", "DEFAULT_ALIGNMENT", "GATHER_BELOW", "END_RECORDS_SIZE",
+           "serialization_names_hash"]
 
 _U32_MAX = 0xFFFFFFFF
 _U16_MAX = 0xFFFF
@@ -32,6 +33,8 @@ _CENTRAL_HEADER = struct.Struct("<IHHHHHHIIIHHHHHII")
 _ZIP64_END = struct.Struct("<IQHHIIQQQQ")
 _ZIP64_LOCATOR = struct.Struct("<IIQI")
 _END = struct.Struct("<IHHHHIIH")
+#: Bytes of the records after the central directory (zip64 end, its locator, end).
+END_RECORDS_SIZE = _ZIP64_END.size + _ZIP64_LOCATOR.size + _END.size
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 _UTF8_NAMES = 0x0800      # general purpose flag: names are UTF-8
 _HAS_DESCRIPTOR = 0x0008  # general purpose flag: CRC and sizes follow the data
@@ -70,7 +73,7 @@ def _zip64_extra(size: int, offset: int, compressed: int) -> bytes:
 # _GATHER_FLUSH bytes: for the thousands of small tensors of an optimizer state, copying a
 # few KiB is far cheaper than a write call (and its system call, checksum hand-off and
 # writeback check) per piece. Larger records go to the stream straight from their buffer.
-_GATHER_BELOW = 64 << 10
+GATHER_BELOW = 64 << 10
 _GATHER_FLUSH = 1 << 20
 
 
@@ -105,6 +108,10 @@ class ArchiveWriter:
         else:
             self._flush()
             self.stream.write(view)
+
+    def flush(self) -> None:
+        """Write what is gathered (the archive goes on after it)."""
+        self._flush()
 
     def _flush(self) -> None:
         if self._gathered:
@@ -148,7 +155,7 @@ class ArchiveWriter:
 
     def _write_data(self, data: memoryview) -> int:
         """Stream the record's bytes (in slices of ``max_write``); their CRC-32 if asked."""
-        if data.nbytes < _GATHER_BELOW:
+        if data.nbytes < GATHER_BELOW:
             self._write(data)
             return zlib.crc32(data) if self.crc32 else 0
         step = self.max_write or data.nbytes

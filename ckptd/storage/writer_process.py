@@ -36,8 +36,8 @@ from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
                                 WriteProgress, WriterReady, WriteResult, WriteTorch)
 from ckptd.storage.layout import archive_alignment, item_start
-from ckptd.storage.torch_format import (PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file,
-                                        write_torch_file)
+from ckptd.storage.torch_format import PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file
+from ckptd.storage.torch_layout import write_torch_layout
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +105,14 @@ class Writer:
 
     def write_torch(self, job: WriteTorch, frames: list) -> dict:
         """One file ``torch.load(weights_only=True)`` reads: the skeleton, pool tensors."""
-        tensors = [self.tensor_at(*spec) for spec in job.tensors]
-        skeleton = protocol.unpack_value(job.skeleton)
+        buffers = [self.pool_bytes(offset, nbytes) for offset, nbytes, _, _ in job.tensors]
+        specs = [(dtype, shape, nbytes) for _, nbytes, dtype, shape in job.tensors]
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
+        # A save with the structure of an earlier one serializes nothing per tensor.
         return write_file_atomically(
-            job.path, lambda f: write_torch_file(f, skeleton, tensors, max_write=max_write,
-                                                 alignment=PAGE_ALIGNMENT), direct=True,
+            job.path, lambda f: write_torch_layout(f, job.skeleton, specs, buffers,
+                                                   max_write=max_write,
+                                                   alignment=PAGE_ALIGNMENT), direct=True,
             progress=self.progress)
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
