@@ -11,7 +11,9 @@ and on the direct path (O_DIRECT from the staging pool, crc32c records), and for
   before each run (the bound), as the ratio of the medians, with the bound's spread: from
   the save call (the trainer's view: staging included), and from "staged" (every byte in
   the pool, as the daemon logs it: what the writers themselves take, which the bound is
-  comparable to);
+  comparable to); and from staged against the same raw write from shared memory (tmpfs
+  pages, the kind of memory ckptd's staging pool is; on these machines a direct write
+  from it is slower than from private anonymous memory);
 - page-cache growth during the save (``Cached - Shmem`` of /proc/meminfo after the save
   minus before, caches dropped first) as a share of the checkpoint;
 - the training step started right after the save returns against the same step with
@@ -80,22 +82,31 @@ def staged_to_durable(log: str) -> float | None:
     return max(times) if times else None
 
 
+def timed_bound(raw: m.RawWrite, outdir: str) -> float:
+    """One run of a raw-write bound, page cache dropped first."""
+    drop_caches()
+    started = time.perf_counter()
+    raw.start(os.path.join(outdir, "raw"))
+    seconds = time.perf_counter() - started
+    m.remove_tree(os.path.join(outdir, "raw"))
+    return seconds
+
+
 def measure(method: m.Method, raw: m.RawWrite, step: workload.TrainingStep, outdir: str,
-            repeats: int, nbytes: int, daemon: Daemon | None = None) -> dict:
+            repeats: int, nbytes: int, daemon: Daemon | None = None,
+            raw_shared: m.RawWrite | None = None) -> dict:
     """Every figure of one method, ``repeats`` times each (after one warm-up save)."""
     path = os.path.join(outdir, "ckpt")
     method.prepare()
     method.start(path)
     method.wait_durable()
     m.remove_tree(path)
-    runs = {"durable": [], "staged_durable": [], "bound": [], "cpu_per_gb": [],
-            "cache_growth": [], "step": [], "normal_step": []}
+    runs = {"durable": [], "staged_durable": [], "bound": [], "bound_shared": [],
+            "cpu_per_gb": [], "cache_growth": [], "step": [], "normal_step": []}
     for _ in range(repeats):
-        drop_caches()
-        started = time.perf_counter()
-        raw.start(os.path.join(outdir, "raw"))
-        runs["bound"].append(time.perf_counter() - started)
-        m.remove_tree(os.path.join(outdir, "raw"))
+        runs["bound"].append(timed_bound(raw, outdir))
+        if raw_shared is not None:
+            runs["bound_shared"].append(timed_bound(raw_shared, outdir))
         drop_caches()
         helpers = method.helper_pids()
         cache, cpu = page_cache_bytes(), cpu_seconds(helpers)
@@ -126,10 +137,13 @@ def summary(name: str, runs: dict) -> str:
     staged = runs["staged_durable"]
     from_staged = (f"{med(staged):.3f} | {med(staged) / med(bound):.2f}×" if staged
                    else "– | –")
+    shared = runs["bound_shared"]
+    from_shared = (f"{med(shared):.3f} ({min(shared):.3f}–{max(shared):.3f}) | "
+                   f"{med(staged) / med(shared):.2f}×" if shared and staged else "– | –")
     return (f"| {name} | {med(runs['cpu_per_gb']):.3f} | "
             f"{med(bound):.3f} ({min(bound):.3f}–{max(bound):.3f}) | "
             f"{med(runs['durable']):.3f} | {med(runs['durable']) / med(bound):.2f}× | "
-            f"{from_staged} | "
+            f"{from_staged} | {from_shared} | "
             f"{100 * med(runs['cache_growth']):.1f}% | "
             f"{med(runs['step']) / med(runs['normal_step']):.2f}× "
             f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f}) |")
@@ -228,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     copy.prepare()
     raw = m.RawWrite(copy, direct=True)
     raw.prepare()
+    raw_shared = m.RawWrite(copy, direct=True, from_shared=True)
     step = workload.TrainingStep(state)
     outdir = tempfile.mkdtemp(prefix="ckpt-writepath-", dir=args.workdir)
     rundir = tempfile.mkdtemp(prefix="ckpt-writepath-pg-")
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = f"{method.name} [{mode}, {checksum}]"
                 if keep(name):
                     rows.append(summary(name, measure(method, raw, step, outdir, args.repeats,
-                                                      total, daemon)))
+                                                      total, daemon, raw_shared)))
                     print(rows[-1], flush=True)
         finally:
             daemon.stop()
@@ -259,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{total / (1 << 30):.3f} GiB in {len(tensors)} tensors, medians of {args.repeats}; "
           f"load average {os.getloadavg()}\n")
     print("| method | helpers' CPU-s per GB durable | raw O_DIRECT write + fsync s (min–max) | "
-          "save call → durable s | ÷ raw | staged → durable s | ÷ raw | page-cache growth ÷ "
+          "save call → durable s | ÷ raw | staged → durable s | ÷ raw | the same raw write "
+          "from shared memory s (min–max) | staged → durable ÷ it | page-cache growth ÷ "
           "checkpoint | step overlapping the write ÷ normal step (s / s) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     m.remove_tree(outdir)
     copy.close()  # its buffer is a /dev/shm file: nearly 1 GiB of memory until unlinked

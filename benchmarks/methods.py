@@ -182,21 +182,28 @@ class RawWrite(Method):
 
     kind = "bound"
 
-    def __init__(self, source: PreallocatedCopy, direct: bool = False) -> None:
+    def __init__(self, source: PreallocatedCopy, direct: bool = False,
+                 from_shared: bool = False) -> None:
         self.source = source
         self.direct = direct
+        # from_shared: O_DIRECT from the source's own shared-memory mapping (memory of the
+        # kind ckptd's staging pool is: tmpfs pages) instead of private anonymous memory.
+        self.from_shared = from_shared
         self.name = "raw write O_DIRECT + fsync" if direct else "raw write + fsync"
+        if from_shared:
+            self.name += " (from shared memory)"
         self._aligned: mmap.mmap | None = None
 
     def prepare(self) -> None:
-        if self.direct:  # O_DIRECT needs a page-aligned source: an anonymous mapping is one
+        if self.direct and not self.from_shared:
+            # O_DIRECT needs a page-aligned source: an anonymous mapping is one
             self._aligned = mmap.mmap(-1, self.source.size)
             self._aligned[:] = self.source.raw_bytes()
 
     def start(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         target = os.path.join(path, "raw.bin")
-        data = memoryview(self._aligned) if self.direct else self.source.raw_bytes()
+        data = memoryview(self._aligned) if self._aligned is not None else self.source.raw_bytes()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if self.direct else 0)
         fd = os.open(target, flags, 0o644)
         try:
