@@ -665,31 +665,57 @@ def sweep(*, include_persistent: bool = True, include_live: bool = False) -> lis
 
 _LIVE: list[NetBed] = []
 _LIVE_LOCK = threading.Lock()
-_HOOKS_INSTALLED = False
+_ATEXIT_INSTALLED = False
 _EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: Our handler and the one it replaced, per signal, while beds are live.
+_INSTALLED: dict[int, tuple] = {}
 
 
 def _register(bed: NetBed) -> None:
-    global _HOOKS_INSTALLED
+    global _ATEXIT_INSTALLED
     with _LIVE_LOCK:
         _LIVE.append(bed)
-        if _HOOKS_INSTALLED:
-            return
-        _HOOKS_INSTALLED = True
-    atexit.register(_teardown_live)
-    if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers can only be set from the main thread; atexit still runs
-    for sig in _EXIT_SIGNALS:
-        previous = signal.getsignal(sig)
-        if previous is signal.SIG_IGN:
-            continue  # whoever ignores it keeps running; the with block cleans up
-        signal.signal(sig, _make_handler(sig, previous))
+        first = len(_LIVE) == 1
+        if not _ATEXIT_INSTALLED:
+            _ATEXIT_INSTALLED = True
+            atexit.register(_teardown_live)
+    if first:
+        _install_signal_hooks()
 
 
 def _unregister(bed: NetBed) -> None:
     with _LIVE_LOCK:
-        if bed in _LIVE:
-            _LIVE.remove(bed)
+        if bed not in _LIVE:
+            return
+        _LIVE.remove(bed)
+        last = not _LIVE
+    if last:
+        _remove_signal_hooks()
+
+
+def _install_signal_hooks() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread; atexit still runs
+    for sig in _EXIT_SIGNALS:
+        previous = signal.getsignal(sig)
+        if previous is signal.SIG_IGN or sig in _INSTALLED:
+            continue  # whoever ignores it keeps running; the with block cleans up
+        handler = _make_handler(sig, previous)
+        signal.signal(sig, handler)
+        _INSTALLED[sig] = (handler, previous)
+
+
+def _remove_signal_hooks() -> None:
+    # Hooks only while beds are live: a Python-level SIGTERM handler left in this process
+    # is inherited by every child it forks afterwards, and a fork that gets its SIGTERM
+    # before the interpreter's after-fork reset loses it (the child then lives on until
+    # SIGKILL: an aborted helper of another test waited out its 30 s grace that way).
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, (handler, previous) in list(_INSTALLED.items()):
+        if signal.getsignal(sig) is handler:  # nobody replaced ours since
+            signal.signal(sig, previous)
+        del _INSTALLED[sig]
 
 
 def _teardown_live() -> None:
