@@ -147,7 +147,10 @@ def test_a_slow_link_replicates_every_save(bed_nodes):
 FOUR_NODES = [
     # (replication factor, jump, node of each rank): clique mates on distinct nodes
     pytest.param(2, 2, [0, 0, 1, 1, 2, 2, 3, 3], id="factor2-jump2-two-ranks-per-node"),
-    pytest.param(3, 1, [0, 1, 2, 3, 0, 1], id="factor3-jump1"),
+    # slow: the default suite already proves what it adds, on this bed: a factor-3 part
+    # restored from a peer after its node's disk is wiped (the flipped-byte test below),
+    # and a lost node whose ranks belong to two cliques (the case above); saves 20-25 s.
+    pytest.param(3, 1, [0, 1, 2, 3, 0, 1], id="factor3-jump1", marks=pytest.mark.slow),
     pytest.param(2, 1, [0, 1, 2, 3], id="factor2-jump1", marks=pytest.mark.slow),
     pytest.param(3, 2, [0, 3, 1, 0, 2, 1], id="factor3-jump2", marks=pytest.mark.slow),
 ]
