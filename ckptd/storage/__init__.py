@@ -5,6 +5,8 @@
 - ``roots``          which paths may be written (the allowed ``--root`` directories);
 - ``jobs``           the writer channel's vocabulary: typed jobs and results;
 - ``torch_format``   torch's file format (``torch.save``'s bytes) written without torch;
+- ``torch_layout``   ckptd's torch files from a per-layout template (nothing serialized
+                     per tensor when a save's structure did not change);
 - ``writer_process`` a writer process (``python -m ckptd.storage.writer_process``):
                      maps the staging pool, serializes and writes one file per job;
 - ``writer_pool``    the daemon side: starts writers, routes jobs, reaps the dead;
