@@ -96,7 +96,7 @@ def main() -> None:
                    "durable in first; the daemon then flushes it to its target in the "
                    "background, and commits it there only when whole.")
 @click.option("--stage-budget", default=None, metavar="SIZE",
-              help="Bytes the stage directory may hold (e.g. 200G; default: 90%% of its "
+              help="Bytes the stage directory may hold (e.g. 200G; default: 90% of its "
                    "filesystem's free space at start).")
 @click.option("--stage-policy", type=click.Choice(["wait", "refuse"]),
               default=knobs.STAGE_POLICY.get, show_default=knobs.STAGE_POLICY.default,
