@@ -82,11 +82,11 @@ def save_outcome(daemon: DaemonDeadlines | None, tiered: bool) -> float:
 
 
 def daemon_deadline_of_commit(daemon: DaemonDeadlines | None) -> float:
-    """The longest a daemon without a stage dir takes to answer a ``commit_file``: its
-    writer may sit behind a job on a writer that stalls (the daemon replaces that writer
-    after ``--stall-timeout`` without progress and hands the commit to a fresh one), and
-    the commit's own write and fsync may then stall as long before the daemon fails it."""
-    return 2 * _longer(knobs.STALL_TIMEOUT, daemon, "stall_timeout_s")
+    """The longest a daemon without a stage dir takes to answer a ``commit_file``: it
+    fails a commit not durable within the whole-save deadline of its arrival, waiting for
+    a free writer included and however slowly the write progresses (a stall fails it
+    sooner)."""
+    return _longer(knobs.SAVE_DEADLINE, daemon, "save_deadline_s")
 
 
 def commit_file(daemon: DaemonDeadlines | None, tiered: bool) -> float:

@@ -3,6 +3,9 @@
 - **A file's write or fsync** that makes no progress for ``--stall-timeout`` seconds: the
   writer pool gives up on its writer (:meth:`ckptd.storage.writer_pool.WriterPool.check_stalls`),
   the file's save fails naming rank, file, phase and storage target.
+- **A checkpoint's commit file** (DCP ``.metadata``) not durable
+  :data:`knobs.SAVE_DEADLINE` seconds after its ``commit_file`` arrived, slow progress or
+  none: it is failed and its writer replaced (:meth:`WriterPool.check_deadlines`).
 - **Waiting for space**: a STAGE that got no staging space (the pool, and on a tiered
   daemon the stage budget) within :data:`knobs.STAGE_TIMEOUT` seconds of its arrival.
 - **Staging** (the trainer's copy into shared memory, or the daemon's CUDA copy) that has
@@ -76,6 +79,7 @@ class SaveDeadlines:
     def check(self) -> None:
         """One round of checks (every serve tick)."""
         self.writers.check_stalls(self.stall_timeout)
+        self.writers.check_deadlines()  # a commit file's whole write
         now = time.time()
         if self.tier is not None:
             self.tier.expire_waiting(now, knobs.STAGE_TIMEOUT.get())

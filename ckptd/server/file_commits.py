@@ -1,7 +1,8 @@
 """Commits of whole checkpoints: ``commit_file`` and, on a tiered daemon, ``handover``.
 
 ``commit_file`` writes one small file (DCP ``.metadata``) atomically through a writer and
-answers once it is durable; on a daemon with ``--stage-dir`` the tier service commits it
+answers once it is durable, or fails it at the whole-save deadline (the writer pool then
+makes sure the file never lands); on a daemon with ``--stage-dir`` the tier service commits it
 instead, at the target, once every file it names is there. ``handover`` gives a tiered
 daemon a DCP checkpoint's commit at staging time (see :mod:`ckptd.tiers.service`). No
 save request, extent or phase is involved.
@@ -10,7 +11,9 @@ save request, extent or phase is involved.
 from __future__ import annotations
 
 import logging
+import time
 
+from ckptd import knobs
 from ckptd.protocol import CommitFile, CommitFileReply, ErrorCode, Handover, HandoverReply
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.storage.jobs import WriteBytes, WriteJob, WriteResult
@@ -72,6 +75,12 @@ class FileCommits:
                           errno=result.errno, path=path)
 
         data = bytes(call.frames[0])
-        job = WriteBytes(path, len(data), stock=body.stock_files)
-        self.daemon.writers.submit(WriteJob(job, answer_when_durable, frames=[data]))
+        job = WriteJob(WriteBytes(path, len(data), stock=body.stock_files), answer_when_durable,
+                       frames=[data])
+        # The commit is a save's last step: the whole-save deadline bounds it, however
+        # slowly its write progresses (the stall check only sees no progress at all).
+        limit = knobs.SAVE_DEADLINE.get()
+        job.deadline = time.monotonic() + limit
+        job.deadline_of = f"{limit:g}s ({knobs.SAVE_DEADLINE.env})"
+        self.daemon.writers.submit(job)
         return DEFERRED

@@ -113,6 +113,11 @@ class WriteJob:
     phase: str = "queued"
     bytes_done: int = 0
     progress_at: float | None = None  # time.monotonic() of its last progress; None: not started
+    #: time.monotonic() by which the whole write must be durable, progress or not (a
+    #: checkpoint's commit file): such a job goes only to a writer with nothing else to
+    #: do, so its deadline never counts another file's write. None: the stall check alone.
+    deadline: float | None = None
+    deadline_of: str = ""  # the limit that set it, for the error: "CKPTD_SAVE_DEADLINE 7200s"
 
     @property
     def path(self) -> str:

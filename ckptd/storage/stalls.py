@@ -10,8 +10,8 @@ completes then), so until the process is gone its file stays busy and nothing it
 still touch is changed: its job's ``release`` (the hold on the extent, and putting back
 the file the job replaced) is called only when the process is gone.
 
-Owns :class:`StuckWriters`; :func:`storage_target` and :func:`stall_message` say where
-and how a file stalled. No zmq sends, no scheduling: the writer pool decides when.
+Owns :class:`StuckWriters`; :func:`storage_target`, :func:`stall_message` and
+:func:`deadline_message` say where and how a file stalled or overstayed. No zmq sends, no scheduling: the writer pool decides when.
 """
 
 from __future__ import annotations
@@ -61,6 +61,17 @@ def stall_message(job: WriteJob, waited: float, timeout: float, pid: int) -> str
             f"The writer (pid {pid}) stopped answering, as a write stuck in the kernel does; "
             f"it was replaced and keeps its staging space until it returns. The previous checkpoint is intact: "
             f"check that storage target, then save again")
+
+
+def deadline_message(job: WriteJob, pid: int | None) -> str:
+    """Why a job failed by its own deadline (``pid``: the writer replaced, or None if it
+    never reached one)."""
+    where = ("still waiting for a free writer" if pid is None else
+             f"in phase {job.phase!r} ({job.bytes_done} of {job.nbytes} bytes written); its "
+             f"writer (pid {pid}) was replaced, so the file cannot appear later")
+    return (f"not durable within {job.deadline_of} of its request on storage "
+            f"{storage_target(job.path)}: {where}. The previous checkpoint is intact: check "
+            f"that storage target and the daemon's writers (ckptd status), then save again")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ckptd.storage import priority
 from ckptd.storage.jobs import (REPLY_TYPES, WriteJob, WriteProgress, WriterReady,
                                 WriteResult)
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
-from ckptd.storage.stalls import StuckWriters, stall_message
+from ckptd.storage.stalls import StuckWriters, deadline_message, stall_message
 from ckptd.storage.writer_slot import WriterSlot
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,11 @@ class WriterPool:
                 waiting.append(job)
                 continue
             ready = [s for s in self.slots if s.ready and s.process and s.process.poll() is None]
+            if job.deadline is not None and ready:
+                ready = [s for s in ready if not s.jobs]
+                if not ready:  # only an idle writer: its deadline counts its own write
+                    waiting.append(job)
+                    continue
             if not ready:
                 waiting.append(job)
                 break
@@ -209,12 +214,31 @@ class WriterPool:
                 self._replace_stuck(slot, next(iter(slot.jobs.values())),
                                     now - slot.last_heard, timeout)
 
+    def check_deadlines(self) -> None:
+        """Fail jobs past their own deadline (see :attr:`WriteJob.deadline`): one still
+        waiting for a writer leaves the queue; one being written, slow progress or none,
+        has its writer replaced as a stuck one, so the file can never land afterwards."""
+        now = time.monotonic()
+        for job in [j for j in self._backlog if j.deadline is not None and now > j.deadline]:
+            self._backlog.remove(job)
+            job.on_done(job, WriteResult(ok=False, path=job.path, errno=errno.ETIMEDOUT,
+                                         error=deadline_message(job, None)))
+        for slot in list(self.slots):
+            if any(j.deadline is not None and now > j.deadline for j in slot.jobs.values()):
+                while slot.socket.poll(0):  # a result already sent is taken, not thrown away
+                    self.handle(slot.socket)
+            late = [j for j in slot.jobs.values() if j.deadline is not None and now > j.deadline]
+            if late:
+                self._replace_stuck(slot, late[0], now - slot.last_heard, 0.0,
+                                    deadline_message(late[0], slot.process.pid))
+
     def _replace_stuck(self, slot: WriterSlot, job: WriteJob, waited: float,
-                       timeout: float) -> None:
-        """Fail ``job``, keep its writer until it exits, start a fresh one in its place."""
+                       timeout: float, error: str | None = None) -> None:
+        """Fail ``job`` (with ``error``, else as stalled), keep its writer until it exits,
+        start a fresh one in its place."""
         pid = slot.process.pid
-        log.error("writer %d (pid %d): %s stalled in %s for %.0fs; replacing the writer",
-                  slot.index, pid, job.path, job.phase, waited)
+        log.error("writer %d (pid %d): %s %s; replacing the writer", slot.index, pid, job.path,
+                  error or f"stalled in {job.phase} for {waited:.0f}s")
         others = [j for j in slot.jobs.values() if j is not job]
         slot.jobs = {}
 
@@ -232,7 +256,7 @@ class WriterPool:
             other.phase, other.progress_at = "queued", None
             self._backlog.appendleft(other)
         job.on_done(job, WriteResult(ok=False, path=job.path, errno=errno.ETIMEDOUT,
-                                     error=stall_message(job, waited, timeout, pid)))
+                                     error=error or stall_message(job, waited, timeout, pid)))
 
     @property
     def jobs_in_flight(self) -> int:

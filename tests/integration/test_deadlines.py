@@ -457,3 +457,37 @@ def test_a_zero_stall_save_dropped_mid_copy_keeps_its_space_until_the_copy_is_ov
     assert torch.equal(torch.load(second, weights_only=True)["w"], torch.full((count,), 2.0)), \
         "the dropped save's late copy wrote into the second save's staging space"
     assert not os.path.exists(first)
+
+
+def test_a_commit_file_that_overstays_is_failed_by_the_daemon_and_never_lands(start_daemon):
+    """The whole-save deadline bounds a ``.metadata`` commit however its write goes (the
+    stall limit is left at 600 s, and the writer is SIGSTOPped: no progress report can
+    tell the daemon anything): the daemon fails the commit naming the file and the limit,
+    replaces the writer (so the file cannot land afterwards), and the next commit works.
+    The trainer's own wait (``waits.commit_file``) is far longer: the daemon judges."""
+    from ckpt_client import connect
+    from ckpt_client.transport import waits
+    from ckptd.protocol import CommitFile, MessageType
+    from ckpt_client.errors import DaemonRequestError
+
+    daemon = start_daemon(writers=1, env={"CKPTD_SAVE_DEADLINE": "2"})
+    path = os.path.join(daemon.roots[0], "ckpt", ".metadata")
+    os.makedirs(os.path.dirname(path))
+    connection = connect(daemon.socket, auto_start=False)
+    try:
+        assert waits.commit_file(connection.deadlines, tiered=False) > 2 + 30
+        with writers_paused(daemon) as [pid]:
+            with pytest.raises(DaemonRequestError) as raised:
+                connection.call(MessageType.COMMIT_FILE, CommitFile(path=path),
+                                frames=[b"late"], timeout=60)
+        message = str(raised.value)
+        assert path in message and "CKPTD_SAVE_DEADLINE" in message, message
+        assert f"writer (pid {pid}) was replaced" in message
+        wait_for(lambda: not daemon.status()["stuck_writers"], 30, "the replaced writer gone")
+        assert not os.path.exists(path), "a commit the daemon failed landed afterwards"
+        connection.call(MessageType.COMMIT_FILE, CommitFile(path=path), frames=[b"next"],
+                        timeout=waits.commit_file(connection.deadlines, tiered=False))
+        with open(path, "rb") as f:
+            assert f.read() == b"next"
+    finally:
+        connection.close()
