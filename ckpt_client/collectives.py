@@ -77,6 +77,13 @@ def raise_if_any_failed(what: str, error: str | None, group=None) -> None:
         raise CheckpointException(what, failures)
 
 
+def introduce() -> None:
+    """Say in the group's store which process this rank is, so that the others can tell
+    it lost from late if a completion check breaks (:mod:`ckpt_client.arrivals`)."""
+    if initialized() is not None:
+        MARKS.introduce(rank_and_world()[0])
+
+
 def agree_on_completion(done: bool, error: str | None, no_dist: bool) -> tuple[bool, dict]:
     """Combine every rank's (done, error) with one small all-reduce.
 

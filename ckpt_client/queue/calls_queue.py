@@ -15,7 +15,7 @@ import weakref
 from collections import deque
 from typing import NamedTuple
 
-from ckpt_client.collectives import agree_on_completion
+from ckpt_client.collectives import agree_on_completion, introduce
 from ckpt_client.errors import CheckpointException
 from ckpt_client.queue import spans
 from ckpt_client.queue.failures import FailedCalls
@@ -102,6 +102,7 @@ class AsyncCallsQueue:
         int
             The call's index (as returned by :meth:`maybe_finalize_async_calls`).
         """
+        introduce()  # once per process: a rank lost before its finalize is then known
         idx = self._next_idx
         self._next_idx += 1
         request = async_request._replace(call_idx=idx)

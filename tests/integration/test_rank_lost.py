@@ -126,3 +126,79 @@ def test_a_rank_killed_between_stage_and_finalize_fails_the_save_on_the_others(d
     wait_for(lambda: os.listdir(b_path) == [], 30, "no file of the failed save B to remain")
     assert values(run_ranks(save_and_load_again, 2, daemon.socket, tmp_path,
                             args=(root,), name="again")) == [[1.0, 3.0], [1.0, 3.0]]
+
+
+# ------------------------------------------------------------------ late is not lost
+
+def one_late_one_lost(rank, world_size, root, signals):
+    """Save A (rank 2 is stopped before its finalize, then continued); save B (rank 2
+    stopped again, rank 1 killed after staging). Returns B's (failing ranks, failures)."""
+    import logging
+
+    from ckpt_client import AsyncCallsQueue, CheckpointException, dcp
+
+    class Waiting(logging.Handler):  # what a rank says when it waits for a late one
+        def emit(self, record):
+            if "not known to be gone" in record.getMessage():
+                open(os.path.join(signals, f"waiting{rank}"), "w").close()
+
+    logging.getLogger("ckpt_client.arrivals").addHandler(Waiting())
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dcp.async_save(state(rank, 1), os.path.join(root, "A")))
+    if rank == 2:
+        signal_and_wait(signals, "ready-a2", "go-a")  # stopped in here
+    queue.maybe_finalize_async_calls(blocking=True)
+    signal_and_wait(signals, f"a{rank}", "go-b")
+    queue.schedule_async_request(dcp.async_save(state(rank, 2), os.path.join(root, "B")))
+    if rank == 1:
+        signal_and_wait(signals, "staged1", "never", timeout=600)  # killed in here
+    if rank == 2:
+        signal_and_wait(signals, "staged2", "go-b2")  # stopped in here, then late
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        return None
+    except CheckpointException as exc:
+        return exc.failing_ranks, exc.failures
+
+
+def test_a_late_rank_is_waited_for_and_only_the_dead_one_is_named(daemon, tmp_path):
+    """Three gloo ranks. Save A: rank 2 is SIGSTOPped before its finalize and continued;
+    the save succeeds. Save B: rank 2 is stopped again and rank 1 SIGKILLed; rank 0's
+    collective breaks at once (gloo: "Connection closed by peer", rank 1 is its ring
+    neighbour) while rank 2 has not reached the check. Rank 0 must not name the late
+    rank 2 lost: it waits for it, and every rank names rank 1 alone, with the evidence
+    (its process exited)."""
+    root = daemon.roots[0]
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    processes, results = start_ranks(one_late_one_lost, 3, daemon.socket, tmp_path,
+                                     args=(root, str(signals)))
+    victim, late = processes[1].pid, processes[2].pid
+    try:
+        wait_for(lambda: (signals / "ready-a2").exists(), 180, "rank 2 to stage save A")
+        os.kill(late, signal.SIGSTOP)
+        (signals / "go-a").touch()
+        wait_for(lambda: all(request_of(daemon, os.path.join(root, "A"), r) for r in (0, 1)),
+                 60, "ranks 0 and 1 to hand save A over (they finalize, rank 2 is stopped)")
+        os.kill(late, signal.SIGCONT)
+        wait_for(lambda: all((signals / f"a{r}").exists() for r in range(3)), 120,
+                 "save A to finalize on every rank")
+        assert os.path.exists(os.path.join(root, "A", ".metadata"))
+        (signals / "go-b").touch()
+        wait_for(lambda: (signals / "staged2").exists(), 60, "rank 2 to stage save B")
+        os.kill(late, signal.SIGSTOP)
+        wait_for(lambda: (signals / "staged1").exists(), 60, "rank 1 to stage save B")
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: (signals / "waiting0").exists(), 60,
+                 "rank 0 to wait for the late rank 2 (not to name it lost)")
+        (signals / "go-b2").touch()
+    finally:
+        os.kill(late, signal.SIGCONT)
+    outcomes = collect(processes, results, timeout=180)
+    assert outcomes[1].exitcode == -signal.SIGKILL
+    for failing, failures in values([outcomes[0], outcomes[2]]):
+        assert failing == [1], failures
+        assert failures[1].startswith("rank 1 was lost between staging this save and "
+                                      "finalizing it")
+        assert f"its process (pid {victim}) exited" in failures[1]
+    assert not os.path.exists(os.path.join(root, "B", ".metadata"))
