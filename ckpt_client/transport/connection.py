@@ -119,19 +119,40 @@ class DaemonConnection:
         DaemonRequestError
             If the daemon refused the request.
         """
+        return self.reply_to(self.send(msg_type, body, frames), msg_type, timeout)
+
+    def send(self, msg_type: str, body: protocol.Body | None = None, frames=()) -> int:
+        """Send one request without waiting for its reply; returns the id that
+        :meth:`reply_to` reads the reply by (the reply is kept until then).
+
+        Raises
+        ------
+        DaemonUnavailableError
+            If this connection is closed or the transport failed.
+        """
         if self.closed:
             raise DaemonUnavailableError(
                 self.socket_path, f"this connection to the ckptd daemon (pid {self.daemon_pid}) "
                                   "was closed: that daemon is gone or was restarted")
-        timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
         if body is not None and not isinstance(body, protocol.Body):
             raise TypeError(f"a {msg_type} request takes its typed body (ckptd.protocol's "
                             f"request bodies), not a {type(body).__name__}")
         if body is not None and body.message_type not in ("", msg_type):
             raise TypeError(f"a {type(body).__name__} body is not a {msg_type} request")
-        body = {**(body.to_wire() if body is not None else {}), "incarnation": self.incarnation}
+        wire = {**(body.to_wire() if body is not None else {}), "incarnation": self.incarnation}
         try:
-            reply = self.channel.call(msg_type, body, frames, timeout, self.ensure_daemon_alive)
+            return self.channel.send(msg_type, wire, frames)
+        except zmq.ZMQError as exc:
+            raise DaemonUnavailableError(
+                self.socket_path, f"talking to the ckptd daemon (pid {self.daemon_pid}) "
+                                  f"failed: {exc}") from None
+
+    def reply_to(self, msg_id: int, msg_type: str, timeout: float | None = None):
+        """The reply to the ``msg_type`` request :meth:`send` sent as ``msg_id``, as its
+        typed body; raises as :meth:`call` does."""
+        timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
+        try:
+            reply = self.channel.wait(msg_id, timeout, self.ensure_daemon_alive)
         except protocol.ErrorReply as exc:
             raise DaemonRequestError(exc.body) from None
         except protocol.ReplyTimeout:

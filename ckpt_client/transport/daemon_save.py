@@ -63,6 +63,7 @@ class DaemonSave:
     _dropped_mid_copy: bool = False  # abort() told the daemon a copy was running
     drop_reason: str | None = None   # why abort() dropped it, as the daemon logs it
     accepted_at: float | None = None  # monotonic time of the STAGE reply: finalize's clock
+    staged_reply: int | None = None  # a STAGED sent without waiting: its reply's id
 
     @property
     def rank(self) -> int:
@@ -155,6 +156,7 @@ class DaemonSave:
                 f"own deadline for a save (CKPTD_SAVE_DEADLINE)"))
         try:
             reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]))
+            self._read_staged_reply()
             self.last = reply.requests[self.request_id]
             if self.last.stale_of:
                 log.warning("rank %d: the save of %s has the very bytes of the previous save "
@@ -162,6 +164,7 @@ class DaemonSave:
                             "are the tensors being saved stale (a cache never refreshed, the "
                             "wrong buffers)?", self.rank, self.path, self.last.stale_of)
         except (DaemonUnavailableError, DaemonRequestError) as exc:
+            self._drop_staged_reply()
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
                 raise
             if isinstance(exc, DaemonUnavailableError):
@@ -173,6 +176,28 @@ class DaemonSave:
                 f"accepted it (pid {self.connection.daemon_pid}) no longer has it: "
                 f"{self.last.error}; save again"))
         return self.last
+
+    def _read_staged_reply(self) -> None:
+        """Read the reply to a STAGED sent without waiting, once a later POLL was answered:
+        the daemon answers such a STAGED at once (the trainer's copy was the only one), so
+        its reply came before the POLL's and this does not wait (a stopped daemon is met
+        by the POLL's own timeout). A refusal needs nothing here: the daemon refuses
+        STAGED only for a request that failed or that it does not know, and the POLL
+        reports exactly that."""
+        msg_id, self.staged_reply = self.staged_reply, None
+        if msg_id is None:
+            return
+        try:
+            self.connection.reply_to(msg_id, MessageType.STAGED,
+                                     timeout=waits.staged_reply(self.connection.deadlines))
+        except DaemonRequestError as exc:
+            log.debug("rank %d: STAGED of %s refused: %s", self.rank, self.path, exc)
+
+    def _drop_staged_reply(self) -> None:
+        """Nobody will read the STAGED reply any more (the save is forgotten)."""
+        msg_id, self.staged_reply = self.staged_reply, None
+        if msg_id is not None:
+            self.connection.channel.drop(msg_id)
 
     def _give_up(self, exc: DaemonUnavailableError) -> RequestState:
         """The daemon did not answer (dead, or stopped: SIGSTOP, a hung node): this rank's
@@ -214,6 +239,7 @@ class DaemonSave:
 
     def forget(self, delete_files: bool) -> None:
         """Tell the daemon the outcome was consumed (and drop files of a failed save)."""
+        self._drop_staged_reply()
         if self.request_id is None:
             return
         try:

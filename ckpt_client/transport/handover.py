@@ -57,6 +57,12 @@ class StagingJob:
     plan: IpcPlan | None  # None: every buffer goes through shared memory
     events: list = field(default_factory=list)  # producer events, alive until staged
     hold: threading.Event | None = None  # set: the copied bytes may go to the writers
+    #: Wait for STAGED's reply here. A default save that the trainer copied whole need
+    #: not: every byte is in the pool once its copy returned, so the reply (an error only
+    #: if the daemon failed the save meanwhile, which its POLL says as well) is read by
+    #: the save's first poll, and the call returns one round trip sooner. The daemon
+    #: still judges the staging deadline and answers the STAGED.
+    confirm: bool = True
 
     @property
     def specs(self) -> list | None:
@@ -111,6 +117,11 @@ class StagingJob:
                                            f"failed: {type(exc).__name__}: {exc}")
             raise
         self._wait_for_release()
+        if not self.confirm and self.specs is None:
+            save.staged_reply = connection.send(MessageType.STAGED,
+                                                Staged(request_id=save.request_id))
+            save.transport_bytes = _transport_bytes(buffers, None)
+            return None
         try:
             staged = connection.call(MessageType.STAGED, Staged(request_id=save.request_id),
                                      timeout=waits.staged_reply(connection.deadlines))
@@ -309,7 +320,10 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
                      cuda=plan.specs if plan is not None else None, session=session,
                      iteration=iteration, stock_files=stock_files)
         save = DaemonSave(connection, None, body.path, body.files)
-        job = StagingJob(save, body, sources, plan, events, hold)
+        # A tiered daemon finishes a save whose every rank's call returned, trainers or
+        # not: that call may return only once the daemon has the STAGED in hand.
+        job = StagingJob(save, body, sources, plan, events, hold,
+                         confirm=zero_stall or connection.tiered)
         if zero_stall:
             handover.stager().submit(job)
             return save

@@ -110,6 +110,12 @@ class Channel:
             if time.monotonic() >= deadline:
                 return None
 
+    def drop(self, msg_id: int) -> None:
+        """Stop keeping the reply to ``msg_id`` (nobody will read it): discarded on arrival."""
+        with self._lock:
+            self._awaited.discard(msg_id)
+            self._arrived.pop(msg_id, None)
+
     def call(self, msg_type: str, body: dict | None = None, frames=(), timeout: float = 30.0,
              still_worth_waiting=None) -> Message:
         """Send a request and wait for its reply (see :meth:`wait`)."""

@@ -117,3 +117,56 @@ def test_concurrent_saves_to_one_path_never_mix_bytes(start_daemon, tmp_path):
     who = torch.load(path, weights_only=True)["who"]
     assert torch.equal(who, torch.full_like(who, who[0].item())) and who[0].item() in (0.0, 1.0)
     assert [n for n in os.listdir(daemon.roots[0]) if "ckptd-tmp" in n] == []
+
+
+def test_a_default_save_does_not_wait_for_staged_and_its_first_poll_reads_the_reply(
+        daemon, monkeypatch):
+    """A default save the trainer copied whole returns once its bytes are in the pool,
+    without waiting for the STAGED reply (one round trip less in the blocking call); the
+    save's first poll reads that reply, so nothing stays kept on the channel."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    connection = connect()
+    path = os.path.join(daemon.roots[0], "unconfirmed.pt")
+    state = make_state(5)
+    request = async_torch_save(state, path, connection)
+    (save,) = request.daemon_saves
+    assert save.staged_reply is not None
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert save.staged_reply is None
+    assert not connection.channel._awaited and not connection.channel._arrived
+    assert_same(torch.load(path, weights_only=True), state)
+
+
+def test_a_save_the_daemon_failed_before_its_unconfirmed_staged_fails_at_finalize(
+        start_daemon, monkeypatch):
+    """The trainer's copy outlasts the daemon's staging deadline: the daemon fails the save
+    and refuses its STAGED. The call returned without that reply, so the failure must come
+    out of finalize, naming the deadline; nothing is written; the next save succeeds."""
+    from conftest import wait_for
+    from ckpt_client import CheckpointException
+    from ckpt_client.transport.pool_copy import PoolCopier
+
+    daemon = start_daemon(env={"CKPTD_STAGING_DEADLINE": "0.5"})
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    path = os.path.join(daemon.roots[0], "late.pt")
+    real_copy = PoolCopier.copy
+
+    def copy_after_the_deadline(self, *args):
+        wait_for(lambda: [r for r in daemon.status()["requests"]
+                          if r["path"] == path and r["phase"] == "failed"], 30,
+                 "the daemon to fail the save by its staging deadline")
+        return real_copy(self, *args)
+
+    monkeypatch.setattr(PoolCopier, "copy", copy_after_the_deadline)
+    checkpoint = TorchAsyncCheckpoint()
+    checkpoint.async_save(make_state(6), path)
+    monkeypatch.setattr(PoolCopier, "copy", real_copy)
+    with pytest.raises(CheckpointException, match="CKPTD_STAGING_DEADLINE"):
+        checkpoint.finalize_async_save(blocking=True)
+    assert not os.path.exists(path)
+    checkpoint.async_save(make_state(7), path)
+    checkpoint.finalize_async_save(blocking=True)
+    assert_same(torch.load(path, weights_only=True), make_state(7))
+    checkpoint.close()

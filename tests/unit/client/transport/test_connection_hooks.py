@@ -28,9 +28,15 @@ class QuietChannel:
         self.closed = False
         self.sent: list = []
 
-    def call(self, msg_type, body, frames=(), timeout=None, alive=None):
+    def send(self, msg_type, body, frames=()) -> int:
         self.sent.append((msg_type, body))
-        raise protocol.ReplyTimeout(msg_type)
+        return len(self.sent)
+
+    def wait(self, msg_id, timeout, alive=None):
+        raise protocol.ReplyTimeout(self.sent[msg_id - 1][0])
+
+    def call(self, msg_type, body, frames=(), timeout=None, alive=None):
+        return self.wait(self.send(msg_type, body, frames), timeout, alive)
 
     def close(self) -> None:
         self.closed = True
