@@ -41,7 +41,7 @@ __all__ = [
     "SCHEMA_VERSION", "MessageType", "Phase", "SaveFormat", "ErrorCode", "BUFFER_DTYPES",
     "STOCK_FILES",
     "ProtocolError", "TensorRef", "Message", "encode", "decode", "error_body",
-    "pack_value", "unpack_value", "fill_skeleton",
+    "pack_value", "packed_tensor_ref", "unpack_value", "fill_skeleton",
     # typed bodies of the client channel
     "Body", "Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile",
     "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Empty",

@@ -27,7 +27,8 @@ from ckptd.protocol.errors import ProtocolError
 from ckptd.protocol.names import SCHEMA_VERSION, ErrorCode
 
 __all__ = ["MAX_HEADER_BYTES", "MAX_FRAMES", "MAX_PAYLOAD_BYTES", "MAX_TUPLE_NESTING",
-           "TensorRef", "fill_skeleton", "pack_value", "unpack_value", "encode", "Message",
+           "TensorRef", "fill_skeleton", "pack_value", "packed_tensor_ref", "unpack_value",
+           "encode", "Message",
            "decode"]
 
 #: Largest header frame either side accepts. State-dict skeletons of very large models
@@ -66,6 +67,21 @@ def fill_skeleton(value: Any, tensors: Sequence) -> Any:
     if isinstance(value, tuple):
         return tuple(fill_skeleton(v, tensors) for v in value)
     return value
+
+
+_PACKED_REFS: list = []
+
+
+def packed_tensor_ref(index: int) -> msgpack.ExtType:
+    """What :func:`pack_value` writes for ``TensorRef(index)``, made once per index.
+
+    A flatten of thousands of tensors puts these in its skeleton directly: msgpack packs
+    them natively, where a :class:`TensorRef` costs a call of the encoder's hook each.
+    """
+    while len(_PACKED_REFS) <= index:
+        _PACKED_REFS.append(msgpack.ExtType(_EXT_TENSOR,
+                                            len(_PACKED_REFS).to_bytes(8, "little")))
+    return _PACKED_REFS[index]
 
 
 def _default(obj: Any) -> Any:

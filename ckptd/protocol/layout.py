@@ -41,9 +41,13 @@ def layout_extent(nbytes: Sequence[int]) -> tuple[list[int], int]:
     Both the client (which copies into the extent) and the daemon (which reads from it)
     call this, so they agree without sending offsets around.
     """
+    # align_up and tensor_alignment written out: both ends run this on every save, once
+    # per tensor, and the calls cost more than the arithmetic.
     offsets, cursor = [], 0
+    small, page, page_from = TENSOR_ALIGNMENT, PAGE_ALIGNMENT, PAGE_ALIGNED_FROM
     for size in nbytes:
-        cursor = align_up(cursor, tensor_alignment(size))
+        alignment = page if size >= page_from else small
+        cursor = -(-cursor // alignment) * alignment
         offsets.append(cursor)
-        cursor = align_up(cursor + size, TENSOR_ALIGNMENT)
+        cursor = -(-(cursor + size) // small) * small
     return offsets, align_up(max(cursor, 1), EXTENT_ALIGNMENT)

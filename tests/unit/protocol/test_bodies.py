@@ -74,6 +74,10 @@ def test_a_stage_body_is_checked_field_by_field_and_as_a_whole():
     stage = protocol.Stage.from_wire(good)
     assert stage.files == [["__0_0.distcp", [0]]] and stage.cuda is None
     for field, bad in (("buffers", [["float32", [2], -1]]), ("buffers", [["object", [1], 8]]),
+                       ("buffers", [[["float32"], [1], 8]]), ("buffers", [["int8", [True], 1]]),
+                       ("buffers", [["int8", [1], True]]), ("buffers", [["int8", [-1], 1]]),
+                       ("buffers", [["int8", (1,), 1]]), ("buffers", [["int8", [1]]]),
+                       ("buffers", [["int8", [1], 1], "x"]),
                        ("files", [[".metadata", [0]]]), ("files", [["a/b", [0]]]),
                        ("format", "pickle")):
         with pytest.raises(ProtocolError, match=f"'{field}'") as info:

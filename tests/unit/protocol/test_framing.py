@@ -83,3 +83,12 @@ def test_fill_skeleton_puts_each_tensor_where_its_reference_was():
     skeleton = {"a": TensorRef(1), "b": [TensorRef(0), (TensorRef(1), 5)], "c": "text"}
     assert protocol.fill_skeleton(skeleton, ["t0", "t1"]) == {
         "a": "t1", "b": ["t0", ("t1", 5)], "c": "text"}
+
+
+def test_a_ready_made_tensor_ref_packs_as_the_tensor_ref_itself():
+    """flatten puts packed_tensor_ref(i) in its skeletons: the bytes must not change."""
+    value = {"a": [protocol.packed_tensor_ref(2), (protocol.packed_tensor_ref(0), 1)]}
+    same = {"a": [TensorRef(2), (TensorRef(0), 1)]}
+    assert protocol.pack_value(value) == protocol.pack_value(same)
+    assert protocol.unpack_value(protocol.pack_value(value)) == same
+    assert protocol.packed_tensor_ref(2) is protocol.packed_tensor_ref(2)

@@ -31,3 +31,26 @@ def test_parameters_are_saved_as_plain_detached_tensors():
 def test_values_that_would_need_pickling_are_refused_naming_the_key(value, needle):
     with pytest.raises(TypeError, match=needle):
         flatten_state_dict({"bad": value})
+
+
+def test_subclasses_of_containers_and_leaves_take_the_slow_checks_and_still_flatten():
+    """The walk tests exact types first; subclasses (namedtuple, dict subclasses) and
+    refused tensor subclasses must fare exactly as before."""
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+
+    class Plain(dict):
+        pass
+
+    state = Plain(pair=Pair(torch.zeros(1), 2), flag=True, nested=[OrderedDict(x=1.5)])
+    skeleton, tensors = flatten_state_dict(state)
+    assert protocol.unpack_value(skeleton) == {"pair": (protocol.TensorRef(0), 2),
+                                               "flag": True, "nested": [{"x": 1.5}]}
+    assert len(tensors) == 1
+
+    class Tagged(torch.Tensor):
+        pass
+
+    with pytest.raises(TypeError, match=r"state_dict\.deep\[1\]: tensor subclass Tagged"):
+        flatten_state_dict({"deep": [1, torch.ones(2).as_subclass(Tagged)]})
