@@ -12,8 +12,9 @@ real trainer processes; ``bench_local.py loads`` runs it. For each part size, in
    process, memcpy of the part's bytes into a fresh buffer (the floor of any load that
    hands back fresh tensors);
 3. the daemon restarts (its memory is gone, its disk kept), and another trainer loads
-   from local disk: the first ``find_latest()`` (the restarted daemon verifies the file
-   again) is recorded, then loads alternate **cold** (the part's pages dropped from the
+   from local disk: the first ``find_latest()`` (the restarted daemon takes the note its
+   predecessor left beside the part it verified, or reads the part in full where there is
+   none) is recorded, then loads alternate **cold** (the part's pages dropped from the
    page cache with ``posix_fadvise(DONTNEED)`` just before ``load()``) and **warm** (the
    pages left where the previous load put them). Beside them, a plain buffered read of
    the same file into a fresh buffer, cold and warm.
@@ -280,7 +281,8 @@ def render(report: dict) -> str:
     lines += ["", "Bounds and context, same runs (medians, seconds):", "",
               "| part | memcpy into a fresh buffer | memory load / memcpy | raw buffered read, "
               "cold | raw read, warm | find_latest + load: memory / cold / warm | first "
-              "find_latest after a daemon restart (it verifies the file) | save s |",
+              "find_latest after a daemon restart (the note of the daemon that verified "
+              "the part, or a full read) | save s |",
               "|---|---|---|---|---|---|---|---|"]
     for s in report["sizes"]:
         lines.append(

@@ -36,6 +36,9 @@ SIDECAR_SUFFIX = ".ckptd-sum"
 TMP_MARKER = ".ckptd-tmp"
 #: A part that failed its checksum is renamed ``<name>.corrupt-<time>``: kept, never loaded.
 CORRUPT_MARKER = ".corrupt-"
+#: ``<part>.ckptd-verified``: the daemon's note that it verified that very file (a cache,
+#: not a checkpoint file: it has no record of its own).
+VERIFIED_SUFFIX = ".ckptd-verified"
 #: The algorithm of records that do not name one (none did before version 2).
 ALGORITHM = "crc32"
 _READ_CHUNK = 16 * 1024 * 1024
@@ -250,8 +253,8 @@ def verify_tree(path: str) -> list[str]:
     """Verify a file, or every checkpoint file under a directory, against its record.
 
     Files ckptd writes (``.metadata``, ``*.distcp``, ``*.pt`` and everything else except
-    sidecars, temporaries and parts set aside as corrupted) must each have a matching
-    sidecar.
+    sidecars, verification notes, temporaries and parts set aside as corrupted) must each
+    have a matching sidecar.
 
     Returns
     -------
@@ -270,7 +273,7 @@ def verify_tree(path: str) -> list[str]:
     for directory, _, names in os.walk(path):
         for name in sorted(names):
             if (name.endswith(SIDECAR_SUFFIX) or name.endswith(TMP_MARKER)
-                    or CORRUPT_MARKER in name):
+                    or name.endswith(VERIFIED_SUFFIX) or CORRUPT_MARKER in name):
                 continue
             full = os.path.join(directory, name)
             verify_file(full)

@@ -5,6 +5,7 @@ Owns the on-disk layout under the directory a trainer's ``LocalCheckpointManager
 
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part            a part
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.ckptd-sum  its crc32
+    <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.ckptd-verified  a daemon verified it
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/.rank_<r>.part.<pid>.<token>.ckptd-tmp  dirty
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/committed (+ its .ckptd-sum) all ranks agreed
     <root_local_ckpt_dir>/<session_id>/iter_<0000042>/rank_<r>.part.corrupt-<time> set aside
@@ -42,6 +43,7 @@ from ckptd.protocol import check_session_id
 from ckptd.storage.directories import fsync_directory, make_directories
 from ckptd.storage.durable import DurableFile, remove_written, write_small_file
 from ckptd.storage.roots import AllowedRoots, PathRefusedError
+from ckptd.storage.verified_notes import drop_note, note_vouches_for, write_note
 
 log = logging.getLogger(__name__)
 
@@ -185,28 +187,44 @@ class LocalStore:
         return (info.st_size, info.st_mtime_ns, info.st_ino), cached
 
     def verify(self, path: str, use_cache: bool = True) -> bool:
-        """Whether ``path`` matches its checksum record (cached per size/mtime/inode)."""
-        key, cached = self._file_identity_and_cache(path)
-        if key is None:
+        """Whether ``path`` matches its checksum record (cached per size/mtime/inode).
+
+        With ``use_cache``, a note that a daemon verified this very file (same device,
+        inode, size, mtime and record: :mod:`ckptd.storage.verified_notes`) counts too:
+        after a restart the parts are not read again. Bytes that rotted without the file
+        changing are caught by the trainer's load, which checks every byte it reads.
+        """
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
             return False
+        key = (info.st_size, info.st_mtime_ns, info.st_ino)
+        with self._lock:
+            cached = self._verified.get(path)
         if use_cache and cached is not None and cached[:3] == key:
             return cached[3]
-        try:
-            verify_file(path)
+        if use_cache and note_vouches_for(path, info):
             ok = True
-        except (ChecksumMismatchError, OSError) as exc:
-            log.warning("local part %s failed verification: %s", path, exc)
-            ok = False
+        else:
+            try:
+                verify_file(path)
+                ok = True
+            except (ChecksumMismatchError, OSError) as exc:
+                log.warning("local part %s failed verification: %s", path, exc)
+                ok = False
+            (write_note if ok else drop_note)(path)
         with self._lock:
             self._verified[path] = (*key, ok)
         return ok
 
     def note_verified(self, path: str, ok: bool = True) -> None:
-        """Record a verification done elsewhere (a part just written, received, or served)."""
+        """Record a verification done elsewhere (a part just written, received, or served),
+        here and in a note for the next daemon."""
         key, _ = self._file_identity_and_cache(path)
         if key is not None:
             with self._lock:
                 self._verified[path] = (*key, ok)
+            (write_note if ok else drop_note)(path)
 
     def cached_verification(self, path: str) -> bool | None:
         """The last verification result of ``path`` if still current, else ``None``."""
@@ -300,6 +318,7 @@ class LocalStore:
         """
         if not os.path.exists(path) or self.verify(path, use_cache=False):
             return None
+        drop_note(path)
         aside = f"{path}{CORRUPT_MARKER}{time.strftime('%Y%m%dT%H%M%S')}"
         os.rename(path, aside)
         if os.path.exists(sidecar_path(path)):

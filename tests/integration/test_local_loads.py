@@ -151,3 +151,32 @@ def _tensors(state) -> list:
     from ckpt_client.transport.flatten import flatten_state_dict
 
     return flatten_state_dict(state)[1]
+
+
+def test_a_restarted_daemon_trusts_its_predecessors_note_and_the_load_still_catches_rot(
+        start_daemon, tmp_path):
+    """The daemon that wrote a part notes beside it that it verified that very file; its
+    successor's first find_latest() takes the note instead of reading the part again, so
+    a byte flipped keeping the file's identity goes unseen there, and the load, which
+    checks every byte, refuses it. A file changed since the note (a new mtime) is read
+    in full again and found corrupt."""
+    from ckptd.checksum import VERIFIED_SUFFIX
+
+    local_dir = tmp_path / "node"
+    options = dict(extra_args=["--local-dir", str(local_dir)], env={"CKPTD_MEMORY_TIER": "0"})
+    daemon = start_daemon(**options)
+    save(daemon, local_dir, 3)
+    path = str(local_dir / "ckpt" / "iter_0000003" / "rank_0.part")
+    assert os.path.exists(path + VERIFIED_SUFFIX)
+    daemon.stop()
+    flip_keeping_identity(path)
+    daemon = start_daemon(**options)
+    manager = manager_for(daemon, local_dir)
+    assert manager.find_latest() == 3  # the note vouched for the file: not read again
+    with pytest.raises(ChecksumMismatchError, match="rank 0, iteration 3"):
+        manager.load()
+    daemon.stop()
+    os.utime(path)  # the file changed since the note: it no longer vouches
+    daemon = start_daemon(**options)
+    assert manager_for(daemon, local_dir).find_latest() == -1
+    assert not os.path.exists(path + VERIFIED_SUFFIX)
