@@ -22,7 +22,8 @@ from ckpt_client.queue.gcpause import collector_paused
 from ckpt_client.queue.request import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.flatten import flatten_state_dict
-from ckpt_client.transport.handover import stage
+from ckpt_client.transport.handover import handover_for, stage
+from ckpt_client.transport.sent_ahead import SentAhead
 
 
 @collector_paused
@@ -38,9 +39,18 @@ def async_torch_save(state_dict, path: str | os.PathLike,
     """
     started = time.time()
     connection = connection or connect()
-    skeleton, tensors = flatten_state_dict(state_dict)
+    # The STAGE goes out first, with the last save's layout, so the daemon reserves the
+    # extent while the state dict is walked (dropped if the layout changed).
+    ahead = None if zero_stall else SentAhead.send(connection, path,
+                                                   handover_for(connection).idle)
+    try:
+        skeleton, tensors = flatten_state_dict(state_dict)
+    except BaseException:
+        if ahead is not None:
+            ahead.drop("the state dict could not be saved")
+        raise
     save = stage(connection, SaveFormat.TORCH, os.fspath(path), tensors, skeleton=skeleton,
-                 zero_stall=zero_stall)
+                 zero_stall=zero_stall, ahead=ahead)
     spans.note((save,), "blocked in async_torch_save", started, time.time())
     return AsyncRequest(daemon_saves=(save,))
 

@@ -36,13 +36,14 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckpt_client.transport import waits
-from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
+from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage, Staged
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError, StagingTimeoutError
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.cuda_exports import IpcPlan, plan_ipc
 from ckpt_client.transport.daemon_save import DaemonSave
 from ckpt_client.transport.flatten import describe
 from ckpt_client.transport.pool_copy import PoolCopier
+from ckpt_client.transport.sent_ahead import SentAhead, remember_layout
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,9 @@ class StagingJob:
     #: the save's first poll, and the call returns one round trip sooner. The daemon
     #: still judges the staging deadline and answers the STAGED.
     confirm: bool = True
+    #: The msg id of this save's STAGE, sent ahead of the walk with no skeleton
+    #: (:mod:`ckpt_client.transport.sent_ahead`): the skeleton goes with STAGED.
+    ahead: int | None = None
 
     @property
     def specs(self) -> list | None:
@@ -93,7 +97,12 @@ class StagingJob:
             if self.plan is not None:
                 self.plan.withdraw()
             return None
-        reply = connection.call(MessageType.STAGE, self.body, timeout=waits.stage_reply(connection.deadlines))
+        limit = waits.stage_reply(connection.deadlines)
+        if self.ahead is not None:
+            reply = connection.reply_to(self.ahead, MessageType.STAGE, timeout=limit)
+        else:
+            reply = connection.call(MessageType.STAGE, self.body, timeout=limit)
+        skeleton = self.body.skeleton if self.ahead is not None else None
         save.request_id = reply.request_id
         save.accepted_at = time.monotonic()
         save.placements = reply.placements
@@ -118,13 +127,14 @@ class StagingJob:
             raise
         self._wait_for_release()
         if not self.confirm and self.specs is None:
-            save.staged_reply = connection.send(MessageType.STAGED,
-                                                Staged(request_id=save.request_id))
+            save.staged_reply = connection.send(MessageType.STAGED, Staged(
+                request_id=save.request_id, skeleton=skeleton))
             save.transport_bytes = _transport_bytes(buffers, None)
             return None
         try:
-            staged = connection.call(MessageType.STAGED, Staged(request_id=save.request_id),
-                                     timeout=waits.staged_reply(connection.deadlines))
+            staged = connection.call(MessageType.STAGED, Staged(
+                request_id=save.request_id, skeleton=skeleton),
+                timeout=waits.staged_reply(connection.deadlines))
         except DaemonRequestError as exc:
             if exc.code != ErrorCode.IPC_DENIED or self.specs is None:
                 raise
@@ -198,6 +208,10 @@ class BackgroundStager:
                     f"zero-stall save(s) queued before this one were not staged within "
                     f"{limit:.0f}s, longer than the daemon's staging deadlines for them")
 
+    def idle(self) -> bool:
+        """Whether every queued job has run."""
+        return self._jobs.unfinished_tasks == 0
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -247,6 +261,10 @@ class Handover:
             self._stager = BackgroundStager(self.connection)
         return self._stager
 
+    def idle(self) -> bool:
+        """Whether no zero-stall save of this connection is still on its way."""
+        return self._stager is None or self._stager.idle()
+
     def wait_for_background(self) -> None:
         """Return once the zero-stall saves queued so far reached the daemon."""
         if self._stager is not None:
@@ -269,7 +287,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
           skeleton: bytes = b"", files: list | None = None, session: str | None = None,
           iteration: int | None = None, stock_files: bool = False,
           allow_cuda_ipc: bool = True, zero_stall: bool = False,
-          hold: threading.Event | None = None) -> DaemonSave:
+          hold: threading.Event | None = None, ahead: SentAhead | None = None) -> DaemonSave:
     """Hand ``sources`` to the daemon: staged on return, or (``zero_stall``) queued.
 
     Parameters
@@ -296,6 +314,9 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         Zero-stall only: the bytes are copied into the pool at once, but the daemon is
         told they are staged (and starts writing them) only once ``hold`` is set; a save
         aborted before that is dropped without a byte written.
+    ahead : SentAhead, optional
+        This save's STAGE, sent before ``sources`` were known: used if it asked for what
+        this save needs, else dropped.
 
     Raises
     ------
@@ -320,10 +341,14 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
                      cuda=plan.specs if plan is not None else None, session=session,
                      iteration=iteration, stock_files=stock_files)
         save = DaemonSave(connection, None, body.path, body.files)
+        if ahead is not None and (zero_stall or plan is not None or not ahead.matches(body)):
+            ahead.drop("the save sent ahead had another layout than the state dict's")
+            ahead = None
         # A tiered daemon finishes a save whose every rank's call returned, trainers or
         # not: that call may return only once the daemon has the STAGED in hand.
         job = StagingJob(save, body, sources, plan, events, hold,
-                         confirm=zero_stall or connection.tiered)
+                         confirm=zero_stall or connection.tiered,
+                         ahead=ahead.msg_id if ahead is not None else None)
         if zero_stall:
             handover.stager().submit(job)
             return save
@@ -332,5 +357,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         except BaseException as exc:
             save.mark_staged(_reason(exc))
             raise
+        if fmt == SaveFormat.TORCH and plan is None:
+            remember_layout(connection, buffers)  # the next torch save's STAGE goes ahead
     save.mark_staged()
     return save

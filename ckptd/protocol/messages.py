@@ -106,9 +106,14 @@ class Stage(Body, message="stage"):
 
 
 class Staged(Body, message="staged"):
-    """The client finished copying a request's tensors into its extent."""
+    """The client finished copying a request's tensors into its extent.
+
+    ``skeleton`` (torch format): the state dict's skeleton, for a STAGE the trainer sent
+    ahead of walking its state dict (with the previous save's layout and no skeleton).
+    """
 
     request_id: int
+    skeleton: bytes | None = None
 
 
 class Poll(Body, message="poll"):

@@ -21,8 +21,8 @@ import logging
 import os
 
 from ckptd.protocol import (Abort, AbortReply, CommitFile, ErrorCode, Forget, ForgetReply,
-                            Handover, Phase, Poll, PollReply, RequestState, Stage, Staged,
-                            StagedReply, StageReply)
+                            Handover, Phase, Poll, PollReply, RequestState, SaveFormat, Stage,
+                            Staged, StagedReply, StageReply)
 from ckptd.server.device_copies import DeviceCopies
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.file_commits import FileCommits
@@ -35,6 +35,17 @@ from ckptd.staging.pool import PoolTooSmallError
 from ckptd.storage.roots import AllowedRoots
 
 log = logging.getLogger(__name__)
+
+
+def _take_late_skeleton(request: SaveRequest, skeleton: bytes | None) -> None:
+    """A torch save's skeleton that came with STAGED: its STAGE was sent before the
+    trainer had walked its state dict."""
+    if skeleton is None:
+        return
+    if request.format != SaveFormat.TORCH:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"request {request.id} is a "
+                           f"{request.format} save: only torch saves have a skeleton")
+    request.skeleton = skeleton
 
 
 class SaveService:
@@ -141,14 +152,14 @@ class SaveService:
         """The trainer copied its buffers in; answered once every byte is staged (a device
         copy of the same request may still be running), or the save failed."""
         request = self._own_request(call.routing_id, body.request_id)
+        _take_late_skeleton(request, body.skeleton)
         if request.finished:  # e.g. its device copy failed before our STAGED arrived
             if request.lease is not None and request.lease.has(CLIENT_COPY):
                 self.lifecycle.copied(request, CLIENT_COPY)  # its copy is over: free it
             raise RequestError(request.failure_code,
                                request.error or f"request {request.id} was {request.phase}",
                                "the save did not happen; save again")
-        if request.phase != Phase.STAGING and request.phase != Phase.WRITING \
-                and request.phase != Phase.REPLICATING:
+        if request.phase not in (Phase.STAGING, Phase.WRITING, Phase.REPLICATING):
             raise RequestError(ErrorCode.BAD_REQUEST,
                                f"request {request.id} is {request.phase}, not staging")
         if request.lease.has(CLIENT_COPY):

@@ -8,6 +8,7 @@ import torch
 from ckpt_client import AsyncCallsQueue, TorchAsyncCheckpoint, async_torch_save, connect
 from ckpt_client.errors import DaemonRequestError
 from ckptd.checksum import verify_file
+from conftest import wait_for
 from states import assert_same
 from multirank import run_ranks, values
 
@@ -169,4 +170,46 @@ def test_a_save_the_daemon_failed_before_its_unconfirmed_staged_fails_at_finaliz
     checkpoint.async_save(make_state(7), path)
     checkpoint.finalize_async_save(blocking=True)
     assert_same(torch.load(path, weights_only=True), make_state(7))
+    checkpoint.close()
+
+
+def test_a_save_of_the_same_layout_sends_its_stage_ahead_and_its_skeleton_with_staged(
+        daemon, monkeypatch):
+    """The second save of one structure sends its STAGE before the state dict is walked
+    (the first save's layout, no skeleton) and its skeleton, whose plain values changed,
+    with STAGED: the file has the new values. A changed layout drops the request sent
+    ahead (aborted, forgotten, nothing written), and so does a state dict that cannot be
+    saved; the next saves are right and the pool ends empty."""
+    from ckpt_client.transport import sent_ahead
+
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    used = []
+    real_send = sent_ahead.SentAhead.send.__func__
+    monkeypatch.setattr(sent_ahead.SentAhead, "send", classmethod(
+        lambda cls, *args: used.append(real_send(cls, *args)) or used[-1]))
+    root = daemon.roots[0]
+    checkpoint = TorchAsyncCheckpoint()
+    states = [make_state(10), make_state(11)]
+    for i, state in enumerate(states):
+        checkpoint.async_save(state, os.path.join(root, f"same{i}.pt"))
+    assert used[0] is None and used[1] is not None  # the second went ahead
+    changed = {**make_state(12), "extra": torch.ones(3)}
+    checkpoint.async_save(changed, os.path.join(root, "changed.pt"))
+    with pytest.raises(TypeError, match="state_dict.bad"):
+        checkpoint.async_save({**changed, "bad": object()}, os.path.join(root, "bad.pt"))
+    checkpoint.async_save({**changed, "step": 13}, os.path.join(root, "again.pt"))
+    checkpoint.finalize_async_save(blocking=True)
+    # sent ahead and dropped (layout changed, then walk failed); a drop forgets the layout
+    assert used[2] is not None and used[3] is not None and used[4] is None
+    for i, state in enumerate(states):
+        loaded = torch.load(os.path.join(root, f"same{i}.pt"), weights_only=True)
+        assert loaded["step"] == state["step"]
+        assert_same(loaded, state)
+    assert_same(torch.load(os.path.join(root, "changed.pt"), weights_only=True), changed)
+    assert_same(torch.load(os.path.join(root, "again.pt"), weights_only=True),
+                {**changed, "step": 13})
+    assert sorted(n for n in os.listdir(root) if n.endswith(".pt")) == \
+        ["again.pt", "changed.pt", "same0.pt", "same1.pt"]
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
+    assert [r for r in daemon.status()["requests"] if r["phase"] not in ("done", "aborted")] == []
     checkpoint.close()
