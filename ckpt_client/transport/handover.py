@@ -97,11 +97,12 @@ class StagingJob:
             if self.plan is not None:
                 self.plan.withdraw()
             return None
-        limit = waits.stage_reply(connection.deadlines)
         if self.ahead is not None:
-            reply = connection.reply_to(self.ahead, MessageType.STAGE, timeout=limit)
+            reply = connection.reply_to(self.ahead, MessageType.STAGE,
+                                        timeout=waits.stage_reply(connection.deadlines))
         else:
-            reply = connection.call(MessageType.STAGE, self.body, timeout=limit)
+            reply = connection.call(MessageType.STAGE, self.body,
+                                    timeout=waits.stage_reply(connection.deadlines))
         skeleton = self.body.skeleton if self.ahead is not None else None
         save.request_id = reply.request_id
         save.accepted_at = time.monotonic()
