@@ -113,9 +113,9 @@ class StagingJob:
             if not save.start_copy():
                 raise InterruptedError("the save was aborted while it was staged")
             try:
-                offsets, _ = protocol.layout_extent([b[2] for b in buffers])
-                handover_for(connection).copier.copy(reply.offset, offsets, buffers,
-                                                     self.sources, ours)
+                handover = handover_for(connection)
+                handover.copier.copy(reply.offset, handover.offsets(buffers), buffers,
+                                     self.sources, ours)
             finally:
                 save.end_copy()
             if save._cancelled:
@@ -248,6 +248,7 @@ class Handover:
         self.planning = threading.Lock()
         self._copier: PoolCopier | None = None
         self._stager: BackgroundStager | None = None
+        self._layout: tuple | None = None  # (buffers, their offsets) of the last save
 
     @property
     def copier(self) -> PoolCopier:
@@ -255,6 +256,13 @@ class Handover:
         if self._copier is None:
             self._copier = PoolCopier(self.connection.pool)
         return self._copier
+
+    def offsets(self, buffers: list) -> list:
+        """Where each of ``buffers`` starts in its extent (kept for the last list: a save
+        sent ahead repeats the very list of the save before)."""
+        if self._layout is None or self._layout[0] is not buffers:
+            self._layout = (buffers, protocol.layout_extent([b[2] for b in buffers])[0])
+        return self._layout[1]
 
     def stager(self) -> BackgroundStager:
         """The background thread of zero-stall saves (started on first use)."""
@@ -345,6 +353,9 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         if ahead is not None and (zero_stall or plan is not None or not ahead.matches(body)):
             ahead.drop("the save sent ahead had another layout than the state dict's")
             ahead = None
+        elif ahead is not None:  # the very list of the save before: layouts are kept by it
+            buffers = ahead.body.buffers
+            body = dataclasses.replace(body, buffers=buffers)
         # A tiered daemon finishes a save whose every rank's call returned, trainers or
         # not: that call may return only once the daemon has the STAGED in hand.
         job = StagingJob(save, body, sources, plan, events, hold,

@@ -30,13 +30,22 @@ class PoolCopier:
     def __init__(self, pool: torch.Tensor) -> None:
         self.pool = pool
         self._views: OrderedDict = OrderedDict()
+        self._last: tuple | None = None  # (base, buffers, chosen, non-empty chosen, views)
 
-    def _destinations(self, base: int, offsets: list, buffers: list, chosen: list) -> list:
-        key = (base, tuple(chosen), tuple((b[0], tuple(b[1])) for b in buffers))
+    def _destinations(self, base: int, offsets: list, buffers: list,
+                      chosen: list) -> tuple[list, list]:
+        """The non-empty buffers of ``chosen`` and a view of the pool for each."""
+        last = self._last
+        if last is not None and last[0] == base and last[1] is buffers and last[2] == chosen:
+            # The layout a save sent ahead is the very list of the save before (the
+            # entry holds it, so its id cannot be reused): no key over every buffer.
+            return last[3], last[4]
+        chosen_nonempty = [i for i in chosen if buffers[i][2]]
+        key = (base, tuple(chosen_nonempty), tuple((b[0], tuple(b[1])) for b in buffers))
         views = self._views.get(key)
         if views is None:
             views = []
-            for index in chosen:
+            for index in chosen_nonempty:
                 dtype, shape, nbytes = buffers[index]
                 start = base + offsets[index]
                 raw = self.pool[start:start + nbytes]
@@ -45,15 +54,19 @@ class PoolCopier:
             while len(self._views) > self._CACHED_LAYOUTS:
                 self._views.popitem(last=False)
         self._views.move_to_end(key)
-        return views
+        self._last = (base, buffers, list(chosen), chosen_nonempty, views)
+        return chosen_nonempty, views
 
     def copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list) -> None:
         """Copy ``sources[i]`` for ``i`` in ``chosen`` to ``base + offsets[i]``."""
-        chosen = [i for i in chosen if buffers[i][2]]
-        destinations = self._destinations(base, offsets, buffers, chosen)
+        chosen, destinations = self._destinations(base, offsets, buffers, chosen)
+        picked = [sources[i] for i in chosen]
+        if all(type(s) is torch.Tensor and not s.is_cuda for s in picked):
+            if picked:  # the usual save: CPU tensors only, one call for all of them
+                torch._foreach_copy_(destinations, picked)
+            return
         host_dst, host_src, device = [], [], False
-        for index, destination in zip(chosen, destinations):
-            source = sources[index]
+        for destination, source in zip(destinations, picked):
             if isinstance(source, torch.Tensor):
                 if source.is_cuda:
                     destination.copy_(source, non_blocking=True)

@@ -73,3 +73,26 @@ def test_a_changed_layout_is_not_served_stale_views():
         buffers, offsets, _ = layout(sources)
         copier.copy(0, offsets, buffers, sources, [0])
         assert staged(pool, 0, offsets, buffers, 0) == raw(sources[0])
+
+
+def test_the_very_layout_list_of_the_last_save_skips_the_key_but_not_a_change_of_place():
+    """A save sent ahead hands the copier the very list of the save before: the views of
+    that copy are reused without a key over every buffer, only for the same place and the
+    same chosen buffers; an equal list that is another object, another base or another
+    choice still lands every byte where it belongs."""
+    tensors = [torch.arange(8, dtype=torch.float32) + k for k in range(3)]
+    buffers, offsets, total = layout(tensors)
+    pool = torch.zeros(3 * total, dtype=torch.uint8)
+    copier = PoolCopier(pool)
+    every = [0, 1, 2]
+    copier.copy(0, offsets, buffers, tensors, every)
+    again = [t * 10 for t in tensors]
+    copier.copy(0, offsets, buffers, again, every)
+    assert all(staged(pool, 0, offsets, buffers, i) == raw(again[i]) for i in every)
+    copier.copy(total, offsets, buffers, tensors, every)  # same list, another place
+    assert all(staged(pool, total, offsets, buffers, i) == raw(tensors[i]) for i in every)
+    equal = [list(b) for b in buffers]
+    third = [t + 100 for t in tensors]
+    copier.copy(total, offsets, equal, third, [1])  # another list object, one buffer
+    assert staged(pool, total, offsets, buffers, 1) == raw(third[1])
+    assert staged(pool, total, offsets, buffers, 0) == raw(tensors[0])
