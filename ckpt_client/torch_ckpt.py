@@ -23,7 +23,7 @@ from ckpt_client.queue.request import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.flatten import flatten_state_dict
 from ckpt_client.transport.handover import handover_for, stage
-from ckpt_client.transport.sent_ahead import SentAhead
+from ckpt_client.transport.sent_ahead import SentAhead, kind_of
 
 
 @collector_paused
@@ -41,7 +41,8 @@ def async_torch_save(state_dict, path: str | os.PathLike,
     connection = connection or connect()
     # The STAGE goes out first, with the last save's layout, so the daemon reserves the
     # extent while the state dict is walked (dropped if the layout changed).
-    ahead = None if zero_stall else SentAhead.send(connection, path,
+    kind = None if zero_stall else kind_of(state_dict)
+    ahead = None if zero_stall else SentAhead.send(connection, kind, path,
                                                    handover_for(connection).idle)
     try:
         skeleton, tensors = flatten_state_dict(state_dict)
@@ -50,7 +51,7 @@ def async_torch_save(state_dict, path: str | os.PathLike,
             ahead.drop("the state dict could not be saved")
         raise
     save = stage(connection, SaveFormat.TORCH, os.fspath(path), tensors, skeleton=skeleton,
-                 zero_stall=zero_stall, ahead=ahead)
+                 zero_stall=zero_stall, ahead=ahead, layout_kind=kind)
     spans.note((save,), "blocked in async_torch_save", started, time.time())
     return AsyncRequest(daemon_saves=(save,))
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from ckptd import protocol
 from ckpt_client.transport import waits
-from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage, Staged
+from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError, StagingTimeoutError
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.cuda_exports import IpcPlan, plan_ipc
@@ -296,7 +296,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
           skeleton: bytes = b"", files: list | None = None, session: str | None = None,
           iteration: int | None = None, stock_files: bool = False,
           allow_cuda_ipc: bool = True, zero_stall: bool = False,
-          hold: threading.Event | None = None, ahead: SentAhead | None = None) -> DaemonSave:
+          hold: threading.Event | None = None, ahead: SentAhead | None = None,
+          layout_kind: tuple | None = None) -> DaemonSave:
     """Hand ``sources`` to the daemon: staged on return, or (``zero_stall``) queued.
 
     Parameters
@@ -326,6 +327,9 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
     ahead : SentAhead, optional
         This save's STAGE, sent before ``sources`` were known: used if it asked for what
         this save needs, else dropped.
+    layout_kind : tuple, optional
+        A torch save's :func:`~ckpt_client.transport.sent_ahead.kind_of`: its layout is
+        remembered under it, for the next save of that kind to be sent ahead with.
 
     Raises
     ------
@@ -369,7 +373,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         except BaseException as exc:
             save.mark_staged(_reason(exc))
             raise
-        if fmt == SaveFormat.TORCH and plan is None:
-            remember_layout(connection, buffers)  # the next torch save's STAGE goes ahead
+        if layout_kind is not None and plan is None:
+            remember_layout(connection, layout_kind, buffers)
     save.mark_staged()
     return save

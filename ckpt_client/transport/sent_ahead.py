@@ -7,16 +7,19 @@ structure holds, the STAGE goes out first with the previous save's layout, and t
 daemon reserves the extent while this process walks the state dict: its round trip
 overlaps the walk instead of adding to the blocking call. If the walk finds another
 layout (or fails), the request sent ahead is dropped, aborted and forgotten once its
-reply came, and the save stages the ordinary way.
+reply came, and the save stages the ordinary way. A layout is guessed only for a kind of
+state dict (its top-level keys) whose last two saves had it, so a trainer that saves
+several structures through one connection guesses each from its own kind, and
+structures that alternate within a kind are never guessed.
 
-Owns the remembered layout of each connection's last default save; knows nothing of
-copies.
+Owns the remembered layouts of each connection's default saves; knows nothing of copies.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+from typing import Any
 
 from ckptd.protocol import MessageType, SaveFormat, Stage
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
@@ -24,35 +27,59 @@ from ckpt_client.transport import waits
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import DaemonSave
 
-#: connection -> buffers ([dtype, shape, nbytes] each) of its last default torch save.
-_layouts: "weakref.WeakKeyDictionary[DaemonConnection, list]" = weakref.WeakKeyDictionary()
+#: Kinds of state dicts remembered per connection (a trainer saves a handful: model,
+#: optimizer, scheduler, ...).
+_KINDS = 8
+
+#: connection -> {kind: (layout, whether the last two saves of that kind had it)}, the
+#: layout a list of [dtype, shape, nbytes] per buffer.
+_layouts: "weakref.WeakKeyDictionary[DaemonConnection, dict]" = weakref.WeakKeyDictionary()
 
 
-def remember_layout(connection: DaemonConnection, buffers: list) -> None:
-    """The layout the next save through ``connection`` is sent ahead with."""
-    _layouts[connection] = buffers
+def kind_of(state_dict: Any) -> tuple:
+    """What tells one connection's state dicts apart before they are walked (a model's
+    from its optimizer's): the container's type and top-level keys (or length)."""
+    if isinstance(state_dict, dict):
+        return (dict, tuple(state_dict))
+    if isinstance(state_dict, (list, tuple)):
+        return (type(state_dict), len(state_dict))
+    return (type(state_dict),)
+
+
+def remember_layout(connection: DaemonConnection, kind: tuple, buffers: list) -> None:
+    """``buffers`` is the layout of the save of ``kind`` just staged: the next save of
+    that kind is sent ahead with it once two saves in a row had it (structures that
+    alternate under one kind never are, so they never pay for a wrong guess)."""
+    kinds = _layouts.setdefault(connection, {})
+    last = kinds.pop(kind, None)
+    kinds[kind] = (buffers, last is not None and (last[0] is buffers or last[0] == buffers))
+    while len(kinds) > _KINDS:
+        kinds.pop(next(iter(kinds)))
 
 
 class SentAhead:
     """A STAGE sent with a guessed layout, whose reply the save reads (or drops)."""
 
-    def __init__(self, connection: DaemonConnection, body: Stage, msg_id: int) -> None:
+    def __init__(self, connection: DaemonConnection, kind: tuple, body: Stage,
+                 msg_id: int) -> None:
         self.connection = connection
+        self.kind = kind
         self.body = body
         self.msg_id = msg_id
 
     @classmethod
-    def send(cls, connection: DaemonConnection, path: str | os.PathLike,
+    def send(cls, connection: DaemonConnection, kind: tuple, path: str | os.PathLike,
              may_send) -> "SentAhead | None":
-        """Send the STAGE of a torch save of ``path`` with the last save's layout, if
-        there was one and ``may_send()`` (nothing else of the connection still on its way
-        to the daemon: saves must reach it in the order they were made)."""
-        buffers = _layouts.get(connection)
-        if buffers is None or not may_send():
+        """Send the STAGE of a torch save of ``path`` with the layout the saves of
+        ``kind`` kept, if they kept one and ``may_send()`` (nothing else of the
+        connection still on its way to the daemon: saves must reach it in the order they
+        were made)."""
+        steady = _layouts.get(connection, {}).get(kind)
+        if steady is None or not steady[1] or not may_send():
             return None
-        body = Stage(format=SaveFormat.TORCH, path=os.path.abspath(path), buffers=buffers)
+        body = Stage(format=SaveFormat.TORCH, path=os.path.abspath(path), buffers=steady[0])
         try:
-            return cls(connection, body, connection.send(MessageType.STAGE, body))
+            return cls(connection, kind, body, connection.send(MessageType.STAGE, body))
         except DaemonUnavailableError:
             return None  # the ordinary STAGE meets (and reports) the same
 
@@ -65,7 +92,7 @@ class SentAhead:
     def drop(self, reason: str) -> None:
         """The save will not use it: once the daemon answered, abort and forget the
         request (nothing was copied into it, nothing is written)."""
-        _layouts.pop(self.connection, None)
+        _layouts.get(self.connection, {}).pop(self.kind, None)
         try:
             reply = self.connection.reply_to(self.msg_id, MessageType.STAGE,
                                              timeout=waits.stage_reply(self.connection.deadlines))

@@ -173,43 +173,56 @@ def test_a_save_the_daemon_failed_before_its_unconfirmed_staged_fails_at_finaliz
     checkpoint.close()
 
 
-def test_a_save_of_the_same_layout_sends_its_stage_ahead_and_its_skeleton_with_staged(
+def test_a_save_of_a_steady_layout_sends_its_stage_ahead_and_its_skeleton_with_staged(
         daemon, monkeypatch):
-    """The second save of one structure sends its STAGE before the state dict is walked
-    (the first save's layout, no skeleton) and its skeleton, whose plain values changed,
+    """Once two saves of one kind (top-level keys) had the same layout, the next sends its
+    STAGE before the state dict is walked and its skeleton, whose plain values changed,
     with STAGED: the file has the new values. A changed layout drops the request sent
     ahead (aborted, forgotten, nothing written), and so does a state dict that cannot be
-    saved; the next saves are right and the pool ends empty."""
+    saved; layouts that alternate within one kind are never sent ahead; every file is
+    right and the pool ends empty."""
     from ckpt_client.transport import sent_ahead
 
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     used = []
     real_send = sent_ahead.SentAhead.send.__func__
-    monkeypatch.setattr(sent_ahead.SentAhead, "send", classmethod(
-        lambda cls, *args: used.append(real_send(cls, *args)) or used[-1]))
+
+    def spy(cls, *args):
+        sent = real_send(cls, *args)
+        used.append(sent is not None)
+        return sent
+
+    monkeypatch.setattr(sent_ahead.SentAhead, "send", classmethod(spy))
     root = daemon.roots[0]
     checkpoint = TorchAsyncCheckpoint()
-    states = [make_state(10), make_state(11)]
-    for i, state in enumerate(states):
-        checkpoint.async_save(state, os.path.join(root, f"same{i}.pt"))
-    assert used[0] is None and used[1] is not None  # the second went ahead
-    changed = {**make_state(12), "extra": torch.ones(3)}
-    checkpoint.async_save(changed, os.path.join(root, "changed.pt"))
-    with pytest.raises(TypeError, match="state_dict.bad"):
-        checkpoint.async_save({**changed, "bad": object()}, os.path.join(root, "bad.pt"))
-    checkpoint.async_save({**changed, "step": 13}, os.path.join(root, "again.pt"))
+
+    def reshaped(seed: int) -> dict:
+        state = make_state(seed)
+        state["model"]["w"] = torch.randn(3, 3)
+        return state
+
+    saved = {}
+    plan = [("a0", make_state(10)), ("a1", make_state(11)), ("a2", make_state(12)),
+            ("r0", reshaped(13)), ("a3", make_state(14)), ("a4", make_state(15))]
+    for name, state in plan:
+        checkpoint.async_save(state, os.path.join(root, f"{name}.pt"))
+        saved[name] = state
+    bad = make_state(16)
+    bad["meta"]["x"] = object()
+    with pytest.raises(TypeError, match=r"state_dict\.meta\.x"):
+        checkpoint.async_save(bad, os.path.join(root, "bad.pt"))
+    for i in range(4):  # alternating within one kind: never guessed
+        name, state = (f"alt{i}", reshaped(20 + i) if i % 2 else make_state(20 + i))
+        checkpoint.async_save(state, os.path.join(root, f"{name}.pt"))
+        saved[name] = state
     checkpoint.finalize_async_save(blocking=True)
-    # sent ahead and dropped (layout changed, then walk failed); a drop forgets the layout
-    assert used[2] is not None and used[3] is not None and used[4] is None
-    for i, state in enumerate(states):
-        loaded = torch.load(os.path.join(root, f"same{i}.pt"), weights_only=True)
+    assert used == [False, False, True, True, False, False, True, False, False, False, False]
+    for name, state in saved.items():
+        loaded = torch.load(os.path.join(root, f"{name}.pt"), weights_only=True)
         assert loaded["step"] == state["step"]
         assert_same(loaded, state)
-    assert_same(torch.load(os.path.join(root, "changed.pt"), weights_only=True), changed)
-    assert_same(torch.load(os.path.join(root, "again.pt"), weights_only=True),
-                {**changed, "step": 13})
     assert sorted(n for n in os.listdir(root) if n.endswith(".pt")) == \
-        ["again.pt", "changed.pt", "same0.pt", "same1.pt"]
+        sorted(f"{name}.pt" for name in saved)
     wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
     assert [r for r in daemon.status()["requests"] if r["phase"] not in ("done", "aborted")] == []
     checkpoint.close()
