@@ -1,8 +1,8 @@
 """PyTorch Lightning: a ``CheckpointIO`` plugin whose files the node's ckptd writes.
 
 ``Trainer(plugins=[CkptdCheckpointIO()])``: ``save_checkpoint`` hands Lightning's
-checkpoint dict to the daemon and returns once it is staged (the training step goes on
-while the daemon writes, fsyncs and renames); ``load_checkpoint`` and
+checkpoint dict to the daemon and returns in milliseconds (the training step goes on
+while the tensors are staged and the daemon writes, fsyncs and renames); ``load_checkpoint`` and
 ``remove_checkpoint`` (``ModelCheckpoint``'s ``save_top_k`` rotation) never act on a
 checkpoint that is not durable: a load first waits for the saves in flight, and a removal
 is deferred until they are durable (without blocking the training step), so a crash
@@ -10,6 +10,19 @@ while the newest save is being written still finds the checkpoints rotation woul
 removed; ``teardown`` drains and carries out the deferred removals. The files are plain
 ``torch.save`` files: stock Lightning (``TorchCheckpointIO``) and ``torch.load`` read
 them.
+
+Zero-stall by default: the parameters and optimizer state (nearly all the bytes) are
+copied into the daemon's pool in the background while the next training step runs its
+forward and backward; the optimizer's update waits for that copy
+(:class:`~ckpt_client.integrations.step_guard.StepGuard`, torch's global optimizer step
+pre-hook: after ``step(closure)``'s closure, before the first parameter changes; at once
+for a ``step()`` without closure). So the file holds exactly the state of the moment
+``save_checkpoint`` was called. Every other tensor of the checkpoint (buffers a forward
+pass updates, such as batch norm's running statistics, and any tensor of an optimizer
+that has not stepped yet) is copied before ``save_checkpoint`` returns. Code that changes
+parameters in place outside ``optimizer.step()`` between a save and the next step must
+call :meth:`CkptdCheckpointIO.wait_for_staging` first, or use ``zero_stall=False`` (the
+whole checkpoint staged before ``save_checkpoint`` returns).
 
 A save over an existing file (``last.ckpt`` every time) goes to the path itself: the
 daemon keeps the previous file until the new one is durable and puts it back if the save
@@ -35,8 +48,12 @@ require("lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from lightning.fabric.utilities.cloud_io import get_filesystem  # noqa: E402
+from lightning_utilities.core.apply_func import apply_to_collection  # noqa: E402
+
+import torch  # noqa: E402
 
 from ckpt_client import TorchAsyncCheckpoint  # noqa: E402
+from ckpt_client.integrations.step_guard import StepGuard  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +68,25 @@ class CkptdCheckpointIO(CheckpointIO):
     socket : str, optional
         Daemon socket (see :func:`ckpt_client.connect`; default ``CKPTD_SOCKET`` or the
         auto-started node daemon).
+    zero_stall : bool
+        True (default): ``save_checkpoint`` returns before the parameters and optimizer
+        state are staged, and the next optimizer update waits for them (see the module
+        docstring). False: it returns once the whole checkpoint is staged.
     """
 
-    def __init__(self, socket: str | None = None) -> None:
+    def __init__(self, socket: str | None = None, zero_stall: bool = True) -> None:
         super().__init__()
         self._socket = socket
+        self._zero_stall = zero_stall
         self._checkpoint: TorchAsyncCheckpoint | None = None
         self._in_flight: set[str] = set()
         self._removals: list[str] = []
         self._fallback = TorchCheckpointIO()
+        self._guard = StepGuard(self.wait_for_staging, lambda: bool(self._in_flight))
+        if zero_stall:
+            # From the start, so the optimizer is known (its tensors left to the
+            # background copy) by the first save.
+            self._guard.install()
 
     @property
     def _async(self) -> TorchAsyncCheckpoint:
@@ -68,7 +95,8 @@ class CkptdCheckpointIO(CheckpointIO):
         return self._checkpoint
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
-        """Hand ``checkpoint`` to the daemon; return once it is staged.
+        """Hand ``checkpoint`` to the daemon; return once it is queued (``zero_stall``)
+        or staged.
 
         Raises
         ------
@@ -87,7 +115,11 @@ class CkptdCheckpointIO(CheckpointIO):
         self._finalize(blocking=False)
         get_filesystem(path).makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            self._async.async_save(checkpoint, path)
+            if self._zero_stall:
+                self._guard.install()  # again after a teardown
+                self._async.async_save(self._snapshot(checkpoint), path, zero_stall=True)
+            else:
+                self._async.async_save(checkpoint, path)
         except TypeError as exc:  # a value our format cannot hold without pickling
             log.warning("%s; writing %s with Lightning's synchronous TorchCheckpointIO",
                         exc, path)
@@ -112,6 +144,17 @@ class CkptdCheckpointIO(CheckpointIO):
         self._removals.append(os.path.abspath(os.fspath(path)))
         self._finalize(blocking=False)
 
+    def wait_for_staging(self) -> None:
+        """Return once every save handed over so far is staged (its tensors may change).
+
+        Raises
+        ------
+        ckpt_client.CheckpointException
+            If staging one of them failed.
+        """
+        if self._checkpoint is not None:
+            self._checkpoint.wait_for_staging()
+
     def wait_until_durable(self) -> None:
         """Return once every save handed over so far is durable.
 
@@ -127,9 +170,22 @@ class CkptdCheckpointIO(CheckpointIO):
         try:
             self.wait_until_durable()
         finally:
+            self._guard.remove()
             if self._checkpoint is not None:
                 self._checkpoint.close()
                 self._checkpoint = None
+
+    def _snapshot(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``checkpoint`` with a copy of every tensor an optimizer step does not own: only
+        the guard keeps those from changing before they are staged."""
+        only_steps_change = self._guard.only_steps_change()
+
+        def keep_or_copy(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage().data_ptr() in only_steps_change:
+                return tensor
+            return tensor.detach().clone()
+
+        return apply_to_collection(checkpoint, torch.Tensor, keep_or_copy)
 
     def _finalize(self, blocking: bool) -> None:
         if self._checkpoint is not None:
