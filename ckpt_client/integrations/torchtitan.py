@@ -24,6 +24,16 @@ planning (its collectives included) runs after the trainer was released.
 
 Saves in Hugging Face safetensors (``last_save_in_hf``) stay torchtitan's own.
 
+Retention (``keep_latest_k``) counts only complete steps: a ``step-N`` folder with a
+``.metadata`` (or a Hugging Face index), which ckptd's writer commits last, once every
+file is durable. torchtitan's own retention counts every ``step-N`` folder, so a step
+still being written, or one a killed run left without ``.metadata``, took the place of a
+loadable one: with ``keep_latest_k=1`` the last loadable step was deleted as soon as the
+next save began. Here the newest ``keep_latest_k`` complete steps are kept, older
+complete steps are purged, and a folder without ``.metadata`` is never touched (it may be
+the save in flight; one a killed run left is saved into again when the resumed run
+reaches that step).
+
 Use it by building it instead of torchtitan's manager::
 
     from ckpt_client.integrations.torchtitan import CkptdCheckpointManager
@@ -33,6 +43,7 @@ Use it by building it instead of torchtitan's manager::
 from __future__ import annotations
 
 import dataclasses
+import re
 from concurrent.futures import Future
 from typing import Any
 
@@ -45,6 +56,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict_saver import (AsyncCheckpointerType,  # noqa: E402
                                                            AsyncSaveResponse)
 from torchtitan.components.checkpointer.dcp import AsyncMode, CheckpointManager  # noqa: E402
+from torchtitan.tools import filesystem  # noqa: E402
 
 from ckpt_client.dcp import Stager, StorageWriter  # noqa: E402
 
@@ -94,3 +106,31 @@ class CkptdCheckpointManager(CheckpointManager):
         return dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
                               async_checkpointer_type=AsyncCheckpointerType.THREAD,
                               async_stager=stager)
+
+    def _purge_stale_checkpoints(self) -> None:
+        """Queue for deletion the complete steps older than the newest ``keep_latest_k``
+        complete ones (see the module docstring); incomplete steps are left alone."""
+        if not self._should_purge():
+            return
+        complete = sorted((step, path) for step, path in _step_folders(self.folder)
+                          if _is_complete(path))
+        for _, path in complete[:-self.keep_latest_k]:
+            self.purge_queue.put(path)
+
+
+_STEP_FOLDER = re.compile(r"step-(\d+)$")
+
+
+def _step_folders(folder: str) -> list[tuple[int, str]]:
+    found = []
+    for name in filesystem.listdir(folder):
+        match = _STEP_FOLDER.search(name)
+        if match:
+            found.append((int(match.group(1)), filesystem.join(folder, name)))
+    return found
+
+
+def _is_complete(path: str) -> bool:
+    # the markers torchtitan's own resume looks for: written last, once the step is whole
+    return any(filesystem.isfile(filesystem.join(path, marker))
+               for marker in (".metadata", "model.safetensors.index.json"))

@@ -28,21 +28,33 @@ def kill_while_writing(daemon, trainer, gate_dir: str, durable_gate: str, staged
     writers, let it hand over the next save (``staged_gate``), SIGKILL it while that
     save is being written, and wait until the daemon dropped the orphaned save and no
     temporary file is left under ``root``."""
-
-    def alive_at(gate):
-        if trainer.poll() is not None:
-            with open(log_path, errors="replace") as f:
-                raise AssertionError(f"trainer exited {trainer.returncode}:\n{f.read()[-6000:]}")
-        return gates.reached(gate_dir, gate)
-
-    wait_for(lambda: alive_at(durable_gate), 180, f"the trainer at {durable_gate}")
+    wait_for(lambda: _alive_at(trainer, gate_dir, durable_gate, log_path), 180,
+             f"the trainer at {durable_gate}")
     with writers_paused(daemon):
         gates.release(gate_dir, durable_gate)
-        wait_for(lambda: alive_at(staged_gate), 180, f"the trainer at {staged_gate}")
-        assert in_flight(daemon), "the save should still be in flight while writers are paused"
-        trainer.send_signal(signal.SIGKILL)
-        trainer.wait(30)
-        wait_for(lambda: not in_flight(daemon), 60, "the daemon to drop the killed trainer's save")
+        _kill_at(daemon, trainer, gate_dir, staged_gate, log_path)
+    _no_temporary_file_under(root)
+
+
+def _alive_at(trainer, gate_dir: str, gate: str, log_path: str) -> bool:
+    if trainer.poll() is not None:
+        with open(log_path, errors="replace") as f:
+            raise AssertionError(f"trainer exited {trainer.returncode}:\n{f.read()[-6000:]}")
+    return gates.reached(gate_dir, gate)
+
+
+def _kill_at(daemon, trainer, gate_dir: str, staged_gate: str, log_path: str) -> None:
+    """With the writers paused: SIGKILL ``trainer`` once it reached ``staged_gate`` with a
+    save in flight, and wait until the daemon dropped that save."""
+    wait_for(lambda: _alive_at(trainer, gate_dir, staged_gate, log_path), 180,
+             f"the trainer at {staged_gate}")
+    assert in_flight(daemon), "the save should still be in flight while writers are paused"
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait(30)
+    wait_for(lambda: not in_flight(daemon), 60, "the daemon to drop the killed trainer's save")
+
+
+def _no_temporary_file_under(root: str) -> None:
     # the paused writer, let go, finds its job aborted and removes its temporary file
     wait_for(lambda: not any(n.endswith(".ckptd-tmp") for n in files_under(root)), 60,
              f"no temporary file left under {root}")
@@ -90,6 +102,16 @@ class KilledRun:
         trainer = gates.start_trainer(self.script, self._args(steps), self.daemon.socket, log)
         kill_while_writing(self.daemon, trainer, str(self.gates), "durable4", "staged6", log,
                            self.root)
+
+    def kill_resumed_mid_save(self, steps: int, staged_gate: str, *flags: str) -> None:
+        """Resume with the daemon's writers paused (``flags`` after ``resume``), SIGKILL
+        the trainer at ``staged_gate`` while its save is being written."""
+        log = str(self.tmp_path / "resumed-killed.log")
+        with writers_paused(self.daemon):
+            trainer = gates.start_trainer(self.script, self._args(steps) + ["resume", *flags],
+                                          self.daemon.socket, log)
+            _kill_at(self.daemon, trainer, str(self.gates), staged_gate, log)
+        _no_temporary_file_under(self.root)
 
     def resume(self, steps: int) -> None:
         gates.run_trainer(self.script, self._args(steps) + ["resume"], self.daemon.socket,

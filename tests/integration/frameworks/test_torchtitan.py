@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException as DCPCheckpointException
 
 pytest.importorskip("torchtitan", reason="the [torchtitan] extra is not installed")
 
@@ -36,7 +38,7 @@ def test_killed_mid_save_resumes_exactly(daemon, tmp_path, mode):
     # stock DCP reads what the daemon wrote
     model = run.reference("step-4")["model"]
     loaded = {k: torch.zeros_like(v) for k, v in model.items()}
-    torch.distributed.checkpoint.load(loaded, checkpoint_id=os.path.join(folder, "step-4"), no_dist=True)
+    dcp.load(loaded, checkpoint_id=os.path.join(folder, "step-4"), no_dist=True)
     assert_same(loaded, model)
 
     run.resume(10)
@@ -44,3 +46,31 @@ def test_killed_mid_save_resumes_exactly(daemon, tmp_path, mode):
     assert complete_steps(folder)[-2:] == [8, 10]
     assert 2 not in complete_steps(folder)  # keep_latest_k purged the oldest
 
+
+
+
+def test_retention_counts_only_complete_steps(daemon, tmp_path):
+    """``keep_latest_k=2`` keeps two loadable steps: torchtitan's own retention counted
+    every ``step-N`` folder, so one an aborted save left without ``.metadata`` (and the
+    save in flight) took the place of loadable steps, and a crash then could leave
+    nothing to resume from."""
+    base = os.path.join(daemon.roots[0], "retention")
+    run = KilledRun(daemon, tmp_path, "torchtitan_run.py", base, extra=("async_with_pinned_mem",))
+    run.kill_mid_save(12)  # steps 2 and 4 durable, killed while step 6 is written
+    folder = os.path.join(base, "checkpoint")
+    assert complete_steps(folder) == [2, 4]
+    # the daemon dropped the killed save's files; a save by stock DCP's own writer that
+    # failed mid-way (an item it cannot pickle) leaves its step folder without .metadata
+    interrupted = os.path.join(folder, "step-6")
+    with pytest.raises(DCPCheckpointException, match="pickle"):
+        dcp.save({"w": torch.ones(4), "unpicklable": lambda: None}, checkpoint_id=interrupted,
+                 no_dist=True)
+    assert os.path.isdir(interrupted) and not os.path.exists(os.path.join(interrupted, ".metadata"))
+
+    # resumed from step 4 with interval 5 (changed on restart): killed while its first
+    # save (step 5) is written, once retention ran beside the incomplete step 6
+    run.kill_resumed_mid_save(12, "saved-after-resume", "interval=5", "hold")
+    assert complete_steps(folder) == [2, 4]
+    run.resume(10)  # interval 2: saves 6 (into the interrupted folder), 8, 10
+    assert_same(run.reference("resumed"), run.reference("step-4"))
+    assert complete_steps(folder) == [6, 8, 10]

@@ -1,12 +1,13 @@
 """A small torchtitan-managed training run through ``CkptdCheckpointManager``.
 
-``python torchtitan_run.py BASE REFS GATES STEPS MODE [resume]``: one gloo rank, a few
-linear layers with torchtitan's own ``OptimizersContainer`` (AdamW) and
-``LRSchedulersContainer`` (warmup + linear decay), checkpoint interval 2,
+``python torchtitan_run.py BASE REFS GATES STEPS MODE [interval=N] [resume [hold]]``: one
+gloo rank, a few linear layers with torchtitan's own ``OptimizersContainer`` (AdamW) and
+``LRSchedulersContainer`` (warmup + linear decay), checkpoint interval N (default 2),
 ``keep_latest_k=2``, ``async_mode=MODE``. The loop is torchtitan's: save after the step,
 ``maybe_wait_for_staging()`` before ``optimizers.step()``. Each saved step's state is also
 kept plainly in REFS; with ``resume`` the run loads the newest checkpoint and records
-what it restored.
+what it restored; with ``hold`` too, it stops after its first save, once retention has
+done its work, at the gate ``saved-after-resume``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def snapshot(model, optimizers, schedulers, state) -> dict:
                           "lr": schedulers.state_dict(), "step": state.step})
 
 
-def build_training(model, steps: int, mode: str, base: str) -> tuple:
+def build_training(model, steps: int, mode: str, base: str, interval: int = 2) -> tuple:
     """torchtitan's optimizer and scheduler containers, the train state and our checkpoint
     manager around ``model``, as both the one-rank and the two-rank runs train it."""
     optimizers = OptimizersContainer.Config(param_groups=[ParamGroupConfig(
@@ -51,7 +52,7 @@ def build_training(model, steps: int, mode: str, base: str) -> tuple:
         optimizers=optimizers, training_steps=steps)
     state = TrainState()
     checkpointer = CkptdCheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=2, keep_latest_k=2,
+        enable=True, folder="checkpoint", interval=interval, keep_latest_k=2,
         async_mode=mode).build(dataloader=None, model_parts=[model], optimizers=optimizers,
                                lr_schedulers=schedulers, states={"train_state": state},
                                sd_adapter=None, base_folder=base)
@@ -60,12 +61,14 @@ def build_training(model, steps: int, mode: str, base: str) -> tuple:
 
 def main() -> None:
     base, refs, gate_dir, steps, mode = sys.argv[1:6]
-    resume = sys.argv[6:] == ["resume"]
+    flags = sys.argv[6:]
+    resume = "resume" in flags
+    interval = int(next((f.split("=")[1] for f in flags if f.startswith("interval=")), 2))
     dist.init_process_group("gloo", init_method=f"file://{refs}/store-{resume}", rank=0,
                             world_size=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-    optimizers, schedulers, state, checkpointer = build_training(model, int(steps), mode, base)
+    optimizers, schedulers, state, checkpointer = build_training(model, int(steps), mode, base, interval)
     if resume:
         assert checkpointer.load(step=-1), "nothing to resume from"
         torch.save(snapshot(model, optimizers, schedulers, state), os.path.join(refs, "resumed.pt"))
@@ -84,6 +87,11 @@ def main() -> None:
         if checkpointer.save(state.step):
             torch.save(snapshot(model, optimizers, schedulers, state),
                        os.path.join(refs, f"step-{state.step}.pt"))
+            if "hold" in flags:
+                # retention queued its deletions in save(): let the purge thread do them all
+                checkpointer.purge_queue.put(None)
+                checkpointer.purge_thread.join()
+                gates.reach(gate_dir, "saved-after-resume", hold=True)
         if not resume and state.step == 4:
             checkpointer.maybe_wait_for_saving()
             gates.reach(gate_dir, "durable4", hold=True)
