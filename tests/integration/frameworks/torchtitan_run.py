@@ -88,6 +88,7 @@ def main() -> None:
             torch.save(snapshot(model, optimizers, schedulers, state),
                        os.path.join(refs, f"step-{state.step}.pt"))
             if "hold" in flags:
+                checkpointer.maybe_wait_for_staging()  # the save is with the daemon
                 # retention queued its deletions in save(): let the purge thread do them all
                 checkpointer.purge_queue.put(None)
                 checkpointer.purge_thread.join()
