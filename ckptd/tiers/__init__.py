@@ -18,8 +18,9 @@ Modules, one job each:
   flushes, resuming from the journal, retention;
 - :mod:`ckptd.tiers.commits` -- the commits of DCP checkpoints (each ``.metadata``),
   pending until every file they name is durable at the target;
-- :mod:`ckptd.tiers.settle` -- the files a save replaced at its target: dropped once it
-  is done, put back once it failed, each only after all its copies have returned.
+- :mod:`ckptd.tiers.settle` -- the files a save (or a commit's ``.metadata``) replaced at
+  its target: dropped once it is done, put back once it failed, each only after all its
+  copies have returned.
 
 Nothing here runs on the serve loop's thread except the bookkeeping: every call that
 touches the target (which may stall for minutes) runs on a worker thread.

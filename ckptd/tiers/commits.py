@@ -21,6 +21,7 @@ from ckptd.checksum import Checksum
 from ckptd.protocol import CommitFileReply, ErrorCode, HandoverReply
 from ckptd.server.endpoint import Call
 from ckptd.storage.durable import write_small_file
+from ckptd.storage.previous import previous_name
 from ckptd.tiers.copy import FlushFile
 from ckptd.tiers.flusher import FlushFailure, FlushJob
 from ckptd.tiers.stage import commit_key
@@ -48,6 +49,7 @@ class PendingCommit:
     outcome: str = "pending"                     # pending, committed, failed
     error: str | None = None
     errno: int | None = None
+    job: FlushJob | None = None  # its flush (to settle the .metadata it replaces)
 
     @property
     def directory(self) -> str:
@@ -134,11 +136,14 @@ class TierCommits:
         self.pending[commit.path] = commit
         requires = [(os.path.join(commit.directory, name), commit.record)
                     for name in commit.files]
+        # The .metadata of the checkpoint saved before into this directory is kept until
+        # this commit ends: a copy held in its rename lands after a deadline gave it up.
         job = FlushJob(commit.key, commit.directory,
                        [FlushFile(commit.local, commit.path, commit.size, commit.crc32,
-                                  commit.record)],
+                                  commit.record, previous=previous_name(commit.path))],
                        commit.deadline, lambda job, failure: self._committed(commit, failure),
                        requires=requires)
+        commit.job = job
         self.tier.flusher.submit(job)
 
     def check(self, directory: str) -> None:
@@ -182,6 +187,10 @@ class TierCommits:
 
     def _forget(self, commit: PendingCommit) -> None:
         self.pending.pop(commit.path, None)
+        if commit.outcome == "committed":
+            self.tier.settlements.done(commit.job)
+        else:
+            self.tier.settlements.failed(commit.job)
         self.tier.stage.remove_local(commit.key)
         self.tier.stage.forget(commit.key)
         self.recent[commit.path] = commit

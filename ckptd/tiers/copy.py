@@ -49,7 +49,7 @@ class FlushFile:
         Write a checksum record beside it at the target (not for torch's exact files).
     previous : str
         Where the file it replaces at the target is kept until its save is over
-        (:mod:`ckptd.tiers.settle`); "" keeps nothing (a commit's ``.metadata``).
+        (:mod:`ckptd.tiers.settle`); "" keeps nothing.
     kept : bool or None
         Whether something was kept there (None: no attempt got that far yet).
     """

@@ -84,7 +84,7 @@ class FlushJob:
     requires: list = field(default_factory=list)
     states: list = field(default_factory=list)
     finished: bool = False
-    settled: bool = False  # what it replaced at the target is being dropped or put back
+    settled: bool = False  # what it replaced at the target is dropped or put back
 
     def __post_init__(self) -> None:
         self.states = [_FileState(f) for f in self.files]

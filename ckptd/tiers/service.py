@@ -32,7 +32,7 @@ from ckptd.tiers.copy import FlushFile
 from ckptd.tiers.flusher import Flusher, FlushFailure, FlushJob
 from ckptd.tiers.commits import TierCommits
 from ckptd.tiers.retention import Retention
-from ckptd.tiers.settle import settle
+from ckptd.tiers.settle import Settlements
 from ckptd.tiers.stage import StageDir
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class TierService:
         self.stage = stage
         self.policy = policy
         self.flusher: Flusher | None = None
+        self.settlements: Settlements | None = None  # with the flusher
         self.commits = TierCommits(self)
         self.waiting: list[tuple] = []  # (call, body, need, start) of saves waiting for the budget
         self.retention = None if keep_last is None else Retention(
@@ -68,6 +69,7 @@ class TierService:
     def start(self, context) -> None:
         """Create the flusher and resume what the journal holds."""
         self.flusher = Flusher(context, self.daemon.config.stall_timeout)
+        self.settlements = Settlements(self.flusher)
         self._resume()
 
     # ------------------------------------------------------------------ admission
@@ -187,7 +189,7 @@ class TierService:
             for entry, file in zip(request.written, job.files):
                 entry["path"] = file.target  # where the file is now, for the poll reply
                 entry["file_id"] = None
-            self._settle(job, failed=False)
+            self.settlements.done(job)
             self.stage.remove_local(job.key)
             self.stage.forget(job.key)
             self._release(job.key)
@@ -202,7 +204,7 @@ class TierService:
         key = request.stage_key
         self.flusher.cancel(key)
         if request.flush is not None:  # its previous files back, its own ones gone
-            self._settle(request.flush, failed=True)
+            self.settlements.failed(request.flush)
         targets = [self._target_of(request, w) for w in request.written]
         self.stage.remove_local(key)
         self.stage.forget(key)
@@ -211,13 +213,6 @@ class TierService:
             names = {os.path.basename(t) for t in targets} | {n for n, _ in request.files}
             self.commits.abandon_needing(request.path, names,
                                          f"a save it needs failed: {request.error}")
-
-    def _settle(self, job: FlushJob, failed: bool) -> None:
-        if job.settled:  # a failed save is wound up twice (abort, then forget)
-            return
-        job.settled = True
-        thread = settle(job.files, [t for s in job.states for t in s.tasks], failed)
-        self.flusher.hold([f.target for f in job.files], thread)
 
     def _release(self, key: str) -> None:
         if self.stage.release(key):

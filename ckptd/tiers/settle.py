@@ -19,18 +19,48 @@ would be replaced again by that late rename (or keep the failed save's checksum 
 Meanwhile the flusher starts no copy to those targets
 (:meth:`ckptd.tiers.flusher.Flusher.hold`), so settling never undoes a later save.
 
-Pattern: join the workers, then drop or put back. No sockets, no scheduling.
+A DCP save's data files carry a token of their own in their names, so only its
+``.metadata`` replaces a file at the target: its commit's flush keeps the previous one
+the same way, dropped once committed and put back once the commit is given up.
+
+Pattern: join the workers, then drop or put back. No sockets.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from ckptd.storage.durable import remove_written
 from ckptd.storage.previous import drop_previous, restore_previous_of
 
-log = logging.getLogger(__name__)
+class Settlements:
+    """Settles the targets of each tiered flush (a save's, or a commit's) once, when it
+    ends (serve loop side).
+
+    Parameters
+    ----------
+    flusher : ckptd.tiers.flusher.Flusher
+        Holds the targets while they are settled.
+    """
+
+    def __init__(self, flusher) -> None:
+        self.flusher = flusher
+
+    def done(self, job) -> None:
+        """Every file of ``job`` (a :class:`ckptd.tiers.flusher.FlushJob`) is at its
+        target: what it replaced there goes."""
+        self._settle(job, failed=False)
+
+    def failed(self, job) -> None:
+        """``job``'s save or commit failed or was aborted: what it replaced goes back."""
+        self._settle(job, failed=True)
+
+    def _settle(self, job, failed: bool) -> None:
+        if job.settled:  # a failed save is wound up twice (abort, then forget)
+            return
+        job.settled = True
+        thread = settle(job.files, [t for s in job.states for t in s.tasks], failed)
+        self.flusher.hold([f.target for f in job.files], thread)
 
 
 def settle(files: list, tasks: list, failed: bool) -> threading.Thread:

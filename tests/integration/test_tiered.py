@@ -375,6 +375,48 @@ def test_an_overwrite_ended_while_its_rename_is_held_keeps_the_previous_file(
     assert torch.equal(torch.load(path, weights_only=True)["w"], state(3)["w"])
 
 
+
+
+def contents(directory) -> dict:
+    """Every name in ``directory`` and its bytes (None: it went while being read)."""
+    found = {}
+    for name in os.listdir(directory):
+        try:
+            found[name] = read(os.path.join(directory, name))
+        except FileNotFoundError:
+            found[name] = None
+    return found
+
+@needs_fuse
+def test_a_commit_given_up_while_its_metadata_rename_is_held_keeps_the_previous_one(
+        start_daemon, tmp_path, fault_target, monkeypatch):
+    """A checkpoint saved again into its directory: the new ``.metadata`` is held in its
+    rename (its record's first) until the flush deadline gives the commit up. When the
+    held rename lands, the directory must hold the previous ``.metadata`` and record, bit
+    for bit, and the previous checkpoint load."""
+    daemon = tiered(start_daemon, tmp_path, fault_target.mount,
+                    env={"CKPTD_FLUSH_DEADLINE": "3"})
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    directory = os.path.join(fault_target.mount, "ckpt")
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(ckpt_dcp.async_save(state(40), directory))
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    backing = tmp_path / "backing" / "ckpt"
+    metadata = {n: v for n, v in contents(backing).items() if "metadata" in n}
+    assert sorted(metadata) == [".metadata", ".metadata.ckptd-sum"]
+    fault_target.set(stall=True, ops=["rename"], match="/ckpt/.metadata")
+    queue.schedule_async_request(ckpt_dcp.async_save(state(41), directory))
+    with pytest.raises(CheckpointException) as raised:
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert "deadline" in str(raised.value)
+    fault_target.clear()  # the held rename lands now
+    wait_for(lambda: {n: v for n, v in contents(backing).items() if "metadata" in n}
+             == metadata, 30, "the previous .metadata and record, only")
+    loaded = {"w": torch.zeros_like(state(40)["w"]), "step": torch.tensor(0)}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(directory))
+    assert torch.equal(loaded["w"], state(40)["w"])
+
+
 # ---------------------------------------------------------------------- retention
 def test_keep_last_deletes_only_older_checkpoints_once_newer_are_durable(start_daemon, tmp_path,
                                                                          monkeypatch):
