@@ -179,9 +179,13 @@ def lost_ranks_failure(error: Exception, rank: int, world_size: int) -> dict[int
         logged = False
         while waiting:
             try:
-                lost.update({r: why for r in waiting if (why := gone(store, r)) is not None})
-                waiting = [r for r in MARKS.missing(world_size, store) or []
-                           if r not in lost]
+                waiting = [r for r in MARKS.missing(world_size, store) or [] if r not in lost]
+                found = {r: why for r in waiting if (why := gone(store, r)) is not None}
+                if found:  # one that arrived and then ended (its save over) was not lost
+                    arrived = set(waiting) - set(MARKS.missing(world_size, store) or [])
+                    found = {r: why for r, why in found.items() if r not in arrived}
+                lost.update(found)
+                waiting = [r for r in waiting if r not in found]
             except Exception as exc:  # noqa: BLE001 (the store went too: judge on what is known)
                 log.debug("completion marks unreadable: %s", exc)
                 break
