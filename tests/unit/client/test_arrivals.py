@@ -16,3 +16,32 @@ def test_a_failure_nobody_can_be_blamed_for_names_this_rank_and_the_error():
     failures = lost_ranks_failure(RuntimeError("Connection closed by peer"), 3, 4)
     assert list(failures) == [3]
     assert "Connection closed by peer" in failures[3] and "store is unreachable" in failures[3]
+
+
+def test_a_rank_is_gone_only_on_its_own_nodes_evidence_which_is_shared_through_the_store():
+    """A real store (torch's HashStore) and a real process: alive (even stopped) is not
+    gone; killed is, and the finding is left for ranks on other nodes; a process
+    described from another node is never judged here."""
+    import signal
+    import subprocess
+
+    from torch.distributed import HashStore
+
+    from ckpt_client.arrivals import _node, _started, gone
+
+    store = HashStore()
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        store.set("ckpt_client/process/1", f"{_node()} {child.pid} {_started(child.pid)}")
+        store.set("ckpt_client/process/2", f"elsewhere:1 {child.pid} {_started(child.pid)}")
+        child.send_signal(signal.SIGSTOP)
+        assert gone(store, 1) is None and gone(store, 2) is None
+        assert gone(store, 3) is None  # never said which process it is
+        child.kill()
+        child.wait()
+        assert gone(store, 1) == f"its process (pid {child.pid}) exited"
+        assert store.get("ckpt_client/gone/1").decode() == gone(store, 1)
+        assert gone(store, 2) is None
+    finally:
+        child.kill()
+        child.wait()
