@@ -49,11 +49,15 @@ def test_killed_mid_save_resumes_exactly(daemon, tmp_path, mode):
 
 
 
+@pytest.mark.slow
 def test_retention_counts_only_complete_steps(daemon, tmp_path):
     """``keep_latest_k=2`` keeps two loadable steps: torchtitan's own retention counted
     every ``step-N`` folder, so one an aborted save left without ``.metadata`` (and the
     save in flight) took the place of loadable steps, and a crash then could leave
-    nothing to resume from."""
+    nothing to resume from.
+
+    Slow (~10 s: three trainer processes, two of them killed); the adapter's kill and
+    resume test above stays in the normal suite."""
     base = os.path.join(daemon.roots[0], "retention")
     run = KilledRun(daemon, tmp_path, "torchtitan_run.py", base, extra=("async_with_pinned_mem",))
     run.kill_mid_save(12)  # steps 2 and 4 durable, killed while step 6 is written
