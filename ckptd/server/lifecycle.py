@@ -121,6 +121,10 @@ class SaveEffects(Protocol):
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote."""
 
+    def cancel_writes(self, request: SaveRequest) -> None:
+        """A save stopped while its writer jobs run or wait: tell their writers to drop
+        them (each still answers)."""
+
     def flush(self, request: SaveRequest) -> None:
         """A tiered save is durable locally: copy it to its target (reports
         :meth:`SaveLifecycle.flush_done`)."""
@@ -261,8 +265,7 @@ class SaveLifecycle:
             else:
                 log.info("request %d (rank %d) replicated to %s", request.id, request.rank,
                          ", ".join(request.replicas.holders))
-        if not request.finished and not request.replicas.sending \
-                and not request.lease.has(WRITERS):
+        if not (request.finished or request.replicas.sending or request.lease.has(WRITERS)):
             self._settle(request)
         request.lease.drop(replica_hold(holder))  # after settling: a done save may stay resident
 
@@ -358,8 +361,9 @@ class SaveLifecycle:
             self.effects.cancel_device_copy(request)
         if lease is not None and any(h.startswith("replica:") for h in lease.holds):
             self.effects.cancel_replication(request)  # each push answers; its hold drops then
-        if lease is None or not lease.has(WRITERS):
-            self.effects.remove_outputs(request)  # else: when the writers have answered
+        writing = lease is not None and lease.has(WRITERS)  # files go when they answer; told
+        # now, no writer renames one meanwhile (the stopped save would show at its path)
+        (self.effects.cancel_writes if writing else self.effects.remove_outputs)(request)
         if lease is not None and not keep_copy_hold:
             # A trainer's copy ends with the save (its later STAGED is refused); a device
             # copy and writer jobs still run and drop their holds when they answer.

@@ -85,6 +85,12 @@ class SaveWrites:
             release()
         return exited
 
+    def cancel(self, request: SaveRequest) -> None:
+        """A stopped save's writer jobs not answered yet: their files must not be renamed
+        into place (those renamed already are removed when their results come)."""
+        for job in request.jobs:
+            self.daemon.writers.cancel(job)
+
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote (for a tiered save: also at the
         target, and the commits that needed it are abandoned)."""

@@ -72,6 +72,8 @@ class SaveService:
         self.lifecycle = SaveLifecycle(self.daemon.pool, self.table, self)
         self.device = DeviceCopies(self.daemon.cuda, self.ranks, self.table, self.lifecycle)
         self.writes = SaveWrites(self.daemon, self.lifecycle)
+        # SaveEffects that are SaveWrites' own: a stopped save's files and writer jobs
+        self.remove_outputs, self.cancel_writes = self.writes.remove_outputs, self.writes.cancel
 
     def cancel_device_copy(self, request: SaveRequest) -> None:
         """An aborted or failed save's device copy: stop it, or release its handles."""
@@ -286,10 +288,6 @@ class SaveService:
     def cancel_replication(self, request: SaveRequest) -> None:
         """Stop an aborted local part's pushes."""
         self.daemon.local.cancel_replication(request)
-
-    def remove_outputs(self, request: SaveRequest) -> None:
-        """Delete what a failed or aborted save wrote (:class:`SaveWrites`)."""
-        self.writes.remove_outputs(request)
 
     def flush(self, request: SaveRequest) -> None:
         """A tiered save is durable locally: hand it to the flusher."""

@@ -60,6 +60,15 @@ class StopWriter(Body, message="stop"):
     """Exit after the job in hand."""
 
 
+class CancelJob(Body, message="cancel"):
+    """Drop the job whose id this message carries: its save was stopped (aborted, failed,
+    past a deadline) while the job was queued at the writer or running there. A job not
+    started is not run; a running one stops before its file (and checksum record) is
+    renamed into place; either way its result is an ``ECANCELED`` failure. A cancel that
+    comes after the rename is too late: the daemon removes that file when the result
+    arrives, as for any stopped save."""
+
+
 class WriteResult(Body, message=RESULT):
     """How a job ended: the committed file, or the error (with errno when the OS gave one)."""
 
@@ -92,7 +101,7 @@ class WriteProgress(Body, message="progress"):
 JOB_PHASES = ("queued", "create", "write", "fsync", "commit")
 
 #: Jobs a writer executes, by message type (besides them the daemon sends only
-#: :class:`StopWriter`).
+#: :class:`StopWriter` and :class:`CancelJob`).
 JOB_TYPES = {cls.message_type: cls for cls in (WriteTorch, WriteItems, WriteBytes)}
 #: What a writer may send back, by message type.
 REPLY_TYPES = {cls.message_type: cls for cls in (WriterReady, WriteProgress, WriteResult)}
@@ -118,6 +127,7 @@ class WriteJob:
     #: do, so its deadline never counts another file's write. None: the stall check alone.
     deadline: float | None = None
     deadline_of: str = ""  # the limit that set it, for the error: "CKPTD_SAVE_DEADLINE 7200s"
+    cancelled: bool = False  # its save stopped: the writer is told to drop it
 
     @property
     def path(self) -> str:

@@ -118,6 +118,12 @@ class WriterPool:
         self._backlog.append(job)
         self._dispatch()
 
+    def cancel(self, job: WriteJob) -> None:
+        """Tell ``job``'s writer to drop it, its save stopped (:meth:`WriterSlot.cancel`)."""
+        job.cancelled = True
+        for slot in (s for s in self.slots if s.jobs.get(job.id) is job):
+            slot.cancel(job.id)
+
     def _dispatch(self) -> None:
         """Send waiting jobs to the least-loaded ready writers, in submission order, except
         that a path with a job in flight waits for it: two saves of one path (an aborted
@@ -154,6 +160,8 @@ class WriterPool:
             slot.jobs[job.id] = job
             job.writer = slot.index
             busy.add(job.path)
+            if job.cancelled:  # its save stopped while it waited here: right behind it
+                slot.cancel(job.id)
         waiting.extend(self._backlog)
         self._backlog = waiting
 

@@ -9,7 +9,9 @@ O_DIRECT straight from the pool where the filesystem allows it: every tensor's b
 on a 4 KiB boundary of the file, as of the pool), and the result (size, checksum, item
 offsets, or the errno of the failure) goes back. A bad job never
 kills the writer; the writer exits when its daemon is gone, since nobody wants its results
-any more.
+any more. A job whose save the daemon stopped meanwhile (:class:`CancelJob`, read ahead
+while the job runs, :class:`Inbox`) is not started, or is stopped before its rename: a
+save a trainer was told failed never shows at its path.
 
 Must not import torch: every writer would carry ~150 MB of it for nothing, since the bytes
 are already in the pool and only torch's file format is needed.
@@ -25,6 +27,7 @@ import mmap
 import os
 import signal
 import time
+from collections import deque
 
 import zmq
 
@@ -33,7 +36,7 @@ from ckptd.checksum import ChecksumWriter
 from ckptd.storage.durable import write_file_atomically
 from ckptd.storage.previous import keep_aside
 from ckptd.storage.priority import yield_to_trainers
-from ckptd.storage.jobs import (JOB_TYPES, RESULT, StopWriter, WriteBytes, WriteItems,
+from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StopWriter, WriteBytes, WriteItems,
                                 WriteProgress, WriterReady, WriteResult, WriteTorch)
 from ckptd.storage.layout import archive_alignment, item_start
 from ckptd.storage.torch_format import PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file
@@ -72,6 +75,53 @@ class ProgressReporter:
             WriteProgress.message_type, self.job_id, WriteProgress(phase, bytes_done).to_wire()))
 
 
+class Inbox:
+    """The writer's channel, read ahead: while a job runs, the messages that came meanwhile
+    are taken, so that a cancel of the job in hand is seen before its file is renamed into
+    place; the others wait here, in order, for their turn.
+
+    Parameters
+    ----------
+    sock : zmq.Socket or None
+        The channel to the daemon (None: jobs run in this process, nothing is cancelled).
+    """
+
+    def __init__(self, sock: zmq.Socket | None) -> None:
+        self.sock = sock
+        self.waiting: deque = deque()  # decoded messages, or the ProtocolError of one
+        self.cancelled: set[int] = set()  # ids of jobs the daemon dropped
+
+    def next(self, timeout_ms: int):
+        """The next message (a :class:`protocol.Message`, or the
+        :class:`protocol.ProtocolError` of an undecodable one); None after ``timeout_ms``."""
+        if not self.waiting and self.sock is not None and self.sock.poll(timeout_ms):
+            self.read_ahead()
+        return self.waiting.popleft() if self.waiting else None
+
+    def read_ahead(self) -> None:
+        """Take every message already there, without waiting."""
+        while self.sock is not None and self.sock.poll(0):
+            try:
+                msg = protocol.decode(self.sock.recv_multipart())
+            except protocol.ProtocolError as exc:  # answered in its turn, never fatal
+                self.waiting.append(exc)
+                continue
+            if msg.type == CancelJob.message_type:
+                self.cancelled.add(msg.id)
+            else:
+                self.waiting.append(msg)
+
+    def is_cancelled(self, job_id: int) -> bool:
+        """Whether the daemon dropped job ``job_id`` (asked now, reading ahead)."""
+        self.read_ahead()
+        return job_id in self.cancelled
+
+    def done(self, job_id: int) -> None:
+        """Job ``job_id`` was answered: a cancel of it or of an earlier one (jobs come in
+        the order of their ids) can be forgotten."""
+        self.cancelled = {i for i in self.cancelled if i > job_id}
+
+
 class Writer:
     """Executes jobs against the mapped staging pool.
 
@@ -83,6 +133,7 @@ class Writer:
 
     def __init__(self, pool_path: str, pool_size: int, sock: zmq.Socket | None = None) -> None:
         self.progress = ProgressReporter(sock)
+        self.inbox = Inbox(sock)
         fd = os.open(pool_path, os.O_RDWR)
         try:
             self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
@@ -113,7 +164,7 @@ class Writer:
             job.path, lambda f: write_torch_layout(f, job.skeleton, specs, buffers,
                                                    max_write=max_write,
                                                    alignment=PAGE_ALIGNMENT), direct=True,
-            progress=self.progress)
+            progress=self.step)
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
         """Items one after the other; records where each one landed.
@@ -148,7 +199,7 @@ class Writer:
                 placements.append([start, stream.tell() - start])
 
         result = write_file_atomically(job.path, write_items, checksum=not job.stock,
-                                       direct=not job.stock, progress=self.progress)
+                                       direct=not job.stock, progress=self.step)
         result["items"] = placements
         return result
 
@@ -156,7 +207,15 @@ class Writer:
         """The message's raw frame as a file."""
         data = frames[0] if frames else b""
         return write_file_atomically(job.path, lambda f: f.write(data), checksum=not job.stock,
-                                     progress=self.progress)
+                                     progress=self.step)
+
+    def step(self, phase: str, bytes_done: int) -> None:
+        """The job in hand moved (reported); before its rename, it stops if the daemon
+        dropped it meanwhile (the temporary is removed: the path keeps what it had)."""
+        if phase == "commit" and self.inbox.is_cancelled(self.progress.job_id):
+            raise OSError(errno_mod.ECANCELED, "the daemon dropped this save (aborted or "
+                          "failed) before its file was renamed into place")
+        self.progress(phase, bytes_done)
 
     def execute(self, msg: protocol.Message) -> WriteResult:
         """Run one job; every failure becomes a result, never an exception."""
@@ -164,6 +223,9 @@ class Writer:
         started, started_at = time.monotonic(), time.time()
         try:
             self.progress.start(msg.id)
+            if self.inbox.is_cancelled(msg.id):
+                raise OSError(errno_mod.ECANCELED, "the daemon dropped this save (aborted or "
+                              "failed) before its writer began the file", path)
             if msg.type not in JOB_TYPES:
                 raise ValueError(f"{msg.type!r} is not a writer job")
             job = JOB_TYPES[msg.type].from_wire(msg.body)
@@ -190,22 +252,23 @@ class Writer:
         parent = os.getppid()
         sock.send_multipart(protocol.encode(WriterReady.message_type, 0,
                                             WriterReady(os.getpid()).to_wire()))
+        self.inbox.sock = sock
         while True:
-            if not sock.poll(1000):
+            msg = self.inbox.next(1000)
+            if msg is None:
                 if os.getppid() != parent:  # the daemon is gone: nobody wants our results
                     return
                 continue
-            try:
-                msg = protocol.decode(sock.recv_multipart())
-            except protocol.ProtocolError as exc:  # answered, never fatal
-                log.error("writer got an undecodable job: %s", exc.message)
+            if isinstance(msg, protocol.ProtocolError):  # answered, never fatal
+                log.error("writer got an undecodable job: %s", msg.message)
                 sock.send_multipart(protocol.encode(RESULT, -1, WriteResult(
-                    ok=False, error=f"undecodable job: {exc.message}").to_wire()))
+                    ok=False, error=f"undecodable job: {msg.message}").to_wire()))
                 continue
             if msg.type == StopWriter.message_type:
                 return
             result = self.execute(msg)
             sock.send_multipart(protocol.encode(RESULT, msg.id, result.to_wire()))
+            self.inbox.done(msg.id)
 
 
 def die_with(parent_pid: int) -> None:

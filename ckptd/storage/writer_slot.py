@@ -20,7 +20,7 @@ import zmq
 
 from ckptd import knobs, protocol
 from ckptd.storage.durable import remove_quietly
-from ckptd.storage.jobs import StopWriter
+from ckptd.storage.jobs import CancelJob, StopWriter
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,16 @@ class WriterSlot:
                 flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+    def cancel(self, job_id: int) -> None:
+        """Tell the writer to drop job ``job_id`` (its save stopped): not started, it is not
+        run; running, its file is not renamed into place. The job still gets its result
+        (``ECANCELED``, or ok if its rename was done already)."""
+        try:
+            self.socket.send_multipart(protocol.encode(CancelJob.message_type, job_id,
+                                                       CancelJob().to_wire()), flags=zmq.NOBLOCK)
+        except zmq.Again:  # its process is gone: the job fails when it is reaped
+            log.warning("writer %d did not take the cancel of job %d", self.index, job_id)
 
     def stop(self, deadline: float, timeout: float) -> None:
         """Wait for the writer until ``deadline`` (monotonic), kill it if it is still there,

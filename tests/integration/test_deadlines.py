@@ -225,12 +225,20 @@ def test_a_stopped_daemon_ends_the_wait_and_never_commits_afterwards(daemon, mon
                     checkpoint.finalize_async_save(blocking=True)
             finally:
                 os.kill(daemon.pid, signal.SIGCONT)
+            # The writer resumes only once the daemon has read the queued abort (the save
+            # left "saves"): the writer must then drop the job, not rename its file.
+            wait_for(lambda: not daemon.status()["saves"], 60, "the resumed daemon's abort")
         message = str(raised.value)
         assert "rank 0" in message and path in message and "did not answer" in message
         assert "ckptd status --socket" in message
-        wait_for(lambda: daemon.status()["totals"]["saves_done"] == 0 and
-                 not daemon.status()["saves"], 60, "the resumed daemon to drop the save")
+        # An aborted save leaves "saves" before its writer answers: wait for the writer.
+        wait_for(lambda: not any(w["jobs"] for w in daemon.status()["writers"]), 60,
+                 "the writer to answer the dropped save")
+        status = daemon.status()
+        assert status["totals"]["saves_done"] == 0 and not status["saves"]
         assert not os.path.exists(path), "a save reported failed was committed afterwards"
+        written = [r["bytes_written"] for r in status["requests"] if r["path"] == path]
+        assert written == [0], "the dropped save's file was renamed into place, then removed"
         checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
         checkpoint.finalize_async_save(blocking=True)
     finally:

@@ -53,7 +53,7 @@ class Effects:
     def __init__(self, jobs: int = 1, holders: tuple = ()) -> None:
         self.jobs, self.holders = jobs, list(holders)
         self.granted, self.removed, self.cancelled, self.staged_ids = [], [], [], []
-        self.device_cancelled = []
+        self.device_cancelled, self.writes_cancelled = [], []
 
     def space_granted(self, request):
         self.granted.append(request.id)
@@ -77,6 +77,9 @@ class Effects:
 
     def remove_outputs(self, request):
         self.removed.append(request.id)
+
+    def cancel_writes(self, request):
+        self.writes_cancelled.append(request.id)
 
 
 @pytest.fixture
@@ -373,3 +376,25 @@ def test_a_request_forgotten_while_its_writers_work_leaves_the_table_when_they_a
     assert request.id in table.requests
     ok(life, request)
     assert fx.removed == [request.id] and request.id not in table.requests
+
+
+def test_a_save_stopped_while_writing_cancels_its_writer_jobs_at_once(pool):
+    # Removing the files when the writers answer is too late: one that renames meanwhile
+    # shows the stopped save at its path. The writers are told at the stop itself.
+    table, fx, life = setup(pool, jobs=1)
+    request = make(table)
+    life.admit(request)
+    life.copied(request, CLIENT_COPY)
+    assert fx.writes_cancelled == []
+    life.abort(request, "the trainer gave up waiting")
+    assert fx.writes_cancelled == [request.id] and fx.removed == []
+    life.job_done(request, "/ckpt/x/f0", False, None, 10, "dropped", 125)
+    assert fx.removed == [request.id] and table.saves_done == 0
+
+
+def test_a_save_stopped_before_writing_has_no_writer_jobs_to_cancel(pool):
+    table, fx, life = setup(pool, jobs=1)
+    request = make(table)
+    life.admit(request)
+    life.abort(request, "aborted")
+    assert fx.writes_cancelled == [] and fx.removed == [request.id]

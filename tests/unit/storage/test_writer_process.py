@@ -1,13 +1,15 @@
 """A writer's jobs, run in this process against a real pool file: files torch and DCP read."""
 
+import errno
 import io
 import os
 
+import pytest
 import torch
 
 from ckptd import protocol
-from ckptd.storage.jobs import WriteItems, WriteTorch
-from ckptd.storage.writer_process import Writer
+from ckptd.storage.jobs import CancelJob, WriteItems, WriteTorch
+from ckptd.storage.writer_process import ProgressReporter, Writer
 
 from pool_fixtures import pool_path, writer  # noqa: F401 (fixtures)
 
@@ -169,3 +171,65 @@ def test_a_writer_process_writes_torch_and_dcp_files_without_importing_torch(
         items = [torch.load(io.BytesIO(data[start:start + length]), weights_only=True)
                  for start, length in result["items"]]
         assert torch.equal(items[0], a) and torch.equal(items[1], b)
+
+
+
+@pytest.fixture
+def channel():
+    """A writer channel in this process: (the daemon's end, the writer's end)."""
+    import zmq
+
+    context = zmq.Context()
+    daemon_side, writer_side = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    daemon_side.bind("inproc://writer-cancels")
+    writer_side.connect("inproc://writer-cancels")
+    yield daemon_side, writer_side
+    daemon_side.close(linger=0)
+    writer_side.close(linger=0)
+    context.term()
+
+
+def previous_and_job(writer, tmp_path):
+    """A file already at the path, and a torch job that would replace it."""
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the previous checkpoint")
+    return path, WriteTorch(str(path), protocol.pack_value(protocol.TensorRef(0)),
+                            [put(writer, 0, torch.ones(4))], 16)
+
+
+def test_a_job_cancelled_before_the_writer_reads_it_leaves_the_path_as_it_was(
+        writer, tmp_path, channel):
+    # The order of a stopped daemon's resumption: the job reached the writer's channel, the
+    # daemon then read the trainer's abort and sent the cancel, and only then did the
+    # (SIGSTOPped) writer read its channel. The old file must stay, untouched.
+    daemon_side, writer_side = channel
+    path, job = previous_and_job(writer, tmp_path)
+    for message_type, msg_id, body in ((job.message_type, 3, job.to_wire()),
+                                       (CancelJob.message_type, 3, {}), ("stop", 0, {})):
+        daemon_side.send_multipart(protocol.encode(message_type, msg_id, body))
+    writer.run(writer_side)  # ready, the job's result, then the stop
+    replies = [protocol.decode(daemon_side.recv_multipart()) for _ in range(2)]
+    result = [r for r in replies if r.type == "result"][0]
+    assert result.id == 3 and result.body["ok"] is False
+    assert result.body["errno"] == errno.ECANCELED and "dropped" in result.body["error"]
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_a_job_cancelled_while_it_writes_is_not_renamed_into_place(writer, tmp_path, channel):
+    # The cancel comes while the writer is writing (the daemon read the abort meanwhile):
+    # the file is never renamed over the old one, and no temporary is left.
+    daemon_side, writer_side = channel
+
+    class CancelledWhileWriting(ProgressReporter):
+        def __call__(self, phase, bytes_done):
+            if phase == "write" and not writer.inbox.cancelled:
+                daemon_side.send_multipart(protocol.encode(CancelJob.message_type, self.job_id))
+                assert writer_side.poll(5000)  # delivered before the writer looks again
+
+    writer.inbox.sock, writer.progress = writer_side, CancelledWhileWriting(None)
+    path, job = previous_and_job(writer, tmp_path)
+    result = run(writer, job)
+    assert not result.ok and result.errno == errno.ECANCELED
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert os.listdir(tmp_path) == ["model.pt"]
