@@ -8,9 +8,10 @@ rank leaves its mark there as it enters a save's completion check, and says once
 process it is (its pid, where that pid means something). When the collective breaks, a
 rank whose mark is missing is named lost only on evidence: its process is gone (checked
 on its own node, by a rank there, which leaves that finding in the store for the ranks
-of other nodes). A rank that is merely late (stopped for a while, slow) gets the normal
-wait, the process group's own timeout, for its mark; one that neither arrives nor is
-known dead by then is named as such.
+of other nodes). A rank that is merely late (stopped for a while, slow) is waited for,
+``CKPTD_LATE_RANK_GRACE`` (or the process group's timeout, if shorter); one that neither
+arrives nor is known dead by then is named as such (a node lost whole leaves nobody to
+find its processes gone, so this bound is what names it).
 
 Owns the marks (one key per rank, overwritten: the store does not grow with the number
 of saves), the identities, the findings, and the count of completions this process
@@ -27,6 +28,7 @@ import logging
 import os
 import time
 
+from ckptd import knobs
 from ckptd.protocol import process_alive
 
 log = logging.getLogger(__name__)
@@ -148,22 +150,26 @@ def _store():
         return None
 
 
-def _group_timeout(store) -> float:
-    """The process group's own timeout: how long any collective waits for a late rank."""
+def _late_limit(store) -> float:
+    """How long a rank not known to be dead is awaited: the grace, or the process group's
+    own timeout (how long any collective waits for a late rank) where that is shorter."""
     timeout = getattr(store, "timeout", None)
-    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
+    group = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
+    return min(group, knobs.LATE_RANK_GRACE.get())
 
 
 #: The marks of this process.
 MARKS = CompletionMarks()
 
 
-def lost_ranks_failure(error: Exception, rank: int, world_size: int) -> dict[int, str]:
+def lost_ranks_failure(error: Exception, rank: int, world_size: int,
+                       store=None) -> dict[int, str]:
     """The failures to report when the completion collective itself failed with ``error``.
 
     Ranks that have not reached this save's completion check are named lost once their
-    process is known to be gone; the others are waited for (the process group's timeout)
-    and dropped from suspicion when their mark arrives.
+    process is known to be gone; the others are waited for (``CKPTD_LATE_RANK_GRACE``, at
+    most the process group's timeout) and dropped from suspicion when their mark arrives.
+    ``store`` is the process group's store (default: the default group's).
 
     Returns
     -------
@@ -171,10 +177,10 @@ def lost_ranks_failure(error: Exception, rank: int, world_size: int) -> dict[int
         Each rank named lost -> why; when none can be named, this rank -> the
         collective's error.
     """
-    store = _store()
+    store = _store() if store is None else store
     waiting, lost = MARKS.missing(world_size, store), {}
     if waiting:
-        limit = _group_timeout(store)
+        limit = _late_limit(store)
         deadline = time.monotonic() + limit
         logged = False
         while waiting:
@@ -190,8 +196,9 @@ def lost_ranks_failure(error: Exception, rank: int, world_size: int) -> dict[int
                 log.debug("completion marks unreadable: %s", exc)
                 break
             if waiting and time.monotonic() > deadline:
-                lost.update({r: f"it did not reach the check within the process group's "
-                                f"timeout ({limit:.0f}s) and is not known to be alive"
+                lost.update({r: f"it did not reach the check within {limit:.0f}s "
+                                f"(CKPTD_LATE_RANK_GRACE) and is not known to be alive: "
+                                f"its node may be lost, or the process hangs"
                              for r in waiting})
                 break
             if waiting and not logged:

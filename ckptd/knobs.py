@@ -36,6 +36,7 @@ __all__ = [
     "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
     "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN",
+    "LATE_RANK_GRACE",
 ]
 
 
@@ -365,6 +366,14 @@ LOCAL_LOAD_TIMEOUT = _knob(
 WAIT_MARGIN = _knob(
     "WAIT_MARGIN", 30.0, float,
     "Seconds a trainer waits beyond the daemon's own deadline for the same thing")
+# Once a save's completion collective has broken, a rank that never reached it and is not
+# known to be dead may only be late (stopped, swapping): it is given this long to arrive
+# before it is named. Bounded well below the process group's own timeout (30 min for
+# gloo) because a node lost whole leaves no rank behind to report its processes gone, and
+# the job cannot go on with a broken group anyway: the operator needs the name now.
+LATE_RANK_GRACE = _knob(
+    "LATE_RANK_GRACE", 120.0, float,
+    "Seconds a broken completion check waits for a rank not known to be dead before naming it")
 # Loads of local parts: read with O_DIRECT straight into the tensors' memory (no copy out
 # of the page cache, no cache filled with a checkpoint read once), in large reads on a few
 # threads, each piece checksummed by the thread that read or copied it while it is hot.

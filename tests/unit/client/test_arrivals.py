@@ -1,6 +1,8 @@
 """Completion marks without a process group: nothing is marked, and a failure is still
 reported (naming this rank and the collective's error) instead of escaping."""
 
+import os
+
 from ckpt_client.arrivals import CompletionMarks, lost_ranks_failure
 
 
@@ -45,3 +47,23 @@ def test_a_rank_is_gone_only_on_its_own_nodes_evidence_which_is_shared_through_t
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_rank_on_a_lost_node_is_named_after_the_grace_not_the_group_timeout():
+    """A node lost whole leaves nobody to find its processes gone: a rank described from
+    another node that never reaches the check is named once CKPTD_LATE_RANK_GRACE has
+    passed (the process group's own timeout, 30 min for gloo, would leave the operator
+    without a name for half an hour); a rank that arrived is never named."""
+    from torch.distributed import HashStore
+
+    from ckpt_client.arrivals import MARKS, _node, lost_ranks_failure
+    from ckptd import knobs
+
+    store = HashStore()
+    store.set("ckpt_client/process/0", f"{_node()} {os.getpid()} x")
+    store.set("ckpt_client/completion/0", str(MARKS.completion))
+    store.set("ckpt_client/process/1", "another-node:1 4242 17")
+    with knobs.override(LATE_RANK_GRACE=0.3):
+        failures = lost_ranks_failure(RuntimeError("Connection closed by peer"), 0, 2, store)
+    assert list(failures) == [1]
+    assert "CKPTD_LATE_RANK_GRACE" in failures[1] and "node may be lost" in failures[1]
