@@ -12,13 +12,17 @@ function hands its files to the daemon, :mod:`ckpt_client.megatron.write_runners
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
+import signal
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from ckpt_client.queue.request import AsyncRequest, preloaded_args
+
+log = logging.getLogger(__name__)
 
 
 class Runner(ABC):
@@ -83,9 +87,39 @@ def _lower_cpu_priority(target: int | None) -> None:
         os.nice(increment)
 
 
+def _start_with_sigterm_held(process: multiprocessing.process.BaseProcess) -> None:
+    """Start ``process`` with SIGTERM blocked in this thread, then put the mask back.
+
+    A forked child inherits the trainer's SIGTERM handler, which in a trainer with its own
+    Python handler (Lightning, torchelastic) only sets a flag the helper never reads: an
+    abort's SIGTERM landing before the child has reset its disposition would be swallowed,
+    and the helper killed only after ``sigterm_timeout``. Blocked, it stays pending until
+    :func:`_take_default_sigterm` has run in the child. A SIGTERM for the trainer that
+    arrives meanwhile is delivered when the mask is put back.
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _take_default_sigterm() -> None:
+    """In the helper: SIGTERM ends it (the default action), whatever the parent had.
+
+    Resets the disposition before unblocking, so a SIGTERM already pending ends the helper
+    here. Right for every start method: a forked child has the parent's handler and mask,
+    a spawned or forkserver one inherits an ignored SIGTERM and the mask through exec.
+    ``async_fn`` may still install its own handler afterwards to clean up.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def _run_in_child(fn, args, kwargs, conn, cpu_priority=None, send_result=False) -> None:
     import gc
 
+    _take_default_sigterm()
     gc.disable()  # freeing CUDA tensors inherited through fork would crash the child
     try:
         _lower_cpu_priority(cpu_priority)
@@ -112,7 +146,7 @@ class ProcessRunner(Runner):
         self.process = context.Process(target=_run_in_child, daemon=options.daemonic,
                                        args=(request.async_fn, args, request.async_fn_kwargs, send,
                                              options.cpu_priority, send_result))
-        self.process.start()
+        _start_with_sigterm_held(self.process)
         send.close()
         self._message: tuple | None = None
         self._error: str | None = None
@@ -150,6 +184,9 @@ class ProcessRunner(Runner):
             self.process.terminate()  # SIGTERM first, as the reference: let it clean up
             self.process.join(self._sigterm_timeout)
         if self.process.is_alive():
+            log.warning("async_fn helper process %d did not exit within %.0f s of SIGTERM "
+                        "(sigterm_timeout); killing it with SIGKILL", self.process.pid,
+                        self._sigterm_timeout)
             self.process.kill()
         self.process.join()
         self._receive.close()

@@ -1,6 +1,7 @@
 """AsyncRequest / AsyncCallsQueue with hand-built requests (no daemon, one process)."""
 
 import os
+import signal
 
 import pytest
 
@@ -79,3 +80,30 @@ def test_close_with_abort_stops_the_helper_and_leaves_the_queue_usable(tmp_path)
     assert queue.get_num_unfinalized_calls() == 0
     queue.schedule_async_request(AsyncRequest(write_marker, (str(tmp_path / "after"), "ok")))
     assert queue.maybe_finalize_async_calls(blocking=True, no_dist=True) == [1]
+
+
+@pytest.fixture
+def trainer_sigterm_handler():
+    """The trainer installs a Python SIGTERM handler that only records the signal, as
+    Lightning and torchelastic do; the one before it is put back after the test."""
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_abort_right_after_start_ends_the_helper_by_sigterm_despite_the_trainers_handler(
+        tmp_path, trainer_sigterm_handler):
+    # The abort's SIGTERM reaches the helper while it may still carry the trainer's handler
+    # (fork copies it): a helper that swallowed it would be killed only after
+    # sigterm_timeout, by SIGKILL.
+    fifo = tmp_path / "never"
+    os.mkfifo(fifo)
+    queue = AsyncCallsQueue(sigterm_timeout=30.0)
+    queue.schedule_async_request(AsyncRequest(block_on, (str(fifo),)))
+    helper = queue._active[0].runner.process
+    queue.close(abort=True)
+    assert helper.exitcode == -signal.SIGTERM
+    assert trainer_sigterm_handler == [], "the trainer itself was never signalled"
