@@ -5,7 +5,9 @@ attempt at copying it). An attempt streams the local file in chunks (never the w
 file in memory) into a fresh hidden temporary at the target, checksumming what it writes;
 it commits (fsync, checksum record, rename, directory fsync) only when the bytes written
 match the checksum the local write recorded, so a local copy damaged after it was written
-never reaches the target's final name. Progress (bytes, time of the last completed write)
+never reaches the target's final name. Before it renames, an attempt notes its file's id
+beside the local copy (durable), so a daemon resuming the flush after a crash knows that
+file at the target as this save's own. Progress (bytes, time of the last completed write)
 is published for the flusher's stall watchdog; a task the flusher abandons stops at its
 next chunk and discards its temporary, and one stuck in a ``write`` or ``fsync`` that
 never returns is simply left behind (the retry uses another temporary name).
@@ -25,8 +27,9 @@ from dataclasses import dataclass, field
 from ckptd import knobs
 from ckptd.checksum import (ALGORITHM, Checksum, ChecksumMismatchError, read_sidecar,
                             sidecar_path)
+from ckptd.storage.directories import fsync_directory
 from ckptd.storage.durable import DurableFile
-from ckptd.storage.previous import keep_aside
+from ckptd.storage.previous import drop_previous, keep_aside
 
 #: A full, over-quota, read-only or forbidden target does not heal by itself in minutes.
 FAIL_FAST_ERRNOS = frozenset({errno_mod.ENOSPC, errno_mod.EDQUOT, errno_mod.EROFS,
@@ -51,7 +54,10 @@ class FlushFile:
         Where the file it replaces at the target is kept until its save is over
         (:mod:`ckptd.tiers.settle`); "" keeps nothing.
     kept : bool or None
-        Whether something was kept there (None: no attempt got that far yet).
+        Whether something was kept there (None: no attempt of this daemon got that far).
+    earlier : list
+        ``[st_dev, st_ino]`` of each file an earlier daemon's attempts may have renamed
+        onto the target (a flush resumed from the journal, :meth:`recall_attempts`).
     """
 
     local: str
@@ -64,6 +70,42 @@ class FlushFile:
     #: One attempt decides what is kept: a later one could find an earlier one's new
     #: file at the target already and must not keep that as the previous file.
     keeping: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    earlier: list = field(default_factory=list, compare=False)
+
+    @property
+    def attempts_log(self) -> str:
+        """Beside the local copy: the file id of every attempt that may rename, one a line."""
+        return self.local + ".ckptd-attempts"
+
+    def note_attempt(self, file_id: list) -> None:
+        """Make ``file_id`` durable in :attr:`attempts_log` before its attempt renames (on
+        the worker thread): a daemon killed after the rename leaves its successor no other
+        way to tell this save's file at the target from a later save's. A save whose local
+        directory is gone (it was given up) raises ``FileNotFoundError``: it never renames."""
+        new = not os.path.exists(self.attempts_log)
+        fd = os.open(self.attempts_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, f"{file_id[0]} {file_id[1]}\n".encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if new:
+            fsync_directory(os.path.dirname(self.attempts_log))
+
+    def recall_attempts(self) -> "FlushFile":
+        """Learn the file ids an earlier daemon's attempts noted (a resumed flush); a line
+        torn by its crash is skipped (its attempt had not renamed yet)."""
+        try:
+            with open(self.attempts_log) as noted:
+                lines = noted.read().splitlines()
+        except FileNotFoundError:
+            lines = []
+        for line in lines:
+            fields = line.split()
+            if len(fields) == 2 and all(f.isdigit() for f in fields):
+                self.earlier.append([int(fields[0]), int(fields[1])])
+        return self
 
     def to_json(self) -> dict:
         """For the journal."""
@@ -184,6 +226,7 @@ class CopyTask:
                 # fsync hung must not rename into place after its save was given up.
                 os.fsync(durable.stream.fileno())
                 self._progress()
+                self.file.note_attempt(self.file_id)
                 durable.commit()
 
     def _keep_previous(self) -> None:
@@ -196,7 +239,13 @@ class CopyTask:
                 try:
                     file.kept = keep_aside(file.target, file.previous)
                 except FileExistsError:  # an earlier attempt's link landed after it failed
-                    file.kept = True
+                    file.kept = True     # (or the earlier daemon's, on a resumed flush)
+                    return
+                if file.kept and file.earlier and _file_id(file.previous) in file.earlier:
+                    # A resumed flush to a path that was new: the earlier daemon's attempt
+                    # renamed this save's file there, which is no previous checkpoint.
+                    drop_previous(file.previous)
+                    file.kept = False
 
     def _expected(self) -> Checksum:
         """What the local write recorded (its checksum record, else the journal's)."""
@@ -216,6 +265,14 @@ class CopyTask:
             raise CopyError(errno_mod.ENOENT, f"the local copy {self.file.local} is missing; "
                             "not committed", self.file.local, fail_fast=True)
         return Checksum(self.file.crc32, self.file.size, algorithm)
+
+
+def _file_id(path: str) -> list | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return [info.st_dev, info.st_ino]
 
 
 def remove_at_target(paths: list[str]) -> None:

@@ -248,7 +248,7 @@ class TierService:
                 self.stage.forget(key)
 
     def _resume_save(self, key: str, entry: dict) -> None:
-        files = [FlushFile.from_json(f) for f in entry["files"]]
+        files = [FlushFile.from_json(f).recall_attempts() for f in entry["files"]]
         request = self.daemon.saves.resumed_request(key, entry, files)
         self.stage.reserve(key, sum(f.size for f in files))
         request.flush = FlushJob(key, request.path, files, float(entry["deadline"]),

@@ -12,6 +12,12 @@ its targets on a worker thread (the target may hang; the serve loop must not):
   kept file is put back (or, where there was none, the save's file is removed); a file
   some later save put there stays.
 
+A flush resumed from the journal (the daemon restarted) settles the earlier daemon's
+attempts too: each attempt notes its file's id beside the local copy before it renames
+(:meth:`ckptd.tiers.copy.FlushFile.note_attempt`), so the target's file is known as this
+save's own even when a dead daemon renamed it, and the previous file it kept (under the
+journaled name) is put back even when no attempt of this daemon got as far as keeping.
+
 It does so only once every copy attempt of the save has returned, abandoned ones
 included. An attempt is a thread, which nobody can kill, and one held inside a rename by
 a hung target renames when the target answers: put back before that, the previous file
@@ -28,10 +34,12 @@ Pattern: join the workers, then drop or put back. No sockets.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from ckptd.storage.durable import remove_written
 from ckptd.storage.previous import drop_previous, restore_previous_of
+
 
 class Settlements:
     """Settles the targets of each tiered flush (a save's, or a commit's) once, when it
@@ -78,13 +86,22 @@ def _settle(files: list, tasks: list, failed: bool) -> None:
             task.thread.join()  # no timeout: until it returns, it may still rename
     for file in files:
         own = [t.file_id for t in tasks if t.file is file and t.file_id is not None]
+        own += file.earlier
         if not failed:
             if file.previous:
                 drop_previous(file.previous)
-        elif file.kept:
+        elif _kept(file):
             restore_previous_of(file.target, file.previous, own)
         else:  # nothing was there before it: only its own file goes
             for file_id in own:
                 remove_written(file.target, file_id)
             if file.previous:
                 drop_previous(file.previous)  # a link that landed after the decision
+
+
+def _kept(file) -> bool:
+    if file.kept is not None:
+        return file.kept
+    # No attempt of this daemon got as far as keeping (a resumed flush whose deadline
+    # passed while no daemon ran): the link is there only if the earlier daemon kept.
+    return bool(file.previous) and os.path.lexists(file.previous)

@@ -148,3 +148,50 @@ def test_no_copy_starts_to_a_target_while_it_is_settled(tmp_path):
     finally:
         flusher.close()
         context.term()
+
+
+def _previous_daemon_renamed(tmp_path, old: bytes | None) -> FlushFile:
+    """A daemon's attempt kept ``old`` aside (if any) and renamed its file onto the target;
+    the daemon then died: what its successor resumes from the journal."""
+    from ckptd.storage.previous import previous_name
+
+    target = tmp_path / "target" / "f.distcp"
+    if old is not None:
+        write_small_file(str(target), old, checksum=True)
+    file = local_copy(tmp_path, b"new")
+    file.previous = previous_name(file.target)
+    CopyTask(file, 1).run()
+    assert target.read_bytes() == b"new"
+    return FlushFile.from_json(file.to_json()).recall_attempts()
+
+
+def _damage(file: FlushFile) -> None:
+    """Flip the local copy's bytes (not its record): an attempt keeps, copies, then fails."""
+    with open(file.local, "r+b") as f:
+        f.write(b"NEW")
+
+
+@pytest.mark.parametrize("resumed_attempt", ["fails", "none"])
+@pytest.mark.parametrize("old", [b"old", None], ids=["overwrite", "new-path"])
+def test_a_resumed_save_that_fails_puts_back_what_the_dead_daemon_replaced(
+        tmp_path, resumed_attempt, old):
+    """The dead daemon's attempt renamed the save's file onto the target; the resumed save
+    fails (its attempt fails after keeping, or its deadline passed before any attempt):
+    the target holds the previous file and record again, or nothing where there was none."""
+    from ckptd.tiers.settle import settle
+
+    file = _previous_daemon_renamed(tmp_path, old)
+    tasks = []
+    if resumed_attempt == "fails":
+        _damage(file)
+        task = CopyTask(file, 1)
+        task.start(lambda task, error: None)
+        tasks.append(task)
+    settle([file], tasks, True).join(30)
+    target = tmp_path / "target" / "f.distcp"
+    if old is None:
+        assert os.listdir(target.parent) == []
+    else:
+        assert target.read_bytes() == old and present_at_target(str(target), True)
+        assert sorted(os.listdir(target.parent)) == ["f.distcp", "f.distcp.ckptd-sum"]
+
