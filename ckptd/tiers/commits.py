@@ -50,6 +50,10 @@ class PendingCommit:
     error: str | None = None
     errno: int | None = None
     job: FlushJob | None = None  # its flush (to settle the .metadata it replaces)
+    #: Where the .metadata saved before into this directory is kept until this commit
+    #: ends (a copy held in its rename lands after a deadline gave it up). Journaled: a
+    #: resumed commit finds the link its earlier daemon made, and keeps nothing else.
+    previous: str = ""
 
     @property
     def directory(self) -> str:
@@ -66,7 +70,7 @@ class PendingCommit:
         """Its journal entry."""
         return {"kind": "commit", "path": self.path, "files": self.files,
                 "record": self.record, "local": self.local, "size": self.size,
-                "crc32": self.crc32, "deadline": self.deadline}
+                "crc32": self.crc32, "deadline": self.deadline, "previous": self.previous}
 
 
 def answer_commit(call: Call, commit: PendingCommit) -> None:
@@ -127,21 +131,22 @@ class TierCommits:
         write_small_file(local, data, checksum=True)
         checksum = Checksum.from_json(open(local + ".ckptd-sum").read())
         commit = PendingCommit(key, path, files, record, local, checksum.size, checksum.value,
-                               time.time() + knobs.FLUSH_DEADLINE.get())
+                               time.time() + knobs.FLUSH_DEADLINE.get(),
+                               previous=previous_name(path))
         self.tier.stage.record(key, commit.to_journal())
         self._start(commit)
         return commit
 
-    def _start(self, commit: PendingCommit) -> None:
+    def _start(self, commit: PendingCommit, resumed: bool = False) -> None:
         self.pending[commit.path] = commit
         requires = [(os.path.join(commit.directory, name), commit.record)
                     for name in commit.files]
-        # The .metadata of the checkpoint saved before into this directory is kept until
-        # this commit ends: a copy held in its rename lands after a deadline gave it up.
-        job = FlushJob(commit.key, commit.directory,
-                       [FlushFile(commit.local, commit.path, commit.size, commit.crc32,
-                                  commit.record, previous=previous_name(commit.path))],
-                       commit.deadline, lambda job, failure: self._committed(commit, failure),
+        file = FlushFile(commit.local, commit.path, commit.size, commit.crc32, commit.record,
+                         previous=commit.previous)
+        if resumed:
+            file.recall_attempts()
+        job = FlushJob(commit.key, commit.directory, [file], commit.deadline,
+                       lambda job, failure: self._committed(commit, failure),
                        requires=requires)
         commit.job = job
         self.tier.flusher.submit(job)
@@ -206,6 +211,9 @@ class TierCommits:
         """Start again a commit the journal holds (the daemon restarted)."""
         commit = PendingCommit(key, entry["path"], list(entry["files"]), bool(entry["record"]),
                                entry["local"], int(entry["size"]), int(entry["crc32"]),
-                               float(entry["deadline"]))
+                               float(entry["deadline"]),
+                               # an entry written before the name was journaled: a new one
+                               previous=str(entry.get("previous")
+                                            or previous_name(entry["path"])))
         log.info("resuming the commit of %s from the journal", commit.path)
-        self._start(commit)
+        self._start(commit, resumed=True)

@@ -195,3 +195,48 @@ def test_a_resumed_save_that_fails_puts_back_what_the_dead_daemon_replaced(
         assert target.read_bytes() == old and present_at_target(str(target), True)
         assert sorted(os.listdir(target.parent)) == ["f.distcp", "f.distcp.ckptd-sum"]
 
+
+class _Tier:
+    """What :class:`ckptd.tiers.commits.TierCommits` uses of its service: a real stage
+    directory and settlements; the flusher only records jobs, and settles at once."""
+
+    def __init__(self, stage):
+        from ckptd.tiers.settle import Settlements
+
+        self.stage, self.retention, self.jobs = stage, None, []
+        self.flusher = self
+        self.settlements = Settlements(self)
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+    def cancel(self, key):
+        return None
+
+    def hold(self, targets, thread):
+        thread.join(30)
+
+
+def test_a_resumed_commit_given_up_puts_back_the_previous_metadata(tmp_path):
+    """A daemon renamed a checkpoint's new ``.metadata`` over the previous one, then died
+    before the commit was done; its successor resumes the commit from the journal and
+    gives it up: the previous ``.metadata`` is back, and no kept link is left behind."""
+    from ckptd.tiers.commits import TierCommits
+
+    directory = tmp_path / "target" / "ckpt"
+    metadata = directory / ".metadata"
+    write_small_file(str(metadata), b"previous metadata", checksum=True)
+    stage = StageDir(str(tmp_path / "stage"), None)
+    dead = _Tier(stage)
+    TierCommits(dead)._new(str(metadata), b"new metadata", [], True)
+    CopyTask(dead.jobs[0].files[0], 1).run()  # renamed, then the daemon was killed
+    assert metadata.read_bytes() == b"new metadata"
+
+    successor = _Tier(stage)
+    commits = TierCommits(successor)
+    for key, entry in stage.entries().items():
+        commits.resume(key, entry)
+    commits.end(commits.pending[str(metadata)], "the flush deadline passed", None)
+    assert metadata.read_bytes() == b"previous metadata"
+    assert present_at_target(str(metadata), True)
+    assert sorted(os.listdir(directory)) == [".metadata", ".metadata.ckptd-sum"]
