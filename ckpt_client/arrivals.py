@@ -37,8 +37,15 @@ _KEY = "ckpt_client/completion/{rank}"
 _WHO = "ckpt_client/process/{rank}"   # "<node> <pid> <start time>"
 _GONE = "ckpt_client/gone/{rank}"     # why a rank's own node found its process gone
 
-#: Seconds between two looks at the store while a late rank's mark is awaited.
+#: Seconds between two looks at the store while a late rank's mark is awaited. Fixed, not
+#: a knob: the marks come from other processes through the store, which has no way to
+#: notify, and 50 ms keeps the store's load negligible next to a wait measured in seconds
+#: (the wait's length is the knob, ``CKPTD_LATE_RANK_GRACE``).
 _POLL = 0.05
+
+#: torch's default process-group timeout (``torch.distributed.constants.default_pg_timeout``,
+#: 30 min): what a collective waits for a late rank when the store does not say its own.
+_TORCH_DEFAULT_GROUP_TIMEOUT = 1800.0
 
 
 def _node() -> str:
@@ -154,7 +161,8 @@ def _late_limit(store) -> float:
     """How long a rank not known to be dead is awaited: the grace, or the process group's
     own timeout (how long any collective waits for a late rank) where that is shorter."""
     timeout = getattr(store, "timeout", None)
-    group = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else 1800.0
+    group = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
+        else _TORCH_DEFAULT_GROUP_TIMEOUT
     return min(group, knobs.LATE_RANK_GRACE.get())
 
 
