@@ -38,7 +38,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints  # noqa: E402
 from transformers.utils import WEIGHTS_NAME  # noqa: E402
 
-from ckptd.protocol import CommitFile, MessageType  # noqa: E402
+from ckptd.protocol import CommitFile, MessageType, resolve_socket_path  # noqa: E402
 from ckpt_client import connect  # noqa: E402
 from ckpt_client import TorchAsyncCheckpoint  # noqa: E402
 from ckpt_client.transport import waits  # noqa: E402
@@ -288,14 +288,18 @@ def _saves_here(accelerator) -> bool:
     return accelerator.is_main_process
 
 
-#: The saves in flight of every Accelerator of this process, one queue per daemon socket:
-#: a load must wait for them all, since a loop restarted in the same process builds a new
-#: Accelerator and loads what the previous one may still be writing.
-_ACCELERATE_CHECKPOINTS: dict[str | None, TorchAsyncCheckpoint] = {}
+#: The saves in flight of every Accelerator of this process, one queue per daemon: a load
+#: must wait for them all, since a loop restarted in the same process builds a new
+#: Accelerator and loads what the previous one may still be writing. Keyed by the resolved
+#: socket path, so ``socket=None`` and the same path given explicitly share one queue.
+_ACCELERATE_CHECKPOINTS: dict[str, TorchAsyncCheckpoint] = {}
 
 
 def _accelerate_checkpoint(socket: str | None) -> TorchAsyncCheckpoint:
-    checkpoint = _ACCELERATE_CHECKPOINTS.get(socket)
+    path = resolve_socket_path(socket)
+    checkpoint = _ACCELERATE_CHECKPOINTS.get(path)
     if checkpoint is None:
-        checkpoint = _ACCELERATE_CHECKPOINTS[socket] = TorchAsyncCheckpoint(socket=socket)
+        # built with the caller's own argument: connect() starts a daemon by itself
+        # only when no socket was configured
+        checkpoint = _ACCELERATE_CHECKPOINTS[path] = TorchAsyncCheckpoint(socket=socket)
     return checkpoint

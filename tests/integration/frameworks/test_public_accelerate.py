@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+import threading
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from accelerate.utils import ProjectConfiguration, set_seed  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from ckpt_client.integrations.hf import load_state, save_state  # noqa: E402
+from conftest import wait_for  # noqa: E402 - tests/conftest.py
 from frameworks_common import writers_paused  # noqa: E402 - tests/integration/faults.py
 
 
@@ -109,6 +112,50 @@ def test_can_resume_training(root, shared_daemon):
     assert values(model, optimizer) == truth
     assert draws == truth_draws
     assert os.path.exists(os.path.join(checkpoint(root, 1), "pytorch_model.bin.ckptd-sum"))
+
+
+
+def waiting_on_a_pending_save(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is in the client queue's blocking wait with a save taken up
+    (``call`` bound): a load that did not wait for that save would have read the missing
+    weights and ended instead, so the writers can be let go without racing it."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "maybe_finalize_async_calls" and \
+                frame.f_locals.get("call") is not None:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_load_without_socket_waits_for_a_save_given_the_socket_path(root, shared_daemon):
+    """A save handed over with the daemon's socket path spelled out and a load with
+    ``socket=None`` (``CKPTD_SOCKET`` names the same daemon) share one queue: the load,
+    started while the daemon's writers are held, waits until the weights are durable and
+    then loads them, rather than reading a ``pytorch_model.bin`` not written yet."""
+    outcome = {}
+
+    def load(accelerator) -> None:
+        try:
+            load_state(accelerator, checkpoint(root, 0))
+        except BaseException as exc:  # reported by the test thread below
+            outcome["error"] = exc
+
+    with writers_paused(shared_daemon):
+        accelerator, model, optimizer, data = prepared(root)
+        save_state(accelerator, socket=shared_daemon.socket)
+        saved = values(model, optimizer)
+        accelerator, model, optimizer, data = prepared(root, iteration=1)
+        train(1, model, data, optimizer, accelerator)
+        assert values(model, optimizer)[:2] != saved[:2]
+        loader_thread = threading.Thread(target=load, args=(accelerator,), daemon=True)
+        loader_thread.start()
+        wait_for(lambda: not loader_thread.is_alive() or waiting_on_a_pending_save(loader_thread),
+                 30, "load_state to wait for the save in flight or to end")
+    loader_thread.join(60)
+    assert not loader_thread.is_alive(), "load_state did not return once the writers resumed"
+    assert "error" not in outcome, f"load_state did not wait for the save: {outcome['error']!r}"
+    assert values(model, optimizer) == saved
 
 
 def test_with_scheduler(root):
