@@ -127,15 +127,14 @@ class StagingJob:
                                            f"failed: {type(exc).__name__}: {exc}")
             raise
         self._wait_for_release()
+        done = Staged(request_id=save.request_id, skeleton=skeleton, copied_at=time.time())
         if not self.confirm and self.specs is None:
-            save.staged_reply = connection.send(MessageType.STAGED, Staged(
-                request_id=save.request_id, skeleton=skeleton))
+            save.staged_reply = connection.send(MessageType.STAGED, done)
             save.transport_bytes = _transport_bytes(buffers, None)
             return None
         try:
-            staged = connection.call(MessageType.STAGED, Staged(
-                request_id=save.request_id, skeleton=skeleton),
-                timeout=waits.staged_reply(connection.deadlines))
+            staged = connection.call(MessageType.STAGED, done,
+                                     timeout=waits.staged_reply(connection.deadlines))
         except DaemonRequestError as exc:
             if exc.code != ErrorCode.IPC_DENIED or self.specs is None:
                 raise

@@ -110,10 +110,15 @@ class Staged(Body, message="staged"):
 
     ``skeleton`` (torch format): the state dict's skeleton, for a STAGE the trainer sent
     ahead of walking its state dict (with the previous save's layout and no skeleton).
+    ``copied_at``: when the trainer's copy ended (``time.time()``; trainer and daemon share
+    the node's clock). A trainer that does not wait for STAGED's reply has returned from
+    its save by the time the daemon reads this, so the daemon dates the staging's end by
+    it, not by the message's arrival.
     """
 
     request_id: int
     skeleton: bytes | None = None
+    copied_at: float | None = None
 
 
 class Poll(Body, message="poll"):

@@ -209,9 +209,9 @@ class SaveLifecycle:
 
     # ------------------------------------------------------------------ progress
     def copied(self, request: SaveRequest, copier: str, error: str | None = None,
-               code: str | None = None) -> None:
-        """``copier`` finished filling the extent (or failed: ``error``, with the protocol
-        error ``code`` the trainer's STAGED gets, when it is a specific one).
+               code: str | None = None, ended_at: float | None = None) -> None:
+        """``copier`` finished filling the extent (at ``ended_at``, default now) or failed:
+        ``error``, with the protocol error ``code`` the trainer's STAGED gets, if specific.
 
         When the last copier is done, the request starts writing (and replicating).
         """
@@ -225,7 +225,7 @@ class SaveLifecycle:
         if any(lease.has(c) for c in request.copiers if c != copier):
             lease.drop(copier)
             return
-        request.staged_at = time.time()
+        request.staged_at = time.time() if ended_at is None else ended_at
         request.phase = Phase.WRITING
         lease.hold(WRITERS)
         lease.drop(copier)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from ckptd.protocol import (Abort, AbortReply, CommitFile, ErrorCode, Forget, ForgetReply,
                             Handover, Phase, Poll, PollReply, RequestState, SaveFormat, Stage,
@@ -35,6 +36,14 @@ from ckptd.staging.pool import PoolTooSmallError
 from ckptd.storage.roots import AllowedRoots
 
 log = logging.getLogger(__name__)
+
+
+def _copy_ended(request: SaveRequest, copied_at: float | None) -> float | None:
+    """When the trainer's copy ended, by its own clock reading (the node's clock), kept
+    between the space's grant and now: a clock reading is only trusted that far."""
+    if copied_at is None:
+        return None
+    return max(request.granted_at or request.created_at, min(copied_at, time.time()))
 
 
 def _take_late_skeleton(request: SaveRequest, skeleton: bytes | None) -> None:
@@ -173,13 +182,15 @@ class SaveService:
                 call.reply(StagedReply(request_id=request.id, phase=Phase.WRITING,
                                        ipc_kept=list(request.ipc_kept)))
                 try:
-                    self.lifecycle.copied(request, CLIENT_COPY)
+                    self.lifecycle.copied(request, CLIENT_COPY,
+                                          ended_at=_copy_ended(request, body.copied_at))
                 except Exception as exc:
                     self.lifecycle.fail(request, f"starting its writers failed: "
                                                  f"{type(exc).__name__}: {exc}")
                     raise
                 return DEFERRED
-            self.lifecycle.copied(request, CLIENT_COPY)
+            self.lifecycle.copied(request, CLIENT_COPY,
+                                  ended_at=_copy_ended(request, body.copied_at))
         if request.phase == Phase.STAGING:  # the device copy answers it (staged())
             request.pending_reply = call
             return DEFERRED

@@ -398,3 +398,24 @@ def test_a_save_stopped_before_writing_has_no_writer_jobs_to_cancel(pool):
     life.admit(request)
     life.abort(request, "aborted")
     assert fx.writes_cancelled == [] and fx.removed == [request.id]
+
+
+def test_staging_ends_when_the_trainer_says_its_copy_ended_not_when_staged_arrives(pool):
+    """A trainer that does not wait for STAGED's reply has returned before the daemon
+    reads it: the staging's end (trace, log, histogram) is the copy's end it reported,
+    kept between the grant and now (a reading from the future or before the grant is
+    not taken as is)."""
+    import time
+
+    from ckptd.server.saves import _copy_ended
+
+    table, fx, life = setup(pool)
+    request = make(table)
+    assert life.admit(request)
+    copied_at = time.time()  # the copy ended after the grant; STAGED arrives later
+    ended = _copy_ended(request, copied_at)
+    life.copied(request, CLIENT_COPY, ended_at=ended)
+    assert request.staged_at == copied_at
+    assert _copy_ended(request, None) is None
+    assert _copy_ended(request, 0.0) == (request.granted_at or request.created_at)
+    assert _copy_ended(request, time.time() + 3600) <= time.time()
