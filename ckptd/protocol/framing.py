@@ -69,7 +69,12 @@ def fill_skeleton(value: Any, tensors: Sequence) -> Any:
     return value
 
 
+#: ``_PACKED_REFS[i]`` is the packed reference to tensor ``i``. Append-only, grown under
+#: ``_PACKED_REFS_LOCK``: trainer threads flatten state dicts concurrently, and an entry
+#: stored at the wrong position would point a skeleton at the wrong tensor (a wrong
+#: checkpoint whose checksums all pass).
 _PACKED_REFS: list = []
+_PACKED_REFS_LOCK = threading.Lock()
 
 
 def packed_tensor_ref(index: int) -> msgpack.ExtType:
@@ -77,10 +82,14 @@ def packed_tensor_ref(index: int) -> msgpack.ExtType:
 
     A flatten of thousands of tensors puts these in its skeleton directly: msgpack packs
     them natively, where a :class:`TensorRef` costs a call of the encoder's hook each.
+    Safe to call from any thread.
     """
-    while len(_PACKED_REFS) <= index:
-        _PACKED_REFS.append(msgpack.ExtType(_EXT_TENSOR,
-                                            len(_PACKED_REFS).to_bytes(8, "little")))
+    if index < len(_PACKED_REFS):  # entries never change once appended: no lock to read
+        return _PACKED_REFS[index]
+    with _PACKED_REFS_LOCK:
+        # Each entry is built from its own position, never from a length read earlier.
+        for position in range(len(_PACKED_REFS), index + 1):
+            _PACKED_REFS.append(msgpack.ExtType(_EXT_TENSOR, position.to_bytes(8, "little")))
     return _PACKED_REFS[index]
 
 

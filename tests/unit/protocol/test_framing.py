@@ -92,3 +92,37 @@ def test_a_ready_made_tensor_ref_packs_as_the_tensor_ref_itself():
     assert protocol.pack_value(value) == protocol.pack_value(same)
     assert protocol.unpack_value(protocol.pack_value(value)) == same
     assert protocol.packed_tensor_ref(2) is protocol.packed_tensor_ref(2)
+
+
+def test_packed_tensor_refs_grown_by_many_threads_at_once_each_name_their_own_position(monkeypatch):
+    """Trainer threads flatten state dicts concurrently. A reference stored at the wrong
+    position would point a skeleton at another tensor, and that checkpoint would load the
+    wrong data with every checksum passing."""
+    import sys
+    import threading
+
+    from ckptd.protocol import framing
+
+    monkeypatch.setattr(framing, "_PACKED_REFS", [])
+    start = threading.Barrier(8)
+    count = 3000
+
+    def grow():
+        start.wait()
+        for index in range(count):
+            framing.packed_tensor_ref(index)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=grow) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(framing._PACKED_REFS) == count
+    wrong = [position for position, ref in enumerate(framing._PACKED_REFS)
+             if protocol.unpack_value(protocol.pack_value(ref)) != TensorRef(position)]
+    assert wrong == []
