@@ -219,7 +219,7 @@ class LocalStore:
 
     def note_verified(self, path: str, ok: bool = True) -> None:
         """Record a verification done elsewhere (a part just written, received, or served),
-        here and in a note for the next daemon."""
+        here and in a note for the next daemon (not fsynced: called on the serve loop)."""
         key, _ = self._file_identity_and_cache(path)
         if key is not None:
             with self._lock:

@@ -14,8 +14,11 @@ What a note cannot see is a byte that rots on the disk without the file changing
 is caught where every byte is read anyway, by the trainer's load, which checks the part
 against its record in the same pass, and by a peer receiving it as a replica.
 
-A note is written atomically and fsynced (a note that survives a crash is whole); a note
-lost in a crash only costs the full read. No sockets, no threads of its own.
+A note is written atomically (a temporary file renamed into place) but not fsynced: it
+is written on the daemon's serve loop, where an fsync of the file and its directory per
+part would stall every client behind a slow or hung local disk. A crash may then lose a
+note, or leave it empty or cut short; such a note never parses into the part's identity
+and record, so it only costs the full read. No sockets, no threads of its own.
 """
 
 from __future__ import annotations
@@ -45,14 +48,14 @@ def identity_of(info: os.stat_result) -> list[int]:
 def write_note(path: str) -> None:
     """Note that ``path``, as it is now, matched its checksum record.
 
-    Failing to write the note is logged and otherwise ignored: the next daemon reads the
-    part in full instead.
+    Not fsynced (see the module docstring). Failing to write the note is logged and
+    otherwise ignored: the next daemon reads the part in full instead.
     """
     try:
         record = read_sidecar(path)
         note = {"identity": identity_of(os.stat(path)), "record": json.loads(record.to_json()),
                 "daemon_pid": os.getpid()}
-        write_small_file(note_path(path), json.dumps(note).encode())
+        write_small_file(note_path(path), json.dumps(note).encode(), fsync=False)
     except (OSError, ChecksumMismatchError, ValueError) as exc:
         log.info("could not note %s as verified (%s); the next daemon reads it in full", path,
                  exc)

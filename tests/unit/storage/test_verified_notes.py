@@ -45,3 +45,22 @@ def test_unreadable_notes_and_dropped_notes_vouch_for_nothing(tmp_path):
     drop_note(path)
     assert not os.path.exists(path + VERIFIED_SUFFIX)
     assert not note_vouches_for(path, os.stat(path))
+
+
+def test_a_note_is_written_without_fsync_and_a_note_a_crash_cut_short_vouches_for_nothing(
+        tmp_path, monkeypatch):
+    """Notes are written on the daemon's serve loop: an fsync there (file and directory,
+    per part) would stall every client behind a slow or hung disk. A note lost or left
+    empty or cut short by a crash only costs a full read of the part."""
+    path = part(tmp_path)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    write_note(path)
+    assert synced == []
+    assert note_vouches_for(path, os.stat(path))
+    whole = open(path + VERIFIED_SUFFIX, "rb").read()
+    for cut in (0, len(whole) // 2, len(whole) - 1):
+        with open(path + VERIFIED_SUFFIX, "wb") as f:
+            f.write(whole[:cut])
+        assert not note_vouches_for(path, os.stat(path))
