@@ -324,15 +324,15 @@ class SaveLifecycle:
         log.error("request %d (rank %d) failed: %s", request.id, request.rank, request.error)
 
     # ------------------------------------------------------------------ endings
-    def fail(self, request: SaveRequest, reason: str, trainer_may_copy: bool = False) -> None:
-        """End ``request`` as failed (shutdown, a device copy error, a deadline).
+    def fail(self, request: SaveRequest, reason: str, trainer_may_copy: bool = False,
+             code: str | None = None) -> None:
+        """End ``request`` as failed (shutdown, a deadline, ...) with error ``code`` (or INTERNAL).
 
         ``trainer_may_copy``: the trainer is alive but has not confirmed its copy (a
         staging deadline: it may be stopped mid-copy); its hold on the extent stays until
         it does (STAGED) or its process is gone, so a resumed trainer can never write into
-        space another save was given meanwhile.
-        """
-        self._stop(request, Phase.FAILED, reason, keep_copy_hold=trainer_may_copy)
+        space another save was given meanwhile."""
+        self._stop(request, Phase.FAILED, reason, code=code, keep_copy_hold=trainer_may_copy)
 
     def trainer_gone(self, request: SaveRequest) -> None:
         """``request``'s trainer disconnected or exited: it copies nothing any more."""

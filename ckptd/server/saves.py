@@ -46,15 +46,31 @@ def _copy_ended(request: SaveRequest, copied_at: float | None) -> float | None:
     return max(request.granted_at or request.created_at, min(copied_at, time.time()))
 
 
-def _take_late_skeleton(request: SaveRequest, skeleton: bytes | None) -> None:
+def _take_late_skeleton(request: SaveRequest, skeleton: bytes | None,
+                        lifecycle: SaveLifecycle) -> None:
     """A torch save's skeleton that came with STAGED: its STAGE was sent before the
-    trainer had walked its state dict."""
-    if skeleton is None:
-        return
-    if request.format != SaveFormat.TORCH:
+    trainer had walked its state dict.
+
+    Raises
+    ------
+    RequestError
+        BAD_REQUEST: a skeleton for another format, or a torch save that still has none
+        (its STAGE was sent ahead without one and so was its STAGED). No writer could
+        write that one's file: it is failed here (its extent freed, the trainer's copy
+        being over) rather than by its writer with an unpack error.
+    """
+    if skeleton is not None and request.format != SaveFormat.TORCH:
         raise RequestError(ErrorCode.BAD_REQUEST, f"request {request.id} is a "
                            f"{request.format} save: only torch saves have a skeleton")
-    request.skeleton = skeleton
+    if skeleton is not None:
+        request.skeleton = skeleton
+    if request.format == SaveFormat.TORCH and not request.skeleton:
+        refused = RequestError(ErrorCode.BAD_REQUEST,
+                               f"request {request.id} ({request.path}) is a torch save with "
+                               "no skeleton: its STAGE carried none, so its STAGED must (a "
+                               "client bug: send the state dict's skeleton with STAGED)")
+        lifecycle.fail(request, refused.message, code=refused.code)
+        raise refused
 
 
 class SaveService:
@@ -163,7 +179,7 @@ class SaveService:
         """The trainer copied its buffers in; answered once every byte is staged (a device
         copy of the same request may still be running), or the save failed."""
         request = self._own_request(call.routing_id, body.request_id)
-        _take_late_skeleton(request, body.skeleton)
+        _take_late_skeleton(request, body.skeleton, self.lifecycle)
         if request.finished:  # e.g. its device copy failed before our STAGED arrived
             if request.lease is not None and request.lease.has(CLIENT_COPY):
                 self.lifecycle.copied(request, CLIENT_COPY)  # its copy is over: free it

@@ -226,3 +226,22 @@ def test_a_save_of_a_steady_layout_sends_its_stage_ahead_and_its_skeleton_with_s
     wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
     assert [r for r in daemon.status()["requests"] if r["phase"] not in ("done", "aborted")] == []
     checkpoint.close()
+
+
+def test_a_torch_save_whose_stage_and_staged_carry_no_skeleton_is_refused_at_staged(daemon):
+    """The daemon refuses it (BAD_REQUEST, naming the missing skeleton) when STAGED comes,
+    ends it and frees its extent, instead of a writer failing on an empty skeleton."""
+    from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage, Staged
+
+    connection = connect(daemon.socket)
+    path = os.path.join(daemon.roots[0], "no_skeleton.pt")
+    reply = connection.call(MessageType.STAGE, Stage(
+        format=SaveFormat.TORCH, path=path, buffers=[["float32", [4], 16]]), timeout=30)
+    with pytest.raises(DaemonRequestError, match="torch save with no skeleton") as info:
+        connection.call(MessageType.STAGED, Staged(request_id=reply.request_id), timeout=30)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    (state,) = [r for r in daemon.status()["requests"] if r["id"] == reply.request_id]
+    assert state["phase"] == "failed"
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "its extent freed")
+    assert not os.path.exists(path)
+    connection.close()
