@@ -43,7 +43,7 @@ from ckpt_client.transport.cuda_exports import IpcPlan, plan_ipc
 from ckpt_client.transport.daemon_save import DaemonSave
 from ckpt_client.transport.flatten import describe
 from ckpt_client.transport.pool_copy import PoolCopier
-from ckpt_client.transport.sent_ahead import SentAhead, remember_layout
+from ckpt_client.transport.sent_ahead import SentAhead, dropped_on_error, remember_layout
 
 log = logging.getLogger(__name__)
 
@@ -341,24 +341,28 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
     if hold is not None and not zero_stall:
         raise ValueError("stage(hold=...) needs zero_stall=True: the caller sets hold later")
     handover = handover_for(connection)
-    buffers = [describe(s) for s in sources]
+    # Until the job takes it over, a failure drops the STAGE sent ahead.
+    with dropped_on_error(ahead):
+        buffers = [describe(s) for s in sources]
     # Saves reach the daemon in the order they were planned: a CUDA export may be re-sent
     # only on the daemon's word after the save before it (see cuda_exports.ExportCache).
     with handover.planning:
-        if not zero_stall:
-            handover.wait_for_background()
-        plan, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
-        body = Stage(format=fmt, path=os.path.abspath(path), buffers=buffers,
-                     skeleton=skeleton, files=files or [],
-                     cuda=plan.specs if plan is not None else None, session=session,
-                     iteration=iteration, stock_files=stock_files)
-        save = DaemonSave(connection, None, body.path, body.files)
-        if ahead is not None and (zero_stall or plan is not None or not ahead.matches(body)):
-            ahead.drop("the save sent ahead had another layout than the state dict's")
-            ahead = None
-        elif ahead is not None:  # the very list of the save before: layouts are kept by it
-            buffers = ahead.body.buffers
-            body = dataclasses.replace(body, buffers=buffers)
+        with dropped_on_error(ahead):
+            if not zero_stall:
+                handover.wait_for_background()
+            plan, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
+            body = Stage(format=fmt, path=os.path.abspath(path), buffers=buffers,
+                         skeleton=skeleton, files=files or [],
+                         cuda=plan.specs if plan is not None else None, session=session,
+                         iteration=iteration, stock_files=stock_files)
+            save = DaemonSave(connection, None, body.path, body.files)
+            if ahead is not None and (zero_stall or plan is not None
+                                      or not ahead.matches(body)):
+                ahead.drop("the save sent ahead had another layout than the state dict's")
+                ahead = None
+            elif ahead is not None:  # the very list of the save before: layouts kept by it
+                buffers = ahead.body.buffers
+                body = dataclasses.replace(body, buffers=buffers)
         # A tiered daemon finishes a save whose every rank's call returned, trainers or
         # not: that call may return only once the daemon has the STAGED in hand.
         job = StagingJob(save, body, sources, plan, events, hold,

@@ -17,9 +17,10 @@ Owns the remembered layouts of each connection's default saves; knows nothing of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 from ckptd.protocol import MessageType, SaveFormat, Stage
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
@@ -66,6 +67,7 @@ class SentAhead:
         self.kind = kind
         self.body = body
         self.msg_id = msg_id
+        self._dropped = False
 
     @classmethod
     def send(cls, connection: DaemonConnection, kind: tuple, path: str | os.PathLike,
@@ -91,7 +93,11 @@ class SentAhead:
 
     def drop(self, reason: str) -> None:
         """The save will not use it: once the daemon answered, abort and forget the
-        request (nothing was copied into it, nothing is written)."""
+        request (nothing was copied into it, nothing is written). Dropping twice is
+        dropping once."""
+        if self._dropped:
+            return
+        self._dropped = True
         _layouts.get(self.connection, {}).pop(self.kind, None)
         try:
             reply = self.connection.reply_to(self.msg_id, MessageType.STAGE,
@@ -99,3 +105,16 @@ class SentAhead:
         except (DaemonRequestError, DaemonUnavailableError):
             return  # refused or gone: there is no request to drop
         DaemonSave(self.connection, reply.request_id, self.body.path).abort(reason)
+
+
+@contextlib.contextmanager
+def dropped_on_error(ahead: SentAhead | None) -> Iterator[None]:
+    """Drop ``ahead`` if the block raises (then re-raise): a save that fails before it
+    takes over its STAGE sent ahead must not leave the daemon holding the extent until its
+    staging deadline, nor the reply unread in the channel."""
+    try:
+        yield
+    except BaseException as exc:
+        if ahead is not None:
+            ahead.drop(f"the save failed before it was staged: {type(exc).__name__}: {exc}")
+        raise

@@ -173,6 +173,22 @@ def test_a_save_the_daemon_failed_before_its_unconfirmed_staged_fails_at_finaliz
     checkpoint.close()
 
 
+def record_sends_ahead(monkeypatch) -> list:
+    """Per torch save from now on: whether its STAGE was sent ahead of the walk."""
+    from ckpt_client.transport import sent_ahead
+
+    sent = []
+    real_send = sent_ahead.SentAhead.send.__func__
+
+    def spy(cls, *args):
+        ahead = real_send(cls, *args)
+        sent.append(ahead is not None)
+        return ahead
+
+    monkeypatch.setattr(sent_ahead.SentAhead, "send", classmethod(spy))
+    return sent
+
+
 def test_a_save_of_a_steady_layout_sends_its_stage_ahead_and_its_skeleton_with_staged(
         daemon, monkeypatch):
     """Once two saves of one kind (top-level keys) had the same layout, the next sends its
@@ -181,18 +197,8 @@ def test_a_save_of_a_steady_layout_sends_its_stage_ahead_and_its_skeleton_with_s
     ahead (aborted, forgotten, nothing written), and so does a state dict that cannot be
     saved; layouts that alternate within one kind are never sent ahead; every file is
     right and the pool ends empty."""
-    from ckpt_client.transport import sent_ahead
-
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
-    used = []
-    real_send = sent_ahead.SentAhead.send.__func__
-
-    def spy(cls, *args):
-        sent = real_send(cls, *args)
-        used.append(sent is not None)
-        return sent
-
-    monkeypatch.setattr(sent_ahead.SentAhead, "send", classmethod(spy))
+    used = record_sends_ahead(monkeypatch)
     root = daemon.roots[0]
     checkpoint = TorchAsyncCheckpoint()
 
@@ -225,6 +231,35 @@ def test_a_save_of_a_steady_layout_sends_its_stage_ahead_and_its_skeleton_with_s
         sorted(f"{name}.pt" for name in saved)
     wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
     assert [r for r in daemon.status()["requests"] if r["phase"] not in ("done", "aborted")] == []
+    checkpoint.close()
+
+
+def test_a_save_sent_ahead_that_fails_before_it_is_staged_leaves_nothing_held(
+        daemon, monkeypatch):
+    """The third save of a steady layout sends its STAGE ahead; a tensor of a dtype ckptd
+    cannot store, nested where the kind (top-level keys) does not see it, fails the save
+    only once the walk is done. The error reaches the caller, the request sent ahead is
+    aborted (no extent held until its staging deadline, no unread reply), and the next
+    save works."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    sent = record_sends_ahead(monkeypatch)
+    root = daemon.roots[0]
+    checkpoint = TorchAsyncCheckpoint()
+    for seed in (30, 31):
+        checkpoint.async_save(make_state(seed), os.path.join(root, f"s{seed}.pt"))
+    odd = make_state(32)
+    odd["model"]["odd"] = torch.zeros(4, dtype=torch.float8_e5m2fnuz)
+    with pytest.raises(TypeError, match="float8_e5m2fnuz"):
+        checkpoint.async_save(odd, os.path.join(root, "odd.pt"))
+    assert sent == [False, False, True]
+    checkpoint.finalize_async_save(blocking=True)
+    assert [r for r in daemon.status()["requests"] if r["phase"] not in ("done", "aborted")] == []
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
+    path = os.path.join(root, "after.pt")
+    checkpoint.async_save(make_state(33), path)
+    checkpoint.finalize_async_save(blocking=True)
+    assert_same(torch.load(path, weights_only=True), make_state(33))
+    assert not os.path.exists(os.path.join(root, "odd.pt"))
     checkpoint.close()
 
 
