@@ -36,7 +36,8 @@ __all__ = [
     "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
     "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN",
-    "LATE_RANK_GRACE",
+    "LATE_RANK_GRACE", "SENT_AHEAD_KINDS", "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT",
+    "TORCH_BODIES_KEPT",
 ]
 
 
@@ -234,6 +235,18 @@ DIRECT_MIN_BYTES = _knob(
 DIRECT_ALLOCATE_BYTES = _knob(
     "DIRECT_ALLOCATE_BYTES", 8 << 20, parse_size,
     "Space allocated ahead of a file's direct writes, per step (0: none)")
+# Torch-format files are written from templates kept per writer process: the archive's
+# head per skeleton (a job saves a few kinds of state dict) and its body per layout (each
+# holds a page of padding per tensor, a few MiB). Small tensors between large ones are
+# joined into one write of up to TORCH_JOIN_BYTES: a copy of a few KiB is cheaper than a
+# write call.
+TORCH_JOIN_BYTES = _knob(
+    "TORCH_JOIN_BYTES", 1 << 20, parse_size,
+    "Small tensors of a torch-format file joined into one write of up to this many bytes")
+TORCH_HEADS_KEPT = _knob(
+    "TORCH_HEADS_KEPT", 8, int, "Torch-format file heads (one per skeleton) a writer keeps")
+TORCH_BODIES_KEPT = _knob(
+    "TORCH_BODIES_KEPT", 4, int, "Torch-format file bodies (one per layout) a writer keeps")
 CHECKSUM = _knob(
     "CHECKSUM", "crc32c", str,
     "Algorithm of new checksum records: crc32c (the CPU's CRC instruction) or crc32 (zlib)")
@@ -353,6 +366,12 @@ HELLO_TIMEOUT = _knob(
     "HELLO_TIMEOUT", 5.0, float, "Seconds to wait for the daemon's hello")
 CALL_TIMEOUT = _knob(
     "CALL_TIMEOUT", 60.0, float, "Seconds to wait for an ordinary reply")
+# A torch save's STAGE goes out before its state dict is walked, with the layout the last
+# saves of its kind (top-level keys) had; a trainer saves a handful of kinds (model,
+# optimizer, scheduler, ...) through one connection.
+SENT_AHEAD_KINDS = _knob(
+    "SENT_AHEAD_KINDS", 8, int,
+    "Kinds of torch state dicts per connection whose layout is kept to send STAGE ahead (0: none)")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,

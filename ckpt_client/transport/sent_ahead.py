@@ -22,15 +22,12 @@ import os
 import weakref
 from typing import Any, Iterator
 
+from ckptd import knobs
 from ckptd.protocol import MessageType, SaveFormat, Stage
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport import waits
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import DaemonSave
-
-#: Kinds of state dicts remembered per connection (a trainer saves a handful: model,
-#: optimizer, scheduler, ...).
-_KINDS = 8
 
 #: connection -> {kind: (layout, whether the last two saves of that kind had it)}, the
 #: layout a list of [dtype, shape, nbytes] per buffer.
@@ -54,7 +51,7 @@ def remember_layout(connection: DaemonConnection, kind: tuple, buffers: list) ->
     kinds = _layouts.setdefault(connection, {})
     last = kinds.pop(kind, None)
     kinds[kind] = (buffers, last is not None and (last[0] is buffers or last[0] == buffers))
-    while len(kinds) > _KINDS:
+    while kinds and len(kinds) > knobs.SENT_AHEAD_KINDS.get():
         kinds.pop(next(iter(kinds)))
 
 

@@ -30,6 +30,7 @@ import mmap
 from collections import OrderedDict
 from typing import Any, NamedTuple, Sequence
 
+from ckptd import knobs
 from ckptd.protocol import unpack_value
 from ckptd.storage.torch_format import (PAGE_ALIGNMENT, raw_tensor, write_archive,
                                         write_head_records, write_torch_file)
@@ -40,13 +41,10 @@ __all__ = ["write_torch_layout"]
 
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 # Pieces under this size are joined with their neighbours into one write of up to
-# _JOIN_BYTES (a copy of a few KiB is cheaper than a write call); larger tensors go to the
-# stream from their own buffer (the archive writer's own rule, so the template's cuts fall
-# where it wrote them).
+# knobs.TORCH_JOIN_BYTES (a copy of a few KiB is cheaper than a write call); larger tensors
+# go to the stream from their own buffer (the archive writer's own rule, so the template's
+# cuts fall where it wrote them). How many heads and bodies are kept: knobs.TORCH_*_KEPT.
 _OWN_WRITE_FROM = GATHER_BELOW
-_JOIN_BYTES = 1 << 20
-_HEADS_KEPT = 8    # skeletons (a few formats of state dict in one job)
-_BODIES_KEPT = 4   # layouts: each holds a page of padding per tensor, a few MiB
 
 
 class _Head(NamedTuple):
@@ -136,6 +134,7 @@ def _body(skeleton: bytes, specs: tuple, head: _Head) -> _Body:
     groups: list = []
     group: list = [table_prefix]
     group_bytes = len(head.prefix)
+    join_bytes = knobs.TORCH_JOIN_BYTES.get()
     position, skipped, holes = head_end, 0, iter(sink.holes)
     for key, (_, _, nbytes) in enumerate(storage_specs):
         start = archive.data_starts[4 + key]
@@ -149,7 +148,7 @@ def _body(skeleton: bytes, specs: tuple, head: _Head) -> _Body:
         else:
             group += [gap, key]
             group_bytes += len(gap) + nbytes
-            if group_bytes >= _JOIN_BYTES:
+            if group_bytes >= join_bytes:
                 groups.append(group)
                 group, group_bytes = [], 0
         position = start + nbytes
@@ -200,7 +199,7 @@ def write_torch_layout(stream: Any, skeleton: bytes, specs: Sequence[Sequence],
     head = _heads.get(head_key)
     if head is None:
         head = _remember(_heads, head_key, _head(skeleton, specs, buffers, alignment),
-                         _HEADS_KEPT)
+                         knobs.TORCH_HEADS_KEPT.get())
     views = [memoryview(buffers[index]).cast("B") for index in head.storages]
     if any(view.nbytes >= 8 and view[:4] == _DESCRIPTOR_SIGNATURE for view in views):
         tensors = [raw_tensor(buffer, dtype, shape)
@@ -209,7 +208,8 @@ def write_torch_layout(stream: Any, skeleton: bytes, specs: Sequence[Sequence],
                                 max_write=max_write, alignment=alignment)
     body = _bodies.get(head.body_key)
     if body is None:
-        body = _remember(_bodies, head.body_key, _body(skeleton, specs, head), _BODIES_KEPT)
+        body = _remember(_bodies, head.body_key, _body(skeleton, specs, head),
+                         knobs.TORCH_BODIES_KEPT.get())
     table = views + [head.prefix, head.central]
     written = 0
     for group in body.groups:
