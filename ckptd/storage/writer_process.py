@@ -90,6 +90,7 @@ class Inbox:
         self.sock = sock
         self.waiting: deque = deque()  # decoded messages, or the ProtocolError of one
         self.cancelled: set[int] = set()  # ids of jobs the daemon dropped
+        self.in_hand: int | None = None  # the job being executed
 
     def next(self, timeout_ms: int):
         """The next message (a :class:`protocol.Message`, or the
@@ -107,7 +108,11 @@ class Inbox:
                 self.waiting.append(exc)
                 continue
             if msg.type == CancelJob.message_type:
-                self.cancelled.add(msg.id)
+                # A cancel always follows its job on the channel, so the job is in hand,
+                # waiting here, or answered already (then there is nothing to drop).
+                if msg.id == self.in_hand or any(
+                        isinstance(m, protocol.Message) and m.id == msg.id for m in self.waiting):
+                    self.cancelled.add(msg.id)
             else:
                 self.waiting.append(msg)
 
@@ -116,10 +121,17 @@ class Inbox:
         self.read_ahead()
         return job_id in self.cancelled
 
+    def start(self, job_id: int) -> None:
+        """Job ``job_id`` is being executed now."""
+        self.in_hand = job_id
+
     def done(self, job_id: int) -> None:
-        """Job ``job_id`` was answered: a cancel of it or of an earlier one (jobs come in
-        the order of their ids) can be forgotten."""
-        self.cancelled = {i for i in self.cancelled if i > job_id}
+        """Job ``job_id`` was answered: its cancel, if any, can be forgotten. Only its own:
+        jobs do not come in the order of their ids (the daemon holds back a job whose path
+        is busy and sends later ones first), so a waiting job may have a lower id."""
+        self.cancelled.discard(job_id)
+        if self.in_hand == job_id:
+            self.in_hand = None
 
 
 class Writer:
@@ -223,6 +235,7 @@ class Writer:
         started, started_at = time.monotonic(), time.time()
         try:
             self.progress.start(msg.id)
+            self.inbox.start(msg.id)
             if self.inbox.is_cancelled(msg.id):
                 raise OSError(errno_mod.ECANCELED, "the daemon dropped this save (aborted or "
                               "failed) before its writer began the file", path)

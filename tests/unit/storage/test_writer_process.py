@@ -233,3 +233,41 @@ def test_a_job_cancelled_while_it_writes_is_not_renamed_into_place(writer, tmp_p
     assert not result.ok and result.errno == errno.ECANCELED
     assert path.read_bytes() == b"the previous checkpoint"
     assert os.listdir(tmp_path) == ["model.pt"]
+
+
+def test_a_cancelled_job_sent_after_a_higher_numbered_one_is_still_dropped(
+        writer, tmp_path, channel):
+    # The pool holds back a job whose path is busy and sends later ones first: the writer
+    # gets job 10, then job 5 and the cancel of job 5. Answering job 10 must not forget
+    # the cancel of the lower-numbered job still waiting behind it.
+    daemon_side, writer_side = channel
+    path, job = previous_and_job(writer, tmp_path)
+    other = WriteTorch(str(tmp_path / "other.pt"), protocol.pack_value(protocol.TensorRef(0)),
+                       [put(writer, 4096, torch.zeros(4))], 16)
+    for message_type, msg_id, body in ((other.message_type, 10, other.to_wire()),
+                                       (job.message_type, 5, job.to_wire()),
+                                       (CancelJob.message_type, 5, {}), ("stop", 0, {})):
+        daemon_side.send_multipart(protocol.encode(message_type, msg_id, body))
+    writer.run(writer_side)  # ready, job 10's result, job 5's result, then the stop
+    replies = [protocol.decode(daemon_side.recv_multipart()) for _ in range(3)]
+    results = {r.id: r.body for r in replies if r.type == "result"}
+    assert results[10]["ok"] is True
+    assert results[5]["ok"] is False and results[5]["errno"] == errno.ECANCELED
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", "other.pt", "other.pt.ckptd-sum"]
+
+
+def test_a_cancel_of_a_job_already_answered_is_not_kept(writer, tmp_path, channel):
+    # The daemon may cancel a job whose result is already on its way: nothing is left to
+    # drop, so the cancel is not held for ever.
+    daemon_side, writer_side = channel
+    writer.inbox.sock = writer_side
+    path, job = previous_and_job(writer, tmp_path)
+    daemon_side.send_multipart(protocol.encode(job.message_type, 7, job.to_wire()))
+    message = writer.inbox.next(5000)
+    assert writer.execute(message).ok
+    writer.inbox.done(7)
+    daemon_side.send_multipart(protocol.encode(CancelJob.message_type, 7, {}))
+    assert writer_side.poll(5000)
+    writer.inbox.read_ahead()
+    assert writer.inbox.cancelled == set() and not writer.inbox.waiting
