@@ -35,6 +35,26 @@ from ckptd.storage.writer_slot import WriterSlot
 log = logging.getLogger(__name__)
 
 
+def pick_writer(job: WriteJob, live: list[WriterSlot],
+                kept: list[WriterSlot]) -> WriterSlot | None:
+    """The writer ``job`` goes to now, the least-loaded of ``live``, or None: it waits.
+
+    A job with a deadline goes only to an idle writer, so its deadline counts its own
+    write; while it waits, the least-loaded writer is kept for it (added to ``kept``,
+    which later jobs pass over), else a steady stream of later jobs could keep every
+    writer busy until its deadline passed. The kept writer's load only falls, so it is
+    the first to be idle.
+    """
+    free = [s for s in live if s not in kept]
+    if job.deadline is not None and free:
+        idle = [s for s in free if not s.jobs]
+        if not idle:
+            kept.append(min(free, key=lambda s: len(s.jobs)))
+            return None
+        free = idle
+    return min(free, key=lambda s: len(s.jobs)) if free else None
+
+
 class WriterPool:
     """Starts ``count`` writer processes and routes jobs and results.
 
@@ -128,25 +148,19 @@ class WriterPool:
         """Send waiting jobs to the least-loaded ready writers, in submission order, except
         that a path with a job in flight waits for it: two saves of one path (an aborted
         one still writing, and the next) then rename in order, and the first one's
-        cleanup can never take the second one's file."""
+        cleanup can never take the second one's file (a job with a deadline: see
+        :func:`pick_writer`)."""
         busy = {job.path for slot in self.slots for job in slot.jobs.values()}
         busy |= self.stuck.paths()  # until a stuck writer exits, its rename may still land
         waiting: deque[WriteJob] = deque()
+        kept: list[WriterSlot] = []  # each one drains for a deadline job waiting for it
         while self._backlog:
             job = self._backlog.popleft()
-            if job.path in busy:
+            live = [s for s in self.slots if s.ready and s.process and s.process.poll() is None]
+            slot = None if job.path in busy else pick_writer(job, live, kept)
+            if slot is None:
                 waiting.append(job)
                 continue
-            ready = [s for s in self.slots if s.ready and s.process and s.process.poll() is None]
-            if job.deadline is not None and ready:
-                ready = [s for s in ready if not s.jobs]
-                if not ready:  # only an idle writer: its deadline counts its own write
-                    waiting.append(job)
-                    continue
-            if not ready:
-                waiting.append(job)
-                break
-            slot = min(ready, key=lambda s: len(s.jobs))
             try:
                 slot.socket.send_multipart(
                     protocol.encode(job.body.message_type, job.id, job.body.to_wire(), job.frames),
