@@ -48,6 +48,7 @@ class WriteBytes(Body, message="write_bytes"):
     path: str
     nbytes: int = 0
     stock: bool = False
+    previous: str = ""  # where to keep the file it replaces (ckptd.storage.previous)
 
 
 class WriterReady(Body, message="writer_ready"):

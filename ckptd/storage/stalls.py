@@ -68,7 +68,8 @@ def deadline_message(job: WriteJob, pid: int | None) -> str:
     never reached one)."""
     where = ("still waiting for a free writer" if pid is None else
              f"in phase {job.phase!r} ({job.bytes_done} of {job.nbytes} bytes written); its "
-             f"writer (pid {pid}) was replaced, so the file cannot appear later")
+             f"writer (pid {pid}) was replaced; should a call of it still land, the file "
+             f"is removed or the previous one put back once that process exits")
     return (f"not durable within {job.deadline_of} of its request on storage "
             f"{storage_target(job.path)}: {where}. The previous checkpoint is intact: check "
             f"that storage target and the daemon's writers (ckptd status), then save again")

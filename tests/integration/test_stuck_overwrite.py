@@ -73,3 +73,46 @@ def test_a_writer_given_up_in_its_rename_leaves_the_previous_file_and_record(
             checkpoint.close()
         assert torch.equal(torch.load(path, weights_only=True)["w"], new)
         verify_file(path)
+
+
+@needs_fuse
+@pytest.mark.parametrize("before", [b"the previous commit", None])
+def test_a_commit_failed_at_its_deadline_that_lands_late_is_undone(start_daemon, tmp_path,
+                                                                   before):
+    # A .metadata commit overstays the whole-save deadline with its rename held by the
+    # target: the daemon fails it and replaces the writer, but the rename lands when the
+    # target answers. Once that writer has exited, the path holds what it held before.
+    from ckpt_client import connect
+    from ckpt_client.errors import DaemonRequestError
+    from ckpt_client.transport import waits
+    from ckptd.protocol import CommitFile, MessageType
+
+    backing = tmp_path / "backing"
+    with FaultFS(backing, tmp_path / "mnt") as fs:
+        daemon = start_daemon(roots=[fs.mount], writers=1, env={"CKPTD_SAVE_DEADLINE": "2"})
+        path = os.path.join(fs.mount, ".metadata")
+        connection = connect(daemon.socket, auto_start=False)
+        try:
+            if before is not None:
+                connection.call(MessageType.COMMIT_FILE, CommitFile(path=path), frames=[before],
+                                timeout=waits.commit_file(connection.deadlines, tiered=False))
+            [writer] = daemon.status()["writers"]
+            fs.set(stall=True, ops=["rename"], match=f"/..metadata.{writer['pid']}.")
+            with pytest.raises(DaemonRequestError) as raised:
+                connection.call(MessageType.COMMIT_FILE, CommitFile(path=path),
+                                frames=[b"the failed commit"], timeout=60)
+            assert "CKPTD_SAVE_DEADLINE" in str(raised.value)
+            assert fs.state()["blocked"] > 0, "the commit failed before its rename was held"
+            fs.clear()  # the held rename lands now; then the killed writer exits
+            wait_for(lambda: settled(daemon), 30, "the given-up writer to exit")
+            if before is None:
+                assert not os.path.exists(path), "a commit the daemon failed landed afterwards"
+            else:
+                assert read(path) == before, "the failed commit replaced the previous one"
+                verify_file(path)
+            assert not [n for n in os.listdir(backing) if n.endswith(".ckptd-tmp")]
+            connection.call(MessageType.COMMIT_FILE, CommitFile(path=path), frames=[b"next"],
+                            timeout=waits.commit_file(connection.deadlines, tiered=False))
+            assert read(path) == b"next"
+        finally:
+            connection.close()
