@@ -55,6 +55,12 @@ def _sidecar_previous(previous: str) -> str:
     return os.path.join(head, tail.replace(".prev" + TMP_MARKER, ".sum.prev" + TMP_MARKER))
 
 
+def kept_record_name(previous: str) -> str:
+    """Where :func:`keep_aside` keeps the checksum record of the file it keeps at
+    ``previous``."""
+    return _sidecar_previous(previous)
+
+
 def keep_aside(path: str, previous: str) -> bool:
     """Link the file at ``path`` (and its checksum record) to ``previous``, before a new
     file is written and renamed over it (runs in the writer, before it writes).

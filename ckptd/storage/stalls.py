@@ -11,7 +11,8 @@ still touch is changed: its job's ``release`` (the hold on the extent, and putti
 the file the job replaced) is called only when the process is gone.
 
 Owns :class:`StuckWriters`; :func:`storage_target`, :func:`stall_message` and
-:func:`deadline_message` say where and how a file stalled or overstayed. No zmq sends, no scheduling: the writer pool decides when.
+:func:`deadline_message` say where and how a file stalled or overstayed. No zmq sends, no
+scheduling: the writer pool decides when.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Callable
 
 from ckptd.storage.jobs import WriteJob
 from ckptd.storage.leftovers import sweep_temporaries
+from ckptd.storage.previous import kept_record_name
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +61,8 @@ def stall_message(job: WriteJob, waited: float, timeout: float, pid: int) -> str
             f"{storage_target(job.path)}: no progress for {waited:.0f}s ({job.bytes_done} "
             f"of {job.nbytes} bytes written; the limit is --stall-timeout {timeout:g}s). "
             f"The writer (pid {pid}) stopped answering, as a write stuck in the kernel does; "
-            f"it was replaced and keeps its staging space until it returns. The previous checkpoint is intact: "
-            f"check that storage target, then save again")
+            f"it was replaced and keeps its staging space until it returns. The previous "
+            f"checkpoint is intact: check that storage target, then save again")
 
 
 def deadline_message(job: WriteJob, pid: int | None) -> str:
@@ -132,10 +134,26 @@ class StuckWriters:
         return [w.describe() for w in self.writers]
 
     def abandon(self) -> None:
-        """At shutdown: they cannot be waited for; the kernel ends them when storage answers."""
+        """At shutdown: they cannot be waited for; the kernel ends them when storage answers.
+
+        The file a stuck job replaces cannot be put back now (its late rename may still
+        land, and the hung target would block the shutdown), and its kept link is a
+        temporary the next daemon's sweep removes: the operator is told where it is, at
+        error level, to put it back by hand. It stays sweepable: after a daemon crash such
+        links are garbage beside a whole file, and kept out of the sweep they would pile up.
+        """
         for stuck in self.writers:
-            log.warning("writer pid %d is still stuck writing %s; leaving it to exit when the "
-                        "storage answers", stuck.process.pid, stuck.job.path)
+            kept = getattr(stuck.job.body, "previous", "")
+            if kept and stuck.release is not None:
+                log.error("writer pid %d is still stuck writing %s at shutdown. The file it "
+                          "replaces may be kept at %s (its checksum record at %s); once the "
+                          "storage answers, if %s does not hold the previous checkpoint, "
+                          "rename those back before the next daemon starts: its sweep of "
+                          "temporaries removes them", stuck.process.pid, stuck.job.path,
+                          kept, kept_record_name(kept), stuck.job.path)
+            else:
+                log.warning("writer pid %d is still stuck writing %s; leaving it to exit when "
+                            "the storage answers", stuck.process.pid, stuck.job.path)
             stuck.close_socket()
         self.writers = []
 

@@ -7,8 +7,8 @@ arrives, :meth:`reap_dead` fails the jobs of a writer that died, removes its tem
 and starts a new one, and :meth:`check_stalls` gives up on a writer whose file made no
 progress for the stall timeout (stuck in the kernel): its job fails, a fresh writer takes
 its place and its other jobs, and the stuck process is kept by
-:class:`ckptd.storage.stalls.StuckWriters` until it really exits. It knows files and byte ranges, not ranks or requests: each job carries
-its own completion callback. One writer's socket and process are a
+:class:`ckptd.storage.stalls.StuckWriters` until it really exits. It knows files and byte
+ranges, not ranks or requests: each job carries its own completion callback. One writer's socket and process are a
 :class:`ckptd.storage.writer_slot.WriterSlot`.
 
 Pattern: one ZeroMQ PAIR socket per writer, bound here and polled by the serve loop.
