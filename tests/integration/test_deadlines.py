@@ -126,6 +126,13 @@ def await_signal(signals, name: str, done: str, timeout: float = 180.0) -> None:
         time.sleep(0.02)  # polling a file the test creates; no event crosses processes
 
 
+def the_next_save_succeeds(checkpoint: TorchAsyncCheckpoint, path: str) -> None:
+    """Once a fault has cleared, a save to the same path commits and loads back."""
+    checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
+    checkpoint.finalize_async_save(blocking=True)
+    assert torch.load(path, weights_only=True)["w"][0] == 2.0
+
+
 def stuck_saves(daemon) -> list:
     return [s for s in daemon.status()["saves"] if s["stuck"]]
 
@@ -200,11 +207,9 @@ def test_a_silent_writer_fails_its_save_and_is_replaced(start_daemon, tmp_path):
         assert f"pid {pid}" in message and "--stall-timeout 3s" in message
         assert not os.path.exists(path)
         wait_for(lambda: not daemon.status()["stuck_writers"], 30, "the killed writer reaped")
-        checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
-        checkpoint.finalize_async_save(blocking=True)
+        the_next_save_succeeds(checkpoint, path)
     finally:
         checkpoint.close()
-    assert torch.load(path, weights_only=True)["w"][0] == 2.0
     [writer] = daemon.status()["writers"]
     assert writer["alive"] and writer["pid"] != pid
 
@@ -239,11 +244,9 @@ def test_a_stopped_daemon_ends_the_wait_and_never_commits_afterwards(daemon, mon
         assert not os.path.exists(path), "a save reported failed was committed afterwards"
         written = [r["bytes_written"] for r in status["requests"] if r["path"] == path]
         assert written == [0], "the dropped save's file was renamed into place, then removed"
-        checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
-        checkpoint.finalize_async_save(blocking=True)
+        the_next_save_succeeds(checkpoint, path)
     finally:
         checkpoint.close()
-    assert torch.load(path, weights_only=True)["w"][0] == 2.0
 
 
 def test_the_whole_save_deadline_fails_a_save_that_overstays(start_daemon):
@@ -263,11 +266,9 @@ def test_the_whole_save_deadline_fails_a_save_that_overstays(start_daemon):
         assert "phase 'writing'" in message
         wait_for(lambda: daemon.status()["writers"][0]["jobs"] == 0, 60, "the late write")
         assert not os.path.exists(path), "the late file of a failed save stayed"
-        checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
-        checkpoint.finalize_async_save(blocking=True)
+        the_next_save_succeeds(checkpoint, path)
     finally:
         checkpoint.close()
-    assert torch.load(path, weights_only=True)["w"][0] == 2.0
 
 
 # ------------------------------------------------------------------ a staging copy that stops
@@ -369,11 +370,9 @@ def test_a_give_up_after_the_daemon_handled_the_writers_result_still_leaves_noth
         wait_for(lambda: not os.path.exists(path), 60, "the resumed daemon to remove the file")
         assert not [r for r in daemon.status()["requests"] if r["path"] == path
                     and r["phase"] not in ("done", "aborted", "failed")]
-        checkpoint.async_save({"w": torch.full((1 << 12,), 2.0)}, path)
-        checkpoint.finalize_async_save(blocking=True)
+        the_next_save_succeeds(checkpoint, path)
     finally:
         checkpoint.close()
-    assert torch.load(path, weights_only=True)["w"][0] == 2.0
 
 
 def test_a_save_behind_a_stuck_zero_stall_save_ends_with_what_to_do(start_daemon):

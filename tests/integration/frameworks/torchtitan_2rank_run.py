@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 import gates
 import two_ranks
-from torchtitan_run import build_training, snapshot
+from torchtitan_run import build_training, snapshot, train_step
 
 
 def local_shards(value):
@@ -69,12 +69,7 @@ def main() -> None:
         if not resume and state.step == 7:  # both ranks' save of step 6 staged
             checkpointer.maybe_wait_for_staging()
             all_ranks_reach(gate_dir, "staged6")
-        loss = model(data[state.step, rank]).square().mean()
-        loss.backward()
-        checkpointer.maybe_wait_for_staging()  # as torchtitan's trainer, before the step
-        optimizers.step()
-        schedulers.step()
-        optimizers.zero_grad()
+        train_step(model, data[state.step, rank], checkpointer, optimizers, schedulers)
         if checkpointer.save(state.step):
             record(f"step-{state.step}")
         if not resume and state.step == 4:  # both ranks' saves of steps 2 and 4 durable

@@ -59,6 +59,15 @@ def build_training(model, steps: int, mode: str, base: str, interval: int = 2) -
     return optimizers, schedulers, state, checkpointer
 
 
+def train_step(model, batch, checkpointer, optimizers, schedulers) -> None:
+    """One step as torchtitan's trainer takes it: the staging wait comes before the update."""
+    model(batch).square().mean().backward()
+    checkpointer.maybe_wait_for_staging()
+    optimizers.step()
+    schedulers.step()
+    optimizers.zero_grad()
+
+
 def main() -> None:
     base, refs, gate_dir, steps, mode = sys.argv[1:6]
     flags = sys.argv[6:]
@@ -78,12 +87,7 @@ def main() -> None:
         if not resume and state.step == 7:
             checkpointer.maybe_wait_for_staging()
             gates.reach(gate_dir, "staged6", hold=True)
-        loss = model(data[state.step]).square().mean()
-        loss.backward()
-        checkpointer.maybe_wait_for_staging()  # as torchtitan's trainer, before the step
-        optimizers.step()
-        schedulers.step()
-        optimizers.zero_grad()
+        train_step(model, data[state.step], checkpointer, optimizers, schedulers)
         if checkpointer.save(state.step):
             torch.save(snapshot(model, optimizers, schedulers, state),
                        os.path.join(refs, f"step-{state.step}.pt"))
