@@ -79,9 +79,9 @@ class Timeline:
         """Take the spans of ``request``, which just ended."""
         key = save_key(request)
         record = self._records.get(key)
-        if record is None or request.created_at > record.ended_at:
+        if record is None or self._later_save(record, request):
             record = SaveRecord(key, request.created_at, request.created_at)
-            self._records.pop(key, None)  # a later save of the same path is a new record
+            self._records.pop(key, None)
             self._records[key] = record
         self._records.move_to_end(key)
         record.request_ids.add(request.id)
@@ -92,6 +92,15 @@ class Timeline:
         record.outcomes[request.rank] = request.phase if request.phase != Phase.DONE else worst
         self._request_spans(record, request, pid)
         self._trim()
+
+    @staticmethod
+    def _later_save(record: SaveRecord, request) -> bool:
+        """Whether ``request`` belongs to a later save of the record's path (a file saved
+        over each epoch): its rank already ended a request there before this one arrived.
+        A rank that arrives after the others ended is still the same save (ranks do not
+        start a save together, and a fast rank's request may end before a slow rank's
+        starts)."""
+        return request.rank in record.ranks and request.created_at > record.ended_at
 
     def _request_spans(self, record: SaveRecord, request, pid: int) -> None:
         common = {"request": request.id, "rank": request.rank, "path": request.path}
