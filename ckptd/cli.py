@@ -55,6 +55,11 @@ def main() -> None:
 @click.option("--pool-size", default=knobs.POOL_SIZE.get,
               show_default=knob_default(knobs.POOL_SIZE),
               help="Shared-memory staging pool size (e.g. 512M, 8G; env CKPTD_POOL_SIZE).")
+@click.option("--pool-dir", type=click.Path(), default=knobs.POOL_DIR.get,
+              show_default=knob_default(knobs.POOL_DIR),
+              help="tmpfs (or hugetlbfs) directory the staging pool is made in; a tmpfs "
+                   "mounted with huge=within_size makes direct writes cheaper (see "
+                   "docs/operations.md).")
 @click.option("--writers", type=click.IntRange(1, 64), default=knobs.WRITERS.get,
               show_default=knob_default(knobs.WRITERS), help="Number of writer processes.")
 @click.option("--peer-listen", default=None,
@@ -105,7 +110,7 @@ def main() -> None:
 @click.option("--keep-last", type=click.IntRange(1, None), default=None, metavar="N",
               help="With --stage-dir: keep the newest N checkpoints ckptd committed in each "
                    "directory, deleting older ones only once N newer are durable at the target.")
-def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_advertise,
+def serve(socket_path, roots, local_dir, pool_size, pool_dir, writers, peer_listen, peer_advertise,
           peer_encryption, log_level, ready_file, exit_when_idle, drain_timeout,
           stall_timeout, metrics_textfile, metrics_listen, metrics_allow_remote, metrics_labels,
           stage_dir, stage_budget, stage_policy, keep_last) -> None:
@@ -118,7 +123,8 @@ def serve(socket_path, roots, local_dir, pool_size, writers, peer_listen, peer_a
     listen, labels = _metrics_options(metrics_listen, metrics_allow_remote, metrics_labels)
     config = DaemonConfig(
         socket_path=protocol.resolve_socket_path(socket_path),
-        roots=list(roots) or [os.getcwd()], pool_size=parse_size(pool_size), writers=writers,
+        roots=list(roots) or [os.getcwd()], pool_size=parse_size(pool_size),
+        pool_dir=os.path.abspath(pool_dir), writers=writers,
         local_dir=local_dir, peer_listen=peer_listen, peer_advertise=peer_advertise,
         peer_encryption=peer_encryption, log_level=log_level.upper(),
         exit_when_idle=exit_when_idle, drain_timeout=drain_timeout, ready_file=ready_file,

@@ -145,6 +145,16 @@ def bytes_replicated_so_far(doc: dict) -> int:
     return sum(int(p.get("bytes_sent", 0)) for p in doc.get("peers", []))
 
 
+def _pool_pages_line(pool: dict) -> list[str]:
+    """Where the pool is and how much of it is on huge pages (none from an older daemon)."""
+    if "directory" not in pool:
+        return []
+    mount = pool["filesystem"] if pool["filesystem"] == "hugetlbfs" else f"tmpfs huge={pool['huge']}"
+    pages = (f"{_size(pool['huge_page_bytes'])} on huge pages" if pool["huge_page_bytes"]
+             else "4 KiB pages (see --pool-dir in docs/operations.md)")
+    return [f"        in {pool['directory']} ({mount}): {pages}"]
+
+
 def _numa(nodes: list | None) -> str:
     return f"  (NUMA nodes {','.join(map(str, nodes))})" if nodes else ""
 
@@ -165,6 +175,7 @@ def render(doc: dict) -> str:
         f"pool    {_size(pool['used_bytes'])} used of {_size(pool['size_bytes'])}"
         f"{'  (pinned)' if pool['pinned'] else ''}"
         f"{_numa(pool.get('numa_nodes'))}  {pool['waiting_requests']} waiting",
+        *_pool_pages_line(pool),
         f"writers {sum(w['alive'] for w in doc['writers'])}/{len(doc['writers'])} alive, "
         f"{sum(w['jobs'] for w in doc['writers'])} job(s) in flight",
         *_deadlines_line(doc),

@@ -32,6 +32,7 @@ class DaemonConfig:
     socket_path: str
     roots: list
     pool_size: int = field(default_factory=_default_pool_size)
+    pool_dir: str = field(default_factory=knobs.POOL_DIR.get)  # tmpfs or hugetlbfs (--pool-dir)
     writers: int = field(default_factory=knobs.WRITERS.get)
     local_dir: str | None = None
     peer_listen: str | None = None

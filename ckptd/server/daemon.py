@@ -39,6 +39,7 @@ from ckptd.server.requests import RequestTable
 from ckptd.server.saves import SaveService
 from ckptd.staging import numa
 from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon
+from ckptd.staging.pool_directory import check_pool_directory
 from ckptd.storage.leftovers import WrittenDirectories
 from ckptd.storage.roots import AllowedRoots
 from ckptd.storage.writer_pool import WriterPool
@@ -110,10 +111,11 @@ class Daemon:
                     f"another ckptd already serves {self.socket_path}; stop it first "
                     f"(ckptd status --socket {self.socket_path}) or choose another --socket")
             os.unlink(self.socket_path)  # stale, from a daemon that was killed
-        self.predecessors = PredecessorSweeper(self.runtime_dir)
+        pool_dir = check_pool_directory(self.config.pool_dir).path  # before sweeping it
+        self.predecessors = PredecessorSweeper(self.runtime_dir, pool_dir)
         self.predecessors.sweep()
         self.journal = WrittenDirectories(self.runtime_dir)
-        self.pool = StagingPool(pool_path_for_this_daemon(), self.config.pool_size,
+        self.pool = StagingPool(pool_path_for_this_daemon(pool_dir), self.config.pool_size,
                                 nodes=numa.online_nodes() if knobs.NUMA_PLACEMENT.get() else None)
         self.context = zmq.Context()
         self.writers = WriterPool(self.config.writers, self.context, self.runtime_dir,

@@ -1,6 +1,6 @@
 """What earlier daemons that died left behind: their staging pools and writers' temporaries.
 
-A SIGKILLed daemon cannot unlink its ``/dev/shm`` pool, and its writers may leave hidden
+A SIGKILLed daemon cannot unlink its staging pool (in the pool directory), and its writers may leave hidden
 temporaries. Its successor sweeps both at start. A predecessor killed a moment before the
 restart may still be exiting then (unmapping a large pool takes a while; a writer in the
 middle of an fsync dies only when the call returns), and a leftover is only removed once
@@ -33,10 +33,12 @@ class PredecessorSweeper:
     ----------
     runtime_dir : str
         The daemon's runtime directory (where predecessors' journals are).
+    pool_dir : str
+        The directory staging pools are made in (``--pool-dir``).
     """
 
-    def __init__(self, runtime_dir: str) -> None:
-        self.runtime_dir = runtime_dir
+    def __init__(self, runtime_dir: str, pool_dir: str) -> None:
+        self.runtime_dir, self.pool_dir = runtime_dir, pool_dir
         self.waiting_pools: list[int] = []     # pids of other daemons whose pool stays
         self.waiting_journals: list[int] = []  # predecessors (or their writers) still running
         self._next_at = 0.0
@@ -48,7 +50,7 @@ class PredecessorSweeper:
 
     def sweep(self) -> None:
         """Remove every leftover whose owner is gone; note the ones to look at again."""
-        _, self.waiting_pools = remove_stale_pools()
+        _, self.waiting_pools = remove_stale_pools(self.pool_dir)
         _, waiting = WrittenDirectories.sweep_predecessors(self.runtime_dir)
         if waiting and waiting != self.waiting_journals:
             log.info("earlier ckptd(s) at this socket (pid %s) or their writers still run; "

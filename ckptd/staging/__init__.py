@@ -2,6 +2,10 @@
 
 - ``pool``  the shared-memory staging pool (allocated once, page-locked when a GPU is
             present) and its extent allocator with FIFO back-pressure;
+- ``segment`` the pool's file: created in the pool directory, bound to NUMA nodes, its
+            pages (huge where the mount allows) reserved and mapped;
+- ``pool_directory`` whether a directory may hold a pool (tmpfs or hugetlbfs) and how
+            much of a mapping the kernel maps with huge pages;
 - ``numa``  which NUMA node a GPU or a rank is on, and binding memory to it;
 - ``cuda``  the daemon's CUDA side: opening trainers' IPC handles and copying
             device-to-host into the pool, one stager thread per device;

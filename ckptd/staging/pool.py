@@ -1,17 +1,19 @@
 """The staging pool: one shared-memory segment, allocated once, carved into extents.
 
-Owns the segment's life (create, pre-fault, page-lock when a GPU is present, unlink) and
-the extent allocator with back-pressure: a request that does not fit *now* waits in FIFO
-order until writers release space; a request larger than the whole pool is refused at
-once. An extent is released only through its lease (``ckptd.server.lifecycle``) once every
-reader (device copy, writers, replicas) dropped its hold, so staged bytes are never
-overwritten.
+Owns the segment's life (create it through :mod:`ckptd.staging.segment`, page-lock when a
+GPU is present, unlink) and the extent allocator with back-pressure: a request that does
+not fit *now* waits in FIFO order until writers release space; a request larger than the
+whole pool is refused at once. An extent is released only through its lease
+(``ckptd.server.lifecycle``) once every reader (device copy, writers, replicas) dropped
+its hold, so staged bytes are never overwritten.
 
-Pattern: first-fit free list over one ``mmap``; clients map the same file by path. On a
+Pattern: first-fit free list over one ``mmap``; clients map the same file by path (the one
+the daemon announces; the directory is ``--pool-dir``, checked by
+:mod:`ckptd.staging.pool_directory`, on huge pages where its mount gives them). On a
 machine with several NUMA nodes the segment is cut into one region per node, each bound to
-its node before its pages exist (:mod:`ckptd.staging.numa`); an allocation names the node
-it is ``near`` and gets an extent in that region when one fits, else anywhere (a remote
-node is slower, waiting is worse). It must not know about requests, files or sockets.
+its node before its pages exist; an allocation names the node it is ``near`` and gets an
+extent in that region when one fits, else anywhere (a remote node is slower, waiting is
+worse). It must not know about requests, files or sockets.
 """
 
 from __future__ import annotations
@@ -25,16 +27,24 @@ from dataclasses import dataclass, field
 
 from ckptd import knobs
 from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive
-from ckptd.staging import numa
+from ckptd.staging import segment
+from ckptd.staging.pool_directory import (HUGE_PAGE_ADVICE, PoolDirectory, check_pool_directory,
+                                          huge_page_bytes)
+from ckptd.staging.segment import Region
+
+__all__ = ["Extent", "PoolTooSmallError", "Region", "StagingPool", "pool_path_for_this_daemon",
+           "remove_stale_pools"]
 
 log = logging.getLogger(__name__)
 
 
-SHM_DIR = "/dev/shm"
-
-
-def remove_stale_pools(directory: str = SHM_DIR) -> tuple[list[str], list[int]]:
+def remove_stale_pools(directory: str | None = None) -> tuple[list[str], list[int]]:
     """Unlink pools of this user whose daemon no longer runs (it was SIGKILLed).
+
+    Parameters
+    ----------
+    directory : str, optional
+        Where pools are made (default: the ``CKPTD_POOL_DIR`` knob).
 
     Returns
     -------
@@ -43,6 +53,7 @@ def remove_stale_pools(directory: str = SHM_DIR) -> tuple[list[str], list[int]]:
         still run (a daemon of another job, or one killed a moment ago and still exiting:
         sweep again later).
     """
+    directory = directory or knobs.POOL_DIR.get()
     prefix = f"ckptd-{os.getuid()}-"
     removed, running = [], []
     for name in os.listdir(directory):
@@ -63,8 +74,10 @@ def remove_stale_pools(directory: str = SHM_DIR) -> tuple[list[str], list[int]]:
     return removed, running
 
 
-def pool_path_for_this_daemon(directory: str = SHM_DIR) -> str:
-    """A fresh pool path: ``ckptd-<uid>-<pid>-<token>``, so leftovers can be attributed."""
+def pool_path_for_this_daemon(directory: str | None = None) -> str:
+    """A fresh pool path: ``ckptd-<uid>-<pid>-<token>``, so leftovers can be attributed
+    (in ``directory``, default the ``CKPTD_POOL_DIR`` knob)."""
+    directory = directory or knobs.POOL_DIR.get()
     return os.path.join(directory, f"ckptd-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
@@ -78,15 +91,6 @@ class Extent:
 
     offset: int
     length: int
-
-
-@dataclass(frozen=True)
-class Region:
-    """The part ``[start, end)`` of the pool whose pages are bound to NUMA ``node``."""
-
-    start: int
-    end: int
-    node: int
 
 
 @dataclass
@@ -103,17 +107,27 @@ class StagingPool:
     Parameters
     ----------
     path : str
-        File to create under ``/dev/shm`` (must not exist).
+        File to create (must not exist) in a tmpfs or hugetlbfs directory.
     size : int
-        Bytes to reserve; rounded up to :data:`EXTENT_ALIGNMENT`.
+        Bytes to reserve; rounded up to :data:`EXTENT_ALIGNMENT` (to the huge page size on
+        hugetlbfs).
     nodes : list of int, optional
         NUMA nodes to give a region each (two or more); ``None``: one unbound region.
+
+    Raises
+    ------
+    PoolDirectoryError
+        If ``path``'s directory is not a tmpfs or hugetlbfs directory.
+    OSError
+        If the pool does not fit (the message says what to lower or free).
     """
 
     path: str
     size: int
     nodes: list | None = None
     regions: list = field(default_factory=list)
+    directory: PoolDirectory | None = None
+    huge_page_bytes: int = 0  # of the pool, as mapped here right after allocation
     _free: list = field(default_factory=list)
     _waiters: deque = field(default_factory=deque)
     _map: mmap.mmap | None = None
@@ -121,50 +135,29 @@ class StagingPool:
     _registered: list = field(default_factory=list)  # page-locked chunk addresses
 
     def __post_init__(self) -> None:
-        self.size = align_up(self.size, EXTENT_ALIGNMENT)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            if self.nodes and len(self.nodes) > 1:
-                self._bind_regions(fd)
-            try:
-                # Reserve every page now: a full /dev/shm fails here with a clear error
-                # instead of a SIGBUS in the middle of a save.
-                os.posix_fallocate(fd, 0, self.size)
-            except OSError as exc:
-                os.unlink(self.path)
-                raise OSError(exc.errno, f"cannot reserve a {self.size}-byte staging pool at "
-                              f"{self.path}: {exc.strerror}; lower --pool-size or free /dev/shm")
-            self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fd)
+        self.directory = check_pool_directory(os.path.dirname(self.path))
+        self.size = align_up(self.size, max(EXTENT_ALIGNMENT, self.directory.page_size))
+        self._map, self.regions = segment.create(self.path, self.size, self.directory, self.nodes)
         self._free = [Extent(0, self.size)]
+        self.huge_page_bytes = huge_page_bytes(segment.address(self._map))
+        self._log_pages()
 
-    def _bind_regions(self, fd: int) -> None:
-        """Cut the segment into one region per node and bind each before its pages are
-        allocated (the binding is the file's, so the final mapping and the writers' and
-        trainers' mappings share it)."""
-        share = align_up(-(-self.size // len(self.nodes)), EXTENT_ALIGNMENT)
-        bounds = [min(i * share, self.size) for i in range(len(self.nodes) + 1)]
-        bounds[-1] = self.size
-        regions = [Region(a, b, n) for a, b, n in zip(bounds, bounds[1:], self.nodes) if b > a]
-        os.ftruncate(fd, self.size)
-        staging = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
-        base = _address(staging)
-        try:
-            for region in regions:
-                numa.bind_preferred(base + region.start, region.end - region.start, region.node)
-        except OSError as exc:
-            log.warning("staging pool left unbound to NUMA nodes: %s", exc)
-            try:  # no half-bound pool: the regions bound before the failure are undone
-                numa.bind_preferred(base, self.size, None)
-            except OSError:
-                pass
-            return
-        finally:
-            staging.close()
-        self.regions = regions
-        log.info("staging pool split over NUMA nodes %s (%d MiB each)",
-                 ",".join(str(r.node) for r in regions), share >> 20)
+    def _log_pages(self) -> None:
+        where = self.directory
+        mount = where.filesystem if where.filesystem == "hugetlbfs" else f"tmpfs huge={where.huge}"
+        log.info("staging pool %d MiB at %s (%s): %d MiB on huge pages", self.size >> 20,
+                 self.path, mount, self.huge_page_bytes >> 20)
+        if self.huge_page_bytes == 0:
+            log.info("staging pool on 4 KiB pages: %s", HUGE_PAGE_ADVICE)
+
+    def describe(self) -> dict:
+        """The ``pool`` section of the status document."""
+        return {"path": self.path, "size_bytes": self.size, "used_bytes": self.used_bytes,
+                "free_bytes": self.free_bytes, "waiting_requests": self.waiting,
+                "pinned": self.registered_with_cuda,
+                "numa_nodes": [r.node for r in self.regions],
+                "directory": self.directory.path, "filesystem": self.directory.filesystem,
+                "huge": self.directory.huge, "huge_page_bytes": self.huge_page_bytes}
 
     # ------------------------------------------------------------------ allocation
     @property
@@ -284,7 +277,7 @@ class StagingPool:
 
         import torch
 
-        address = _address(self._map)
+        address = segment.address(self._map)
         cudart, chunk = torch.cuda.cudart(), knobs.CUDA_REGISTER_CHUNK_BYTES.get()
         started, registered = time.monotonic(), []
         for start in range(0, self.size, chunk):
@@ -329,13 +322,3 @@ class StagingPool:
         except FileNotFoundError:
             pass
 
-
-def _address(mapping: mmap.mmap) -> int:
-    """Where ``mapping`` starts in this process's address space."""
-    import ctypes
-
-    view = (ctypes.c_char * len(mapping)).from_buffer(mapping)
-    try:
-        return ctypes.addressof(view)
-    finally:
-        del view

@@ -12,6 +12,8 @@
 #                        daemons, e.g. tcp://0.0.0.0:* (any free port; the daemon
 #                        advertises the node's address)          (default: none)
 #   CKPTD_POOL_SIZE      staging pool size                 (default: 1G)
+#   CKPTD_POOL_DIR       tmpfs directory of the staging pool, e.g. a tmpfs mounted with
+#                        huge=within_size,mode=1777 (docs/operations.md)  (default: /dev/shm)
 #   CKPTD_WRITERS        writer processes                  (default: 2)
 #   CKPTD_DRAIN_TIMEOUT  seconds to drain on stop          (default: 60)
 #   CKPTD_READY_TIMEOUT  seconds the prolog waits          (default: 90)
@@ -115,7 +117,7 @@ ckptd_stop() {
             sleep 0.2
         done
         # A killed daemon cannot unlink its shared-memory staging pool.
-        rm -f /dev/shm/ckptd-"$uid"-"$pid"-* 2>/dev/null
+        rm -f "${CKPTD_POOL_DIR:-/dev/shm}"/ckptd-"$uid"-"$pid"-* 2>/dev/null
     fi
     if ckptd_is_running "$pid"; then
         ckptd_log "ckptd pid $pid survived SIGKILL; leaving it"

@@ -63,6 +63,9 @@ if [ -n "${CKPTD_LOCAL_DIR:-}" ]; then
         || soft_fail "cannot create the local checkpoint directory $local_dir"
     args+=(--local-dir "$local_dir")
 fi
+if [ -n "${CKPTD_POOL_DIR:-}" ]; then
+    args+=(--pool-dir "$CKPTD_POOL_DIR")
+fi
 if [ -n "${CKPTD_PEER_LISTEN:-}" ]; then
     args+=(--peer-listen "$CKPTD_PEER_LISTEN")
 fi

@@ -347,3 +347,32 @@ def test_sigterm_lets_in_flight_writes_finish_then_cleans_up(daemon, monkeypatch
     run_dir = os.path.dirname(daemon.socket)
     assert not os.path.exists(daemon.socket) and "ckptd.ready" not in os.listdir(run_dir)
     assert not os.path.exists(pool_path)
+
+
+# ----------------------------------------------------------------- staging pool directory
+
+@pytest.mark.parametrize("how", ["disk directory by --pool-dir", "disk directory by CKPTD_POOL_DIR",
+                                 "missing directory"])
+def test_a_pool_directory_that_is_not_tmpfs_is_refused_naming_it_and_the_fix(tmp_path, how):
+    from ckptd.staging.pool_directory import mount_of
+
+    directory = tmp_path / "pools"
+    if how != "missing directory":
+        directory.mkdir()
+        if mount_of(str(directory))[0] in ("tmpfs", "hugetlbfs"):
+            pytest.skip(f"{tmp_path} is a memory filesystem here; the test needs a disk directory")
+    socket_path = tmp_path / "run" / "ckptd.sock"
+    command = [sys.executable, "-m", "ckptd", "serve", "--socket", str(socket_path),
+               "--root", str(tmp_path), "--pool-size", "16M"]
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_POOL_DIR"}
+    if how.endswith("CKPTD_POOL_DIR"):
+        env["CKPTD_POOL_DIR"] = str(directory)
+    else:
+        command += ["--pool-dir", str(directory)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0, done.stderr
+    why = "does not exist" if how == "missing directory" else "not tmpfs"
+    assert f"staging pool directory {directory}" in done.stderr and why in done.stderr, done.stderr
+    assert "--pool-dir" in done.stderr and "CKPTD_POOL_DIR" in done.stderr, done.stderr
+    assert not socket_path.exists(), "a refused daemon must not serve"
+    assert not directory.exists() or os.listdir(directory) == [], "no pool made on disk"

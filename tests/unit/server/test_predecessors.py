@@ -8,6 +8,7 @@ process is gone; then the next sweep of the housekeeping removes both.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -32,9 +33,14 @@ def test_a_predecessor_still_exiting_is_swept_once_it_is_gone(tmp_path):
     assert writer.stdout.readline() == "locked\n"
     journal = runtime / f"ckptd.{gone.pid}.dirs"
     journal.write_text(f"D {written}\nP {writer.pid}\n")
-    sweeper = PredecessorSweeper(str(runtime))
+    pools = tmp_path / "pools"  # the configured pool directory, not /dev/shm
+    pools.mkdir()
+    dead_pool = pools / f"ckptd-{os.getuid()}-{gone.pid}-0badc0de"
+    dead_pool.write_bytes(b"pool")
+    sweeper = PredecessorSweeper(str(runtime), str(pools))
     try:
         sweeper.sweep()
+        assert not dead_pool.exists(), "the dead daemon's pool in the pool directory is swept"
         assert temporary.exists() and journal.exists(), "nothing of a live owner is touched"
         assert sweeper.pending and sweeper.waiting_journals == [gone.pid]
     finally:

@@ -1,0 +1,115 @@
+"""The pool directory: refused unless tmpfs or hugetlbfs; huge pages where the mount gives them.
+
+Real mounts (root only, skipped elsewhere): a tmpfs per ``huge=`` option, a hugetlbfs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from ckptd import knobs
+from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
+from ckptd.staging.pool_directory import (PoolDirectoryError, check_pool_directory, mount_of)
+
+POOL = 8 << 20  # four huge pages
+
+
+def test_dev_shm_is_a_tmpfs_pool_directory():
+    found = check_pool_directory("/dev/shm")
+    assert (found.path, found.filesystem) == ("/dev/shm", "tmpfs")
+
+
+def test_a_directory_on_a_disk_filesystem_is_refused_naming_it_its_filesystem_and_the_fix(tmp_path):
+    fstype, _ = mount_of(str(tmp_path))
+    if fstype in ("tmpfs", "hugetlbfs"):
+        pytest.skip(f"{tmp_path} is on {fstype} here; the test needs a disk directory")
+    with pytest.raises(PoolDirectoryError) as info:
+        check_pool_directory(str(tmp_path))
+    message = str(info.value)
+    assert str(tmp_path) in message and f"is on {fstype}" in message
+    assert "not tmpfs" in message and "--pool-dir" in message and "CKPTD_POOL_DIR" in message
+
+
+def test_a_missing_directory_or_a_file_is_refused(tmp_path):
+    with pytest.raises(PoolDirectoryError, match=f"{tmp_path}/gone does not exist.*--pool-dir"):
+        check_pool_directory(str(tmp_path / "gone"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PoolDirectoryError, match="is not a directory"):
+        check_pool_directory(str(tmp_path / "file"))
+
+
+def test_the_pool_directory_knob_places_new_pools_and_the_sweep(tmp_path, monkeypatch):
+    assert knobs.POOL_DIR.get() == "/dev/shm" or "CKPTD_POOL_DIR" in os.environ
+    monkeypatch.setenv("CKPTD_POOL_DIR", str(tmp_path))
+    assert os.path.dirname(pool_path_for_this_daemon()) == str(tmp_path)
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = tmp_path / f"ckptd-{os.getuid()}-{finished.pid}-0badc0de"
+    dead.write_bytes(b"x")
+    assert remove_stale_pools() == ([str(dead)], [])
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """``mounted(fstype, options) -> path``: a real mount, unmounted after the test."""
+    mounts = []
+
+    def mount(fstype: str, options: str) -> str:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs or hugetlbfs needs root")
+        path = tmp_path / f"m{len(mounts)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", fstype, "-o", options, f"hugepool-{fstype}",
+                               str(path)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount {fstype} -o {options} here: {done.stderr.strip()}")
+        mounts.append(path)
+        return str(path)
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("huge", ["always", "within_size", "advise"])
+def test_a_tmpfs_mounted_with_huge_pages_gives_the_pool_huge_pages(mounted, huge):
+    directory = mounted("tmpfs", f"huge={huge},size=16m")
+    assert check_pool_directory(directory).huge == huge
+    pool = StagingPool(os.path.join(directory, "pool"), POOL)
+    try:
+        # advise: only because the pool asks with MADV_HUGEPAGE before its pages exist
+        assert pool.huge_page_bytes > 0, f"no huge pages on a huge={huge} tmpfs"
+        doc = pool.describe()
+        assert (doc["directory"], doc["filesystem"], doc["huge"]) == (directory, "tmpfs", huge)
+        assert doc["huge_page_bytes"] == pool.huge_page_bytes
+    finally:
+        pool.close()
+
+
+def test_a_tmpfs_without_huge_pages_reports_none(mounted):
+    directory = mounted("tmpfs", "size=16m")
+    pool = StagingPool(os.path.join(directory, "pool"), POOL)
+    try:
+        assert pool.huge_page_bytes == 0 and pool.describe()["huge"] == "never"
+    finally:
+        pool.close()
+
+
+def test_a_hugetlbfs_pool_is_rounded_to_its_page_size_or_refused_without_free_pages(mounted):
+    directory = mounted("hugetlbfs", "pagesize=2M")
+    assert check_pool_directory(directory).page_size == 2 << 20
+    free = int(next(line.split()[1] for line in open("/proc/meminfo")
+                    if line.startswith("HugePages_Free:")))
+    if free * (2 << 20) >= POOL:
+        pool = StagingPool(os.path.join(directory, "pool"), POOL - 4096)
+        try:
+            assert pool.size == POOL and pool.huge_page_bytes == POOL
+        finally:
+            pool.close()
+        return
+    with pytest.raises(OSError, match=f"{directory} is a hugetlbfs.*vm.nr_hugepages"):
+        StagingPool(os.path.join(directory, "pool"), POOL)
+    assert os.listdir(directory) == []
