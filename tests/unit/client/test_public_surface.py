@@ -114,11 +114,6 @@ KEYWORDS = [
     ("ckpt_client.guard_optimizer", ["optimizer", "waiter"]),
 ]
 
-NOT_BUILT = "not built yet: the spec promises it, another change adds it (then remove this mark)"
-
-#: What the spec promises and nobody has built yet (dotted paths, or callable + keyword).
-PENDING_NAMES: list[str] = []
-
 #: Names that live in an optional extra: checked where the framework is installed.
 EXTRA_NAMES = {
     "ckpt_client.integrations.lightning.CkptdCheckpointIO": "lightning",
@@ -126,7 +121,6 @@ EXTRA_NAMES = {
     "ckpt_client.integrations.hf.CkptdTrainer": "transformers",
     "ckpt_client.integrations.hf.save_state": "accelerate",
 }
-PENDING_KEYWORDS: list = []
 
 
 def resolve(path: str):
@@ -200,8 +194,7 @@ def test_the_docs_are_read():
     assert "ckpt_client.connect" in paths and len(paths) > 10, paths
 
 
-@pytest.mark.parametrize("path", [p for p in documented_paths()
-                                  if not any(p.startswith(q) for q in PENDING_NAMES)])
+@pytest.mark.parametrize("path", documented_paths())
 def test_every_path_the_docs_mention_resolves(path):
     if path.startswith("ckpt_client.integrations."):
         module = path.split(".")[2]
@@ -217,14 +210,3 @@ def test_adapter_names_import_where_their_extra_is_installed(path, framework):
     pytest.importorskip(framework, reason=f"the extra with {framework} is not installed")
     assert resolve(path) is not None
 
-
-@pytest.mark.xfail(strict=True, reason=NOT_BUILT)
-@pytest.mark.parametrize("path", PENDING_NAMES)
-def test_names_the_spec_promises_that_are_not_built_yet(path):
-    assert resolve(path) is not None
-
-
-@pytest.mark.xfail(strict=True, reason=NOT_BUILT)
-@pytest.mark.parametrize("path,keyword", PENDING_KEYWORDS)
-def test_keywords_the_spec_promises_that_are_not_built_yet(path, keyword):
-    assert keyword in inspect.signature(resolve(path)).parameters
