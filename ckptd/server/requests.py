@@ -15,6 +15,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ckptd import knobs
 from ckptd.protocol import ErrorCode, Phase, RequestState, WrittenFile
@@ -83,7 +84,7 @@ class SaveRequest:
     routing_id: bytes
     format: str
     path: str
-    buffers: list  # [dtype, shape, nbytes] in staging order
+    buffers: list  # [dtype, shape, nbytes] in staging order; never changes once built
     offsets: list  # relative to the extent, from protocol.layout_extent
     extent_length: int
     skeleton: bytes = b""
@@ -145,17 +146,24 @@ class SaveRequest:
                       and stalled > knobs.STUCK_AFTER.get()),
         }
 
-    @property
+    # The two sums below are taken once: ``buffers`` and ``cuda_specs`` never change
+    # after the request is built, and every poll (a trainer polls a save in flight every
+    # few milliseconds) and status entry reads them, over thousands of buffers.
+    @cached_property
     def bytes_total(self) -> int:
         """Bytes this request stages."""
         return sum(b[2] for b in self.buffers)
 
+    @cached_property
+    def _cuda_bytes(self) -> int:
+        if not self.cuda_specs:
+            return 0
+        return sum(b[2] for b, spec in zip(self.buffers, self.cuda_specs) if spec is not None)
+
     @property
     def transport_bytes(self) -> dict:
         """Bytes copied by the trainer through shared memory, and by the daemon from CUDA."""
-        specs = self.cuda_specs or [None] * len(self.buffers)
-        cuda = sum(b[2] for b, spec in zip(self.buffers, specs) if spec is not None)
-        return {"shm": self.bytes_total - cuda, "cuda": cuda}
+        return {"shm": self.bytes_total - self._cuda_bytes, "cuda": self._cuda_bytes}
 
     def transport_summary(self) -> str:
         """How the bytes travel, for log lines."""
