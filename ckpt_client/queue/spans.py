@@ -33,6 +33,8 @@ def report(saves) -> None:
     """Send the spans of ``saves`` to their daemons (one message per daemon)."""
     by_connection: dict = {}
     for save in saves:
+        if getattr(save, "gave_up", False):  # its daemon did not answer: do not wait again
+            continue
         if getattr(save, "spans", None) and getattr(save, "request_id", None) is not None:
             ids, spans = by_connection.setdefault(id(save.connection), (save.connection, [], []))[1:]
             ids.append(save.request_id)

@@ -64,6 +64,7 @@ class DaemonSave:
     drop_reason: str | None = None   # why abort() dropped it, as the daemon logs it
     accepted_at: float | None = None  # monotonic time of the STAGE reply: finalize's clock
     staged_reply: int | None = None  # a STAGED sent without waiting: its reply's id
+    gave_up: bool = False  # its daemon did not answer: the wait for its outcome ended
 
     @property
     def rank(self) -> int:
@@ -216,6 +217,7 @@ class DaemonSave:
         except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
             pass
         seen = self.last.phase
+        self.gave_up = True
         self.last = RequestState(phase=Phase.FAILED, error=(
             f"rank {self.rank}: gave up on the save of {self.path} (last seen in phase "
             f"{seen!r}): {exc}. The daemon is "
@@ -240,7 +242,7 @@ class DaemonSave:
     def forget(self, delete_files: bool) -> None:
         """Tell the daemon the outcome was consumed (and drop files of a failed save)."""
         self._drop_staged_reply()
-        if self.request_id is None:
+        if self.request_id is None or self.gave_up:  # giving up queued its FORGET(delete)
             return
         try:
             self.connection.call(MessageType.FORGET, Forget(request_ids=[self.request_id],

@@ -24,8 +24,9 @@ from ckpt_client.transport.daemon_save import DaemonSave
 class FakeDaemon:
     """Answers each request type with a fixed body (a map, sent as it is)."""
 
-    def __init__(self, socket_path: str, answers: dict) -> None:
+    def __init__(self, socket_path: str, answers: dict, silent: tuple = ()) -> None:
         self.answers = answers
+        self.silent = silent  # request types it reads and never answers (a stopped daemon)
         self.received: list = []  # (message type, body) of each request
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -43,6 +44,8 @@ class FakeDaemon:
             routing_id, *frames = self.socket.recv_multipart()
             message = protocol.decode(frames)
             self.received.append((message.type, message.body))
+            if message.type in self.silent:
+                continue
             body = self.answers.get(message.type, {})
             self.socket.send_multipart([routing_id, *protocol.encode(MessageType.REPLY,
                                                                      message.id, body)])
@@ -62,8 +65,9 @@ def daemon_at(tmp_path):
     hello = HelloReply(daemon_pid=os.getpid(), incarnation="inc-1", version="0.0",
                        pool_path=str(pool), pool_size=4096).to_wire()
 
-    def start(answers: dict) -> str:
-        made.append(FakeDaemon(str(tmp_path / "d.sock"), {MessageType.HELLO: hello, **answers}))
+    def start(answers: dict, silent: tuple = ()) -> str:
+        made.append(FakeDaemon(str(tmp_path / "d.sock"), {MessageType.HELLO: hello, **answers},
+                               silent))
         return str(tmp_path / "d.sock")
 
     start.made = made
@@ -132,3 +136,30 @@ def test_requests_go_out_as_the_typed_bodies_their_senders_built(daemon_at):
     forget = received[MessageType.FORGET]
     assert protocol.Forget.from_wire(forget) == protocol.Forget(request_ids=[4])
     assert forget["incarnation"] == "inc-1"  # every request names the daemon it was made for
+
+
+def test_a_save_given_up_on_asks_the_silent_daemon_nothing_more(daemon_at):
+    """The POLL goes unanswered: the save gives up, queueing ABORT then FORGET(delete).
+    Consuming its outcome then must not wait on the same silent daemon again: no second
+    FORGET, no span report (each waited seconds more for nothing)."""
+    from ckptd import knobs
+    from ckpt_client.queue import spans
+
+    socket = daemon_at({MessageType.PING: {"pid": 5}}, silent=(MessageType.POLL,))
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        save = DaemonSave(conn, 1, "/ckpt/x")
+        save.mark_staged()
+        save.spans.append(["blocked", 1.0, 2.0])
+        with knobs.override(CALL_TIMEOUT=0.2):
+            assert save.finished and "gave up on the save of /ckpt/x" in save.error
+        save.forget(delete_files=True)  # what the queue does with a finished call
+        spans.report([save])
+        conn.call(MessageType.PING)  # answered after every request sent before it was read
+    finally:
+        conn.close()
+    sent = [(kind, body) for kind, body in daemon_at.made[0].received
+            if kind not in (MessageType.HELLO, MessageType.PING, MessageType.GOODBYE)]
+    assert [kind for kind, _ in sent] == [MessageType.POLL, MessageType.ABORT,
+                                          MessageType.FORGET], sent
+    assert sent[2][1]["delete_files"] is True
