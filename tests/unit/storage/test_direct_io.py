@@ -183,3 +183,28 @@ def test_a_batch_cut_short_by_the_kernel_is_written_to_its_end(tmp_path, monkeyp
     expected = b"".join(bytes(v) for v, _ in segments)
     assert (tmp_path / "f").read_bytes()[10:] == expected and len(calls) > 1
     assert (offset, checked, crc) == (10, len(expected), checksum_bytes(expected, "crc32c").value)
+
+
+def test_a_file_reusing_the_bounce_buffers_of_the_one_before_holds_only_its_own_bytes(
+        tmp_path, monkeypatch):
+    # Bounce buffers go from one file to the next (a fresh mapping costs a page fault a
+    # page): what the first file left in them must never reach the second.
+    monkeypatch.setattr(direct_io, "_spare_buffers", [])
+    first = [b"\xff" * 5000] * 40
+    second = [b"ab" * 700, b"c", b"de" * 3000]
+    with knobs.override(DIRECT_BOUNCE_BYTES=16 << 10, DIRECT_CHUNK_BYTES=64 << 10,
+                        DIRECT_MIN_BYTES=PAGE):
+        for name, pieces in (("first", first), ("second", second)):
+            with DurableFile(str(tmp_path / name), direct=True) as durable:
+                if not isinstance(durable.stream, direct_io.DirectFileWriter):
+                    pytest.skip(f"{tmp_path} refuses O_DIRECT ({durable.write_mode})")
+                for piece in pieces:
+                    durable.stream.write(piece)
+                durable.commit()
+            if name == "first":
+                kept = {id(b) for b in direct_io._spare_buffers}
+                assert kept, "a finished file gives its bounce buffers back"
+    assert kept & {id(b) for b in direct_io._spare_buffers}, "the second file reused them"
+    assert (tmp_path / "second").read_bytes() == b"".join(second)
+    assert (tmp_path / "first").read_bytes() == b"".join(first)
+    verify_file(str(tmp_path / "second"))
