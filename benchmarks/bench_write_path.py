@@ -11,13 +11,20 @@ and on the direct path (O_DIRECT from the staging pool, crc32c records), and for
   before each run (the bound), as the ratio of the medians, with the bound's spread: from
   the save call (the trainer's view: staging included), and from "staged" (every byte in
   the pool, as the daemon logs it: what the writers themselves take, which the bound is
-  comparable to); and from staged against the same raw write from shared memory (tmpfs
-  pages, the kind of memory ckptd's staging pool is; on these machines a direct write
-  from it is slower than from private anonymous memory);
+  comparable to); and from staged against the same raw write from shared memory, in
+  ``/dev/shm`` (4 KiB tmpfs pages, where the staging pool is by default) and in a tmpfs
+  mounted with ``huge=within_size`` (2 MiB pages);
 - page-cache growth during the save (``Cached - Shmem`` of /proc/meminfo after the save
   minus before, caches dropped first) as a share of the checkpoint;
 - the training step started right after the save returns against the same step with
   nothing in flight, measured right before (ratio of medians).
+
+ckptd runs twice: with its staging pool in ``/dev/shm`` and with ``--pool-dir`` in a tmpfs
+with huge pages that the benchmark mounts itself (root; it says so and leaves those rows
+out where the mount fails), both with the direct path; ``--buffered`` adds the page-cache
+path (``CKPTD_WRITE_MODE=buffered``, zlib crc32 records: the path before O_DIRECT) for the
+``/dev/shm`` pool. A note after the table times the trainer's part, a memcpy of the state
+into a pre-faulted buffer in each kind of memory.
 
 With ``--replication MIB``, instead: the CPU replication costs, in a two-node
 network-namespace bed (``tests/netbed.py``, ``tests/bednodes.py``: a real daemon per node,
@@ -26,19 +33,23 @@ real ranks, unlimited links): rank 0 saves a part of MIB MiB through
 sender's daemon and writers (staging, its local write, sending) and of the receiver's
 (receiving, checking and writing the replica), per GB of rank 0's part.
 
-Run as root (it drops the page cache), under the machine-wide lock:
-``python benchmarks/bench_write_path.py --size-gib 1 --repeats 3``. Measures only.
+Run as root (it drops the page cache and mounts the huge-page tmpfs), under the
+machine-wide lock: ``python benchmarks/bench_write_path.py --size-gib 1 --repeats 3``.
+Measures only.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +61,7 @@ from procmem import descendants  # noqa: E402
 
 GB = 1e9
 _AFTER_STAGING = re.compile(r"durable: \d+ bytes in ([0-9.]+)s after staging")
+_STAGED = re.compile(r"staged in ([0-9.]+)s; writing")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -82,6 +94,40 @@ def staged_to_durable(log: str) -> float | None:
     return max(times) if times else None
 
 
+def staging_seconds(log: str) -> float | None:
+    """The slowest request's time from its request to staged in a piece of ckptd's log."""
+    times = [float(t) for t in _STAGED.findall(log)]
+    return max(times) if times else None
+
+
+@contextmanager
+def huge_page_tmpfs(size: int):
+    """A tmpfs mounted with ``huge=within_size`` for the run (``None`` where mounting fails)."""
+    path = tempfile.mkdtemp(prefix="hugepool-bench-")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={size >> 20}m",
+                           "hugepool-bench", path], capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"no huge-page tmpfs (mount: {done.stderr.strip() or done.returncode}; needs "
+              "root): its rows and bound are left out", flush=True)
+        os.rmdir(path)
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+        os.rmdir(path)
+
+
+def pool_pages(daemon: Daemon) -> str:
+    """Where the daemon's pool is and how much of it is on huge pages (from its status)."""
+    done = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", daemon.socket,
+                           "--json"], capture_output=True, text=True, timeout=60)
+    pool = json.loads(done.stdout)["pool"]
+    return (f"pool in {pool['directory']}: {pool['huge_page_bytes'] >> 20} of "
+            f"{pool['size_bytes'] >> 20} MiB on huge pages")
+
+
 def timed_bound(raw: m.RawWrite, outdir: str) -> float:
     """One run of a raw-write bound, page cache dropped first."""
     drop_caches()
@@ -92,21 +138,23 @@ def timed_bound(raw: m.RawWrite, outdir: str) -> float:
     return seconds
 
 
-def measure(method: m.Method, raw: m.RawWrite, step: workload.TrainingStep, outdir: str,
-            repeats: int, nbytes: int, daemon: Daemon | None = None,
-            raw_shared: m.RawWrite | None = None) -> dict:
-    """Every figure of one method, ``repeats`` times each (after one warm-up save)."""
+def measure(method: m.Method, bounds: dict, step: workload.TrainingStep, outdir: str,
+            repeats: int, nbytes: int, daemon: Daemon | None = None) -> dict:
+    """Every figure of one method, ``repeats`` times each (after one warm-up save).
+
+    ``bounds`` maps each bound's name to its raw write (``"anon"`` first: the issue's).
+    """
     path = os.path.join(outdir, "ckpt")
     method.prepare()
     method.start(path)
     method.wait_durable()
     m.remove_tree(path)
-    runs = {"durable": [], "staged_durable": [], "bound": [], "bound_shared": [],
-            "cpu_per_gb": [], "cache_growth": [], "step": [], "normal_step": []}
+    runs = {"durable": [], "staged_durable": [], "staging": [], "cpu_per_gb": [],
+            "cache_growth": [], "step": [], "normal_step": [],
+            **{f"bound_{name}": [] for name in bounds}}
     for _ in range(repeats):
-        runs["bound"].append(timed_bound(raw, outdir))
-        if raw_shared is not None:
-            runs["bound_shared"].append(timed_bound(raw_shared, outdir))
+        for name, raw in bounds.items():
+            runs[f"bound_{name}"].append(timed_bound(raw, outdir))
         drop_caches()
         helpers = method.helper_pids()
         cache, cpu = page_cache_bytes(), cpu_seconds(helpers)
@@ -116,9 +164,12 @@ def measure(method: m.Method, raw: m.RawWrite, step: workload.TrainingStep, outd
         method.wait_durable()
         runs["durable"].append(time.perf_counter() - started)
         if daemon is not None:
-            after_staging = staged_to_durable(daemon.log_since(log_at))
+            log = daemon.log_since(log_at)
+            after_staging, staging = staged_to_durable(log), staging_seconds(log)
             if after_staging is not None:
                 runs["staged_durable"].append(after_staging)
+            if staging is not None:
+                runs["staging"].append(staging)
         runs["cpu_per_gb"].append((cpu_seconds(helpers) - cpu) / (nbytes / GB))
         runs["cache_growth"].append((page_cache_bytes() - cache) / nbytes)
         m.remove_tree(path)
@@ -131,22 +182,54 @@ def measure(method: m.Method, raw: m.RawWrite, step: workload.TrainingStep, outd
     return runs
 
 
-def summary(name: str, runs: dict) -> str:
+#: The bounds, in the table's order: name -> what its raw write reads from.
+BOUNDS = {"anon": "private anonymous memory", "shm": "/dev/shm (4 KiB pages)",
+          "huge": "a huge=within_size tmpfs (2 MiB pages)"}
+
+
+def _spread(values: list[float]) -> str:
     med = statistics.median
-    bound = runs["bound"]
+    return f"{med(values):.3f} ({min(values):.3f}–{max(values):.3f})"
+
+
+def summary(name: str, runs: dict) -> str:
+    """One table row: ratios are of the medians; each bound's min–max in brackets."""
+    med = statistics.median
+    bound = runs["bound_anon"]
     staged = runs["staged_durable"]
-    from_staged = (f"{med(staged):.3f} | {med(staged) / med(bound):.2f}×" if staged
-                   else "– | –")
-    shared = runs["bound_shared"]
-    from_shared = (f"{med(shared):.3f} ({min(shared):.3f}–{max(shared):.3f}) | "
-                   f"{med(staged) / med(shared):.2f}×" if shared and staged else "– | –")
-    return (f"| {name} | {med(runs['cpu_per_gb']):.3f} | "
-            f"{med(bound):.3f} ({min(bound):.3f}–{max(bound):.3f}) | "
-            f"{med(runs['durable']):.3f} | {med(runs['durable']) / med(bound):.2f}× | "
-            f"{from_staged} | {from_shared} | "
-            f"{100 * med(runs['cache_growth']):.1f}% | "
-            f"{med(runs['step']) / med(runs['normal_step']):.2f}× "
-            f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f}) |")
+    cells = [name, f"{med(runs['cpu_per_gb']):.3f}", _spread(bound),
+             f"{med(runs['durable']):.3f}", f"{med(runs['durable']) / med(bound):.2f}×",
+             f"{med(runs['staging']):.3f}" if runs["staging"] else "–",
+             f"{med(staged):.3f}" if staged else "–"]
+    for key in BOUNDS:
+        other = runs.get(f"bound_{key}")
+        if key != "anon":
+            cells.append(_spread(other) if other else "–")
+        cells.append(f"{med(staged) / med(other):.2f}×" if other and staged else "–")
+    cells += [f"{100 * med(runs['cache_growth']):.1f}%",
+              f"{med(runs['step']) / med(runs['normal_step']):.2f}× "
+              f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f})"]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| method | helpers' CPU-s per GB durable | raw O_DIRECT write + fsync from anonymous "
+          "memory s (min–max) | save call → durable s | ÷ raw | save call → staged s | "
+          "staged → durable s | ÷ raw from anonymous memory | the raw write from /dev/shm s "
+          "(min–max) | staged → durable ÷ it | the raw write from the huge-page tmpfs s "
+          "(min–max) | staged → durable ÷ it | page-cache growth ÷ checkpoint | step "
+          "overlapping the write ÷ normal step (s / s) |\n" + "|---" * 14 + "|")
+
+
+def memcpy_note(copies: dict, repeats: int) -> str:
+    """The trainer's part: one memcpy of the state into each pre-faulted buffer, timed."""
+    times = {name: [] for name in copies}
+    for _ in range(2 * repeats):
+        for name, copy in copies.items():
+            started = time.perf_counter()
+            copy.start("")
+            times[name].append(time.perf_counter() - started)
+    return "; ".join(f"memcpy of the state into {BOUNDS[name]}: {_spread(t)} s"
+                     for name, t in times.items())
 
 
 def save_replicated(rank: int, world: int, roots: list, big_mib: int, iteration: int) -> int:
@@ -222,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/var/tmp")
     parser.add_argument("--only", default="", help="comma-separated substrings of method names")
+    parser.add_argument("--buffered", action="store_true",
+                        help="also the page-cache path (the path before O_DIRECT), pool in /dev/shm")
     parser.add_argument("--replication", type=int, default=0, metavar="MIB",
                         help="measure replication's CPU instead, with a part of MIB MiB")
     args = parser.parse_args(argv)
@@ -238,50 +323,76 @@ def main(argv: list[str] | None = None) -> int:
     state, _ = workload.build("training", nbytes)
     tensors = workload.tensors_of(state)
     total = sum(t.numel() * t.element_size() for t in tensors)
-    copy = m.PreallocatedCopy(tensors)
-    copy.prepare()
-    raw = m.RawWrite(copy, direct=True)
-    raw.prepare()
-    raw_shared = m.RawWrite(copy, direct=True, from_shared=True)
+    pool_size = int(total * 1.05) + (64 << 20)
+    with huge_page_tmpfs(pool_size + total + (256 << 20)) as huge_dir:
+        copies = {"shm": m.PreallocatedCopy(tensors, one_call=True)}
+        if huge_dir:
+            copies["huge"] = m.PreallocatedCopy(tensors, shm_dir=huge_dir, one_call=True)
+        for copy in copies.values():
+            copy.prepare()
+            copy.start("")  # the state's own bytes, not zeros, go to the disk
+        bounds = {"anon": m.RawWrite(copies["shm"], direct=True),
+                  **{name: m.RawWrite(copy, direct=True, from_shared=True)
+                     for name, copy in copies.items()}}
+        bounds["anon"].prepare()
+        try:
+            rows, notes = run_methods(args, state, tensors, total, pool_size, bounds, huge_dir)
+            notes.append(memcpy_note(copies, args.repeats))
+        finally:
+            bounds["anon"].close()
+            for copy in copies.values():
+                copy.close()  # a tmpfs file each: nearly 1 GiB of memory until unlinked
+    print(f"\n{total / (1 << 30):.3f} GiB in {len(tensors)} tensors, medians of {args.repeats}; "
+          f"load average {os.getloadavg()}\n")
+    print("\n".join(f"- {note}" for note in notes) + "\n")
+    print(HEADER)
+    print("\n".join(rows))
+    return 0
+
+
+def run_methods(args, state: dict, tensors: list, total: int, pool_size: int, bounds: dict,
+                huge_dir: str | None) -> tuple[list[str], list[str]]:
+    """Every configured method's row (and a note per ckptd daemon: its pool's pages)."""
     step = workload.TrainingStep(state)
     outdir = tempfile.mkdtemp(prefix="ckpt-writepath-", dir=args.workdir)
     rundir = tempfile.mkdtemp(prefix="ckpt-writepath-pg-")
     init_single_process_group(rundir)
     wanted = [w for w in args.only.split(",") if w]
-    rows = []
+    rows, notes = [], []
 
     def keep(name: str) -> bool:
         return not wanted or any(w in name for w in wanted)
 
-    for mode, checksum in (("buffered", "crc32"), ("direct", "crc32c")):
+    configurations = [("buffered", "crc32", "/dev/shm")] if args.buffered else []
+    configurations += [("direct", "crc32c", "/dev/shm")]
+    configurations += [("direct", "crc32c", huge_dir)] if huge_dir else []
+    for mode, checksum, pool_dir in configurations:
         os.environ["CKPTD_WRITE_MODE"], os.environ["CKPTD_CHECKSUM"] = mode, checksum
-        daemon = Daemon(outdir, int(total * 1.05) + (64 << 20), 2)
+        os.environ["CKPTD_POOL_DIR"] = pool_dir
+        pages = "huge-page tmpfs" if pool_dir == huge_dir else pool_dir
+        names = [f"{method} [{mode}, {checksum}, pool in {pages}]"
+                 for method in ("ckptd TorchAsyncCheckpoint", "ckptd dcp.async_save (enable_cache)")]
+        if not any(keep(name) for name in names):
+            continue
+        daemon = Daemon(outdir, pool_size, 2)
         try:
-            for method in (m.CkptdTorch(state), m.CkptdDcp(state, enable_cache=True)):
-                name = f"{method.name} [{mode}, {checksum}]"
+            notes.append(f"[{mode}, {checksum}, pool in {pages}]: {pool_pages(daemon)}")
+            for name, method in zip(names, (m.CkptdTorch(state), m.CkptdDcp(state, enable_cache=True))):
                 if keep(name):
-                    rows.append(summary(name, measure(method, raw, step, outdir, args.repeats,
-                                                      total, daemon, raw_shared)))
+                    rows.append(summary(name, measure(method, bounds, step, outdir, args.repeats,
+                                                      total, daemon)))
                     print(rows[-1], flush=True)
         finally:
             daemon.stop()
+            os.environ.pop("CKPTD_POOL_DIR", None)
     for method in (m.DcpAsyncSave(state, stager="shared"), m.DcpAsyncSave(state, stager="async")):
         if keep(method.name):
-            rows.append(summary(method.name, measure(method, raw, step, outdir, args.repeats,
+            rows.append(summary(method.name, measure(method, bounds, step, outdir, args.repeats,
                                                      total)))
             print(rows[-1], flush=True)
     m.stop_dcp_checkpoint_process()
-    print(f"\n{total / (1 << 30):.3f} GiB in {len(tensors)} tensors, medians of {args.repeats}; "
-          f"load average {os.getloadavg()}\n")
-    print("| method | helpers' CPU-s per GB durable | raw O_DIRECT write + fsync s (min–max) | "
-          "save call → durable s | ÷ raw | staged → durable s | ÷ raw | the same raw write "
-          "from shared memory s (min–max) | staged → durable ÷ it | page-cache growth ÷ "
-          "checkpoint | step overlapping the write ÷ normal step (s / s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
     m.remove_tree(outdir)
-    copy.close()  # its buffer is a /dev/shm file: nearly 1 GiB of memory until unlinked
-    return 0
+    return rows, notes
 
 
 if __name__ == "__main__":
