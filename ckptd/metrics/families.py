@@ -197,6 +197,9 @@ def _pool(out: _Families, pool: dict) -> None:
     out.family("ckptd_staging_pool_waiting_requests", "gauge",
                "Save requests waiting for staging space (back-pressure).")
     out.sample(int(pool["waiting_requests"]))
+    out.family("ckptd_staging_pool_huge_page_bytes", "gauge",
+               "Staging pool bytes on huge pages (0: 4 KiB pages; see --pool-dir).")
+    out.sample(int(pool.get("huge_page_bytes", 0)))
 
 
 def _ranks_and_writers(out: _Families, doc: dict) -> None:

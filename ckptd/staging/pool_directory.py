@@ -84,6 +84,11 @@ def check_pool_directory(path: str) -> PoolDirectory:
                                  f"(mount a tmpfs there) or {fix}")
     if not os.path.isdir(path):
         raise PoolDirectoryError(f"staging pool directory {path} is not a directory; {fix}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PoolDirectoryError(
+            f"staging pool directory {path} is not writable by uid {os.geteuid()} (its mode, or "
+            f"a read-only mount); mount the tmpfs read-write with mode=1777 (each pool is a "
+            f"0600 file named after its user), or {fix}")
     magic, block_size = _statfs(path)
     fstype, options = mount_of(path)
     if magic == HUGETLBFS_MAGIC:

@@ -58,7 +58,9 @@ def snapshot(ledger: Ledger, **overrides) -> dict:
     fields = dict(version="0.1.0", pid=os.getpid(), host="node7", socket="/run/ckptd/x.sock",
                   started_at=900.0, uptime_s=200.0, state="serving", roots=["/ckpt"],
                   pool={"path": "/dev/shm/p", "size_bytes": 1 << 20, "used_bytes": 1 << 18,
-                        "free_bytes": 3 << 18, "waiting_requests": 2, "pinned": False},
+                        "free_bytes": 3 << 18, "waiting_requests": 2, "pinned": False,
+                        "directory": "/dev/shm", "filesystem": "tmpfs", "huge": "always",
+                        "huge_page_bytes": 1 << 21},
                   writers=[{"index": 0, "pid": 1, "alive": True, "jobs": 1},
                            {"index": 1, "pid": 2, "alive": False, "jobs": 0}],
                   peers=[], local_checkpoints=[])

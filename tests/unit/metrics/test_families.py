@@ -19,6 +19,7 @@ def test_every_documented_family_is_rendered_and_parses(busy_ledger):
         "ckptd_in_flight_bytes": "gauge", "ckptd_recent_errors": "gauge",
         "ckptd_staging_pool_size_bytes": "gauge", "ckptd_staging_pool_bytes": "gauge",
         "ckptd_staging_pool_waiting_requests": "gauge", "ckptd_ranks_registered": "gauge",
+        "ckptd_staging_pool_huge_page_bytes": "gauge",
         "ckptd_writers": "gauge", "ckptd_replication_lag_seconds": "gauge", "ckptd_peers": "gauge",
         "ckptd_local_checkpoint_parts": "gauge", "ckptd_local_checkpoint_bytes": "gauge",
         "ckptd_local_part_copies": "gauge", "ckptd_local_parts_reduced_redundancy": "gauge",
@@ -46,6 +47,7 @@ def test_values_follow_the_status_document(busy_ledger):
     assert value(fams, "ckptd_staging_pool_bytes", state="free") == 3 << 18
     assert value(fams, "ckptd_staging_pool_size_bytes") == 1 << 20
     assert value(fams, "ckptd_staging_pool_waiting_requests") == 2
+    assert value(fams, "ckptd_staging_pool_huge_page_bytes") == 1 << 21
     assert value(fams, "ckptd_ranks_registered") == 2
     assert value(fams, "ckptd_writers", state="alive") == 1
     assert value(fams, "ckptd_writers", state="dead") == 1

@@ -89,6 +89,12 @@ def test_a_tmpfs_mounted_with_huge_pages_gives_the_pool_huge_pages(mounted, huge
         pool.close()
 
 
+def test_a_directory_the_daemon_cannot_write_is_refused_naming_the_fix(mounted):
+    directory = mounted("tmpfs", "ro,size=1m")  # refused even to root
+    with pytest.raises(PoolDirectoryError, match=f"{directory} is not writable.*mode=1777"):
+        check_pool_directory(directory)
+
+
 def test_a_tmpfs_without_huge_pages_reports_none(mounted):
     directory = mounted("tmpfs", "size=16m")
     pool = StagingPool(os.path.join(directory, "pool"), POOL)
