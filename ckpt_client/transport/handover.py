@@ -225,6 +225,9 @@ class BackgroundStager:
             else:
                 job.save.mark_staged()
             finally:
+                # Waiting for the next job must not keep this one's source tensors (device
+                # memory on a GPU) alive until another zero-stall save comes.
+                job = None
                 self._jobs.task_done()
 
     def stop(self) -> None:

@@ -198,3 +198,34 @@ def test_zero_stall_dcp_on_two_ranks_keeps_the_pre_step_snapshot(start_daemon, t
     for exact, changed, returned_after in outcomes:
         assert exact, "the checkpoint must hold the weights from before the guarded step"
         assert changed
+
+
+@pytest.mark.parametrize("format_", ["torch", "dcp"])
+def test_a_finished_zero_stall_save_keeps_no_reference_to_the_tensors_it_saved(daemon,
+                                                                               format_):
+    """Once a zero-stall save is finalized nothing of ckpt_client holds its tensors' memory
+    (on a GPU that is device memory): the background stager used to keep its last job, and
+    with it a view of every source tensor, until the next zero-stall save came."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    tensor = torch.ones(1 << 16)
+    storage = StorageWeakRef(tensor.untyped_storage())
+    state = {"w": tensor, "step": 3}
+    if format_ == "torch":
+        checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
+        try:
+            checkpoint.async_save(state, os.path.join(daemon.roots[0], "z.pt"), zero_stall=True)
+            checkpoint.finalize_async_save(blocking=True)
+        finally:
+            checkpoint.close()
+    else:
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(dcp.async_save(state, os.path.join(daemon.roots[0], "z"),
+                                                    zero_stall=True))
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        queue.close()
+    del tensor, state
+    gc.collect()
+    assert storage.expired(), "the saved tensor's memory is still referenced"
