@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated substrings of method names")
     parser.add_argument("--pools", default="shm,huge",
                         help="where ckptd's pool is: shm (/dev/shm), huge (the huge-page tmpfs)")
+    parser.add_argument("--variant", action="append", default=[], metavar="CKPTD_KNOB=VALUE",
+                        help="also ckptd with this knob set (repeatable: one variant), for each pool")
     parser.add_argument("--buffered", action="store_true",
                         help="also the page-cache path (the path before O_DIRECT), pool in /dev/shm")
     parser.add_argument("--replication", type=int, default=0, metavar="MIB",
@@ -368,13 +370,18 @@ def run_methods(args, state: dict, tensors: list, total: int, pool_size: int, bo
         return not wanted or any(w in name for w in wanted)
 
     pools = args.pools.split(",")
-    configurations = [("buffered", "crc32", "/dev/shm")] if args.buffered else []
-    configurations += [("direct", "crc32c", "/dev/shm")] if "shm" in pools else []
-    configurations += [("direct", "crc32c", huge_dir)] if huge_dir and "huge" in pools else []
-    for mode, checksum, pool_dir in configurations:
+    variant = dict(item.split("=", 1) for item in args.variant)
+    configurations = [("buffered", "crc32", "/dev/shm", {})] if args.buffered else []
+    for key, where in (("shm", "/dev/shm"), ("huge", huge_dir)):
+        if where and key in pools:
+            configurations += [("direct", "crc32c", where, {})]
+            configurations += [("direct", "crc32c", where, variant)] if variant else []
+    for mode, checksum, pool_dir, extra in configurations:
         os.environ["CKPTD_WRITE_MODE"], os.environ["CKPTD_CHECKSUM"] = mode, checksum
         os.environ["CKPTD_POOL_DIR"] = pool_dir
+        os.environ.update(extra)
         pages = "huge-page tmpfs" if pool_dir == huge_dir else pool_dir
+        pages += "".join(f", {key}={value}" for key, value in extra.items())
         names = [f"{method} [{mode}, {checksum}, pool in {pages}]"
                  for method in ("ckptd TorchAsyncCheckpoint", "ckptd dcp.async_save (enable_cache)")]
         if not any(keep(name) for name in names):
@@ -389,7 +396,8 @@ def run_methods(args, state: dict, tensors: list, total: int, pool_size: int, bo
                     print(rows[-1], flush=True)
         finally:
             daemon.stop()
-            os.environ.pop("CKPTD_POOL_DIR", None)
+            for key in ("CKPTD_POOL_DIR", *extra):
+                os.environ.pop(key, None)
     for method in (m.DcpAsyncSave(state, stager="shared"), m.DcpAsyncSave(state, stager="async")):
         if keep(method.name):
             rows.append(summary(method.name, measure(method, bounds, step, outdir, args.repeats,
