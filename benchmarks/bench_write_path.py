@@ -330,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     tensors = workload.tensors_of(state)
     total = sum(t.numel() * t.element_size() for t in tensors)
     pool_size = int(total * 1.05) + (64 << 20)
-    with huge_page_tmpfs(pool_size + total + (256 << 20)) as huge_dir:
+    # room for each daemon's pool: the benchmark process keeps an earlier daemon's mapped
+    pools_there = 2 if args.variant else 1
+    with huge_page_tmpfs(pools_there * pool_size + total + (256 << 20)) as huge_dir:
         copies = {"shm": m.PreallocatedCopy(tensors, one_call=True)}
         if huge_dir:
             copies["huge"] = m.PreallocatedCopy(tensors, shm_dir=huge_dir, one_call=True)
