@@ -22,30 +22,62 @@ from ckptd.protocol.names import ErrorCode
 __all__ = ["Body", "check", "Empty"]
 
 
-def _conforms(value: Any, annotation: Any) -> bool:
-    """Whether a decoded msgpack value has the type a body field declares."""
+def _always(value: Any) -> bool:
+    return True
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_conformance_cache: dict = {}
+
+
+def _conformance(annotation: Any) -> Callable[[Any], bool]:
+    """Whether a decoded msgpack value has the type a body field declares: the check
+    for ``annotation``, built once per annotation:
+    every message of the serve loop (a trainer polls every few milliseconds) checks its
+    fields, and walking the annotation each time cost more than the checks themselves."""
+    try:
+        return _conformance_cache[annotation]
+    except KeyError:
+        pass
+    except TypeError:  # an annotation that cannot be a key: built each time
+        return _build_conformance(annotation)
+    check = _conformance_cache[annotation] = _build_conformance(annotation)
+    return check
+
+
+def _build_conformance(annotation: Any) -> Callable[[Any], bool]:
     if annotation is Any:
-        return True
+        return _always
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        return any(_conforms(value, option) for option in typing.get_args(annotation))
+        options = tuple(_conformance(option) for option in typing.get_args(annotation))
+        return lambda value: any(option(value) for option in options)
     if annotation is type(None):
-        return value is None
+        return lambda value: value is None
     if origin is list:
         (item,) = typing.get_args(annotation) or (Any,)
-        return isinstance(value, list) and all(_conforms(v, item) for v in value)
+        item_check = _conformance(item)
+        return lambda value: isinstance(value, list) and all(item_check(v) for v in value)
     if origin is dict:
         key, item = typing.get_args(annotation) or (Any, Any)
-        return isinstance(value, dict) and all(_conforms(k, key) and _conforms(v, item)
-                                               for k, v in value.items())
+        key_check, item_check = _conformance(key), _conformance(item)
+        return lambda value: isinstance(value, dict) and all(
+            key_check(k) and item_check(v) for k, v in value.items())
     if isinstance(annotation, type) and issubclass(annotation, Body):
-        return isinstance(value, annotation)
+        return lambda value: isinstance(value, annotation)
     if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return _is_int
     if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return _is_number
     if annotation in (list, dict, str, bytes, bool):
-        return isinstance(value, annotation)
+        return lambda value: isinstance(value, annotation)
     raise TypeError(f"body fields cannot be declared as {annotation!r}")
 
 
@@ -86,27 +118,23 @@ class Body:
         ProtocolError
             If a required field is missing or a field has the wrong type or value.
         """
-        hints = _hints(cls)
         values = {}
-        for f in fields(cls):
-            if f.name in body:
-                value = body[f.name]
-            elif f.default is not MISSING or f.default_factory is not MISSING:
+        for name, optional, nested, annotation, conforms, predicate, expected in _plan(cls):
+            if name in body:
+                value = body[name]
+            elif optional:
                 continue
             else:
                 raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                    f"{cls.message_type or cls.__name__} needs '{f.name}'",
+                                    f"{cls.message_type or cls.__name__} needs '{name}'",
                                     "install the same ckptd version for daemon and trainers")
-            if f.name in _nested_fields(cls):
-                value = _build(value, hints[f.name], f"{cls.message_type or cls.__name__}."
-                                                     f"{f.name}")
-            predicate = f.metadata.get("check")
-            if not _conforms(value, hints[f.name]) or (predicate and not predicate(value)):
-                expected = f.metadata.get("expected") or str(hints[f.name])
+            if nested:
+                value = _build(value, annotation, f"{cls.message_type or cls.__name__}.{name}")
+            if not conforms(value) or (predicate and not predicate(value)):
                 raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                    f"{cls.message_type or cls.__name__}: '{f.name}' = "
+                                    f"{cls.message_type or cls.__name__}: '{name}' = "
                                     f"{_short(value)} is not {expected}")
-            values[f.name] = value
+            values[name] = value
         body = cls(**values)
         body.check_together()
         return body
@@ -116,9 +144,26 @@ class Body:
 
     def to_wire(self) -> dict:
         """The body as a msgpack-encodable map (bodies it holds become maps too)."""
-        nested = _nested_fields(type(self))
-        return {f.name: _unbuild(getattr(self, f.name)) if f.name in nested
-                else getattr(self, f.name) for f in fields(self)}
+        return {name: _unbuild(getattr(self, name)) if nested else getattr(self, name)
+                for name, _, nested, *_ in _plan(type(self))}
+
+
+_plan_cache: dict[type, tuple] = {}
+
+
+def _plan(cls: type) -> tuple:
+    """Per field of ``cls``, what :meth:`Body.from_wire` and :meth:`Body.to_wire` need:
+    ``(name, optional, nested, annotation, conforms, predicate, expected)``, worked out
+    once per body type rather than on every message."""
+    plan = _plan_cache.get(cls)
+    if plan is None:
+        hints, nested = _hints(cls), _nested_fields(cls)
+        plan = _plan_cache[cls] = tuple(
+            (f.name, f.default is not MISSING or f.default_factory is not MISSING,
+             f.name in nested, hints[f.name], _conformance(hints[f.name]),
+             f.metadata.get("check"), f.metadata.get("expected") or str(hints[f.name]))
+            for f in fields(cls))
+    return plan
 
 
 _hint_cache: dict[type, dict] = {}
