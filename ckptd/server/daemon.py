@@ -15,6 +15,7 @@ Pattern: composition root. Everything that runs is registered on one
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import secrets
@@ -138,6 +139,10 @@ class Daemon:
             self.metrics = MetricsExporter(self.config.metrics_textfile, self.config.metrics_listen,
                                            self.config.metrics_labels)
             self.metrics.start()
+        # What exists now lives as long as the daemon: kept out of the collector's full
+        # passes, which otherwise walk these ~34,000 objects again every few saves (about
+        # 12 ms each here) to find nothing.
+        gc.freeze()
         announce_ready(self.socket_path, self.ready_file,
                        {"pid": os.getpid(), "incarnation": self.incarnation,
                         "version": __version__, "pool": self.pool.path,
