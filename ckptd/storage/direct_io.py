@@ -47,7 +47,7 @@ from ckptd.checksum import Checksum, algorithm_named, combine_pieces
 log = logging.getLogger(__name__)
 
 __all__ = ["PAGE", "WriteMode", "write_mode_of", "probe_directory", "DirectFileWriter",
-           "drop_cached_pages"]
+           "drop_cached_pages", "buffer_address", "fallocate"]
 
 #: The unit of a direct write: file offsets, lengths and buffer addresses are multiples.
 PAGE = 4096
@@ -167,7 +167,7 @@ def drop_cached_pages(fd: int) -> None:
         pass  # advice only
 
 
-def _address(view: memoryview) -> int | None:
+def buffer_address(view: memoryview) -> int | None:
     """Where ``view``'s bytes are in memory, or None for a read-only buffer (never
     handed to the kernel directly: it may not be page-aligned or pinned for long)."""
     if view.readonly:
@@ -204,7 +204,7 @@ def _load_fallocate():
 
 # glibc's fallocate, not os.posix_fallocate: where a filesystem cannot allocate, the latter
 # writes a zero into every block instead (with buffered 1-byte writes O_DIRECT refuses).
-_fallocate = _load_fallocate()
+fallocate = _load_fallocate()
 _MAX_SEGMENTS = 512  # buffers per pwritev, well under the kernel's IOV_MAX (1024)
 
 
@@ -274,7 +274,7 @@ class DirectFileWriter:
         self._pieces: list[tuple[int, int, int]] = []
         self._allocated = 0     # bytes of the file allocated ahead (0: allocation stopped)
         self._allocate_step = knobs.DIRECT_ALLOCATE_BYTES.get() // PAGE * PAGE
-        self._allocating = _fallocate is not None and self._allocate_step > 0
+        self._allocating = fallocate is not None and self._allocate_step > 0
         self._direct_from = knobs.DIRECT_MIN_BYTES.get()  # read once: a file has thousands of writes
 
     def fileno(self) -> int:
@@ -292,7 +292,7 @@ class DirectFileWriter:
         nbytes = view.nbytes
         body = nbytes - nbytes % PAGE
         if (body >= self._direct_from and self._fill % PAGE == 0
-                and (_address(view) or 1) % PAGE == 0):
+                and (buffer_address(view) or 1) % PAGE == 0):
             self._flush_bounce()
             for start in range(0, body, self._chunk):
                 piece = view[start:min(start + self._chunk, body)]
@@ -354,7 +354,7 @@ class DirectFileWriter:
         module's docstring); a filesystem that cannot (or is full) just gets no more: the
         write itself says ENOSPC if the space is really gone."""
         target = max(end, self._allocated + self._allocate_step)
-        if _fallocate(self._fd, 0, self._allocated, target - self._allocated) != 0:
+        if fallocate(self._fd, 0, self._allocated, target - self._allocated) != 0:
             self._allocating = False
             return
         self._allocated = target

@@ -36,6 +36,7 @@ from ckptd import knobs
 from ckptd.checksum import ALGORITHM, TMP_MARKER, Checksum, ChecksumWriter, sidecar_path
 from ckptd.storage.directories import DIRECTORY_FLAGS, open_directory
 from ckptd.storage.direct_io import DirectFileWriter, drop_cached_pages, write_mode_of
+from ckptd.storage.direct_pieces import DirectPieces
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _SYNC_FILE_RANGE_WRITE = 2
@@ -136,6 +137,9 @@ class DurableFile:
     algorithm : str, optional
         Of the checksum (default: ``CKPTD_CHECKSUM`` for recorded files, crc32 otherwise);
         a copy of a recorded file keeps its algorithm.
+    pieces_of : int, optional
+        The file arrives in pieces of a file of this size, written with :meth:`write_at`
+        from any thread and in any order (a replica), instead of through :attr:`stream`.
 
     Attributes
     ----------
@@ -146,7 +150,8 @@ class DurableFile:
     def __init__(self, path: str, checksum: bool = True, mode: int = 0o644,
                  operator_path: bool = False, dir_fd: int | None = None,
                  direct: bool = False, algorithm: str | None = None,
-                 progress: Callable[[str, int], None] | None = None) -> None:
+                 progress: Callable[[str, int], None] | None = None,
+                 pieces_of: int | None = None) -> None:
         self.path = path
         self.directory = os.path.dirname(path) or "."
         self.with_checksum = checksum
@@ -185,6 +190,13 @@ class DurableFile:
         self.stream: DurableFileStream | DirectFileWriter = (
             DirectFileWriter(fd, algorithm) if use_direct
             else DurableFileStream(self._raw, algorithm))
+        self._pieces: DirectPieces | None = None
+        if use_direct and pieces_of is not None:
+            try:
+                self._pieces = DirectPieces(fd, self.tmp_path, pieces_of)
+            except BaseException:
+                self.discard()
+                raise
         self.stream.progress = progress
         if progress is not None:  # the temporary exists: from here on, bytes are written
             progress("write", 0)
@@ -227,12 +239,14 @@ class DurableFile:
         """
         progress = self.stream.progress or (lambda phase, nbytes: None)
         try:
-            if isinstance(self.stream, DirectFileWriter):
+            if self._pieces is not None:
+                self._pieces.finish()
+            elif isinstance(self.stream, DirectFileWriter):
                 self.stream.finish()
             if fsync:
                 progress("fsync", self.stream.size)
                 os.fsync(self._raw.fileno())
-            if self._drop_pages:
+            if self._drop_pages or (self._pieces is not None and self._pieces.buffered):
                 drop_cached_pages(self._raw.fileno())
             progress("commit", self.stream.size)
             checksum = checksum or self.stream.result()
@@ -253,8 +267,12 @@ class DurableFile:
 
     def write_at(self, offset: int, data) -> None:
         """Write all of ``data`` at ``offset`` (pieces arriving out of order; thread-safe,
-        not checksummed here: pass the checksum to :meth:`commit`)."""
+        not checksummed here: pass the checksum to :meth:`commit`). A file made with
+        ``pieces_of`` on a filesystem that takes direct writes gets them here."""
         view = memoryview(data).cast("B")
+        if self._pieces is not None:
+            self._pieces.write(offset, view)
+            return
         fd = self._raw.fileno()
         while view.nbytes:
             written = os.pwrite(fd, view, offset)

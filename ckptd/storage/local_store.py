@@ -336,7 +336,8 @@ class PartReceiver:
     """Receives one part in pieces that may arrive out of order (several connections).
 
     Each piece is written at its offset under the part's dirty name and checksummed as
-    it arrives (by the thread that received it); once every byte is there,
+    it arrives (by the thread that received it), with ``O_DIRECT`` where the filesystem
+    takes it (:mod:`ckptd.storage.direct_pieces`); once every byte is there,
     :meth:`finish` folds the pieces' crc32 into the part's, checks it, and makes the
     part durable under its clean name (fsync, checksum record, rename). The bytes are
     written once and never read back.
@@ -355,7 +356,9 @@ class PartReceiver:
         self.path = path
         self.size = size
         self.algorithm = algorithm_named(algorithm)
-        self._file = DurableFile(path, algorithm=algorithm)
+        # O_DIRECT where the filesystem takes it: a replica is not read back soon, and
+        # through the page cache it cost its receiver several times the CPU of receiving it
+        self._file = DurableFile(path, algorithm=algorithm, direct=True, pieces_of=size)
         self._pieces: dict[int, tuple[int, int]] = {}  # offset -> (length, crc32)
         self._lock = threading.Condition()
         self._writing = 0     # pieces being written now (the file stays open meanwhile)
