@@ -31,7 +31,10 @@ network-namespace bed (``tests/netbed.py``, ``tests/bednodes.py``: a real daemon
 real ranks, unlimited links): rank 0 saves a part of MIB MiB through
 ``LocalCheckpointManager`` with factor 2, rank 1 a tiny one; user + system seconds of the
 sender's daemon and writers (staging, its local write, sending) and of the receiver's
-(receiving, checking and writing the replica), per GB of rank 0's part.
+(receiving, checking and writing the replica), per GB of rank 0's part. The bed's nodes
+keep their data on tmpfs; ``--replication-disk DIR`` adds a row with the receiver's local
+directory on DIR's filesystem instead (a fresh directory there bind-mounted over node 1's
+tmpfs while the row runs), where writing the replica through the page cache or not shows.
 
 Run as root (it drops the page cache and mounts the huge-page tmpfs), under the
 machine-wide lock: ``python benchmarks/bench_write_path.py --size-gib 1 --repeats 3``.
@@ -253,11 +256,32 @@ def save_replicated(rank: int, world: int, roots: list, big_mib: int, iteration:
     return numel * 4
 
 
-def replication_cpu(big_mib: int, repeats: int) -> str:
+@contextmanager
+def receiver_directory_on(bed, disk: str | None):
+    """Node 1's local directory on ``disk``'s filesystem (a fresh directory bind-mounted
+    over its tmpfs, before its daemon starts, so the node's processes see it), or left
+    on tmpfs for None; the mount goes before the bed unmounts its tmpfs."""
+    if disk is None:
+        yield "tmpfs"
+        return
+    local = bed.nodes[1].local_dir
+    backing = tempfile.mkdtemp(prefix="ckpt-writepath-repl-disk-", dir=disk)
+    subprocess.run(["mount", "--bind", backing, local], check=True)
+    try:
+        kind = subprocess.run(["stat", "-f", "-c", "%T", local], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        yield f"{kind} ({disk})"
+    finally:
+        subprocess.run(["umount", "-l", local], check=False)
+        m.remove_tree(backing)
+
+
+def replication_cpu(big_mib: int, repeats: int, disk: str | None = None) -> str:
     """CPU-s per GB replicated, sender and receiver (see the module's docstring): each
     timed save of a ``big_mib`` part is paired with one of a 1 MiB part, and the row is
     the difference per GB of the difference in bytes (what a byte costs, not what a save
-    costs whatever its size: connecting, agreeing, committing)."""
+    costs whatever its size: connecting, agreeing, committing). ``disk``: the receiver's
+    local directory on that directory's filesystem instead of its tmpfs."""
     from bednodes import BedNodes, values
     from netbed import NetBed
 
@@ -265,7 +289,8 @@ def replication_cpu(big_mib: int, repeats: int) -> str:
 
     workdir = tempfile.mkdtemp(prefix="ckpt-writepath-repl-")
     runs: dict = {"sender": [], "receiver": [], "fixed": []}
-    with NetBed(2, None, f"{4 * big_mib + 256}m", mode="netns") as bed:
+    with NetBed(2, None, f"{4 * big_mib + 256}m", mode="netns") as bed, \
+            receiver_directory_on(bed, disk) as receiver_fs:
         nodes = BedNodes(bed, workdir, env={"CKPTD_PEER_TIMEOUT": "30"},
                          pool_size=f"{2 * big_mib + 64}M")
         try:
@@ -294,7 +319,8 @@ def replication_cpu(big_mib: int, repeats: int) -> str:
             nodes.stop_all()
     m.remove_tree(workdir)
     med = statistics.median
-    return (f"| {big_mib} MiB part, factor 2 | {med(runs['sender']):.3f} "
+    return (f"| {big_mib} MiB part, factor 2, replica on {receiver_fs} | "
+            f"{med(runs['sender']):.3f} "
             f"({min(runs['sender']):.3f}–{max(runs['sender']):.3f}) | "
             f"{med(runs['receiver']):.3f} "
             f"({min(runs['receiver']):.3f}–{max(runs['receiver']):.3f}) | "
@@ -315,15 +341,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also the page-cache path (the path before O_DIRECT), pool in /dev/shm")
     parser.add_argument("--replication", type=int, default=0, metavar="MIB",
                         help="measure replication's CPU instead, with a part of MIB MiB")
+    parser.add_argument("--replication-disk", default=None, metavar="DIR",
+                        help="with --replication: a second row with the receiver's local "
+                             "directory on DIR's filesystem")
     args = parser.parse_args(argv)
     if args.replication:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))), "tests"))
-        row = replication_cpu(args.replication, args.repeats)
+        rows = [replication_cpu(args.replication, args.repeats)]
+        if args.replication_disk:
+            rows.append(replication_cpu(args.replication, args.repeats, args.replication_disk))
         print("| save | sender CPU-s per GB (min–max) | receiver CPU-s per GB (min–max) | "
               "both daemons' CPU-s for a 1 MiB save |")
         print("|---|---|---|---|")
-        print(row)
+        print("\n".join(rows))
         return 0
     nbytes = int(args.size_gib * (1 << 30))
     state, _ = workload.build("training", nbytes)
