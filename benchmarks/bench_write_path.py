@@ -268,8 +268,8 @@ def receiver_directory_on(bed, disk: str | None):
     backing = tempfile.mkdtemp(prefix="ckpt-writepath-repl-disk-", dir=disk)
     subprocess.run(["mount", "--bind", backing, local], check=True)
     try:
-        kind = subprocess.run(["stat", "-f", "-c", "%T", local], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        kind = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", local],
+                              capture_output=True, text=True, check=True).stdout.strip()
         yield f"{kind} ({disk})"
     finally:
         subprocess.run(["umount", "-l", local], check=False)
