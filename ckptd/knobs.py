@@ -227,7 +227,7 @@ WRITE_MODE = _knob(
 DIRECT_WRITE_THREADS = _knob(
     "DIRECT_WRITE_THREADS", 2, int, "Threads per writer issuing (and checksumming) direct writes")
 DIRECT_CHUNK_BYTES = _knob(
-    "DIRECT_CHUNK_BYTES", 8 << 20, parse_size, "Bytes per direct write call")
+    "DIRECT_CHUNK_BYTES", 32 << 20, parse_size, "Bytes per direct write call")
 DIRECT_BOUNCE_BYTES = _knob(
     "DIRECT_BOUNCE_BYTES", 1 << 20, parse_size,
     "Aligned bounce buffer for headers, padding, small tensors and unaligned tails")
