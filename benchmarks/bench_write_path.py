@@ -268,8 +268,9 @@ def receiver_directory_on(bed, disk: str | None):
     backing = tempfile.mkdtemp(prefix="ckpt-writepath-repl-disk-", dir=disk)
     subprocess.run(["mount", "--bind", backing, local], check=True)
     try:
+        # the last line is the mount on top (the tmpfs below is listed too)
         kind = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", local],
-                              capture_output=True, text=True, check=True).stdout.strip()
+                              capture_output=True, text=True, check=True).stdout.split()[-1]
         yield f"{kind} ({disk})"
     finally:
         subprocess.run(["umount", "-l", local], check=False)
