@@ -21,7 +21,7 @@ from ckpt_client.queue.calls_queue import AsyncCallsQueue
 from ckpt_client.queue.gcpause import collector_paused
 from ckpt_client.queue.request import AsyncRequest, wait_for_daemon_saves
 from ckpt_client.transport.connection import DaemonConnection, connect
-from ckpt_client.transport.flatten import flatten_state_dict
+from ckpt_client.transport.flatten import buffers_of, flatten_state_dict
 from ckpt_client.transport.handover import handover_for, stage
 from ckpt_client.transport.sent_ahead import SentAhead, kind_of
 
@@ -45,13 +45,17 @@ def async_torch_save(state_dict, path: str | os.PathLike,
     ahead = None if zero_stall else SentAhead.send(connection, kind, path,
                                                    handover_for(connection).idle)
     try:
-        skeleton, tensors = flatten_state_dict(state_dict)
+        flat = flatten_state_dict(state_dict)
+        buffers = ahead.buffers_for(flat.layout) if ahead is not None else None
+        buffers = buffers or buffers_of(flat.layout)
     except BaseException:
         if ahead is not None:
             ahead.drop("the state dict could not be saved")
         raise
-    save = stage(connection, SaveFormat.TORCH, os.fspath(path), tensors, skeleton=skeleton,
-                 zero_stall=zero_stall, ahead=ahead, layout_kind=kind)
+    save = stage(connection, SaveFormat.TORCH, os.fspath(path), flat.tensors,
+                 skeleton=flat.skeleton, zero_stall=zero_stall, ahead=ahead, buffers=buffers,
+                 on_cpu=flat.on_cpu,
+                 remember=(kind, flat.layout) if kind is not None else None)
     spans.note((save,), "blocked in async_torch_save", started, time.time())
     return AsyncRequest(daemon_saves=(save,))
 

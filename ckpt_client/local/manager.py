@@ -54,7 +54,7 @@ from ckpt_client.queue.calls_queue import AsyncCallsQueue
 from ckpt_client.queue.request import AsyncRequest
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.daemon_save import RefusedSave
-from ckpt_client.transport.flatten import describe, flatten_state_dict
+from ckpt_client.transport.flatten import buffers_of, flatten_state_dict
 from ckpt_client.transport.handover import stage
 
 log = logging.getLogger(__name__)
@@ -180,11 +180,11 @@ class LocalCheckpointManager:
             raise ValueError(f"iteration must be a non-negative int, not {iteration!r}")
         started = time.time()
         rank, _ = rank_and_world()
-        skeleton, tensors = flatten_state_dict(part_state_dict(ta_state_dict))
+        skeleton, tensors, layout, _ = flatten_state_dict(part_state_dict(ta_state_dict))
         # Version 2 layout: the file mirrors the staging extent, so the daemon writes it and
         # loads read it with O_DIRECT, every tensor in place (writable: torch.frombuffer)
         header = bytearray(protocol.encode_part_header(
-            skeleton, [describe(t) for t in tensors], rank, iteration, self.session_id))
+            skeleton, buffers_of(layout), rank, iteration, self.session_id))
         try:
             connection = self._ensure_session(agree=False)
             daemon_save = stage(connection, SaveFormat.LOCAL, self.root, [header, *tensors],

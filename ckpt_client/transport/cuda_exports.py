@@ -153,7 +153,7 @@ def _export(tensor: torch.Tensor) -> dict:
     """A fresh export of ``tensor``'s storage (torch's reductions; a new counter slot)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    _, args = reduce_tensor(tensor)
+    _, args = reduce_tensor(tensor.detach())  # autograd state is not ours to share
     (_, _, _, _, _, _, device, handle, storage_size, storage_offset,
      _, ref_handle, ref_offset, event_handle, event_sync) = args
     return {"device_uuid": device_uuid(device), "handle": handle, "storage_size": storage_size,

@@ -1,16 +1,17 @@
 """Turning a state dict into what the daemon stages: a msgpack skeleton and a list of buffers.
 
 The skeleton is the state dict's structure with every tensor replaced by a
-:class:`ckptd.protocol.TensorRef`; the buffers are the tensors (detached, never copied
-here) and raw byte items, each described as ``[dtype, shape, nbytes]``. Only plain values
-travel in the skeleton (dict, list, tuple, str, bytes, numbers, bool, None): nothing is
-pickled. Owns the rules for what can be saved; knows nothing of connections.
+:class:`ckptd.protocol.TensorRef`; the buffers are the tensors (as they are: never copied
+nor detached here; the copy into the pool runs without autograd) and raw byte items, each
+described as ``[dtype, shape, nbytes]``. Only plain values travel in the skeleton (dict,
+list, tuple, str, bytes, numbers, bool, None): nothing is pickled. Owns the rules for what
+can be saved; knows nothing of connections.
 """
 
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -54,53 +55,103 @@ class _Refused(Exception):
         self.where = ""
 
 
+class Flattened(NamedTuple):
+    """A state dict taken apart for staging.
+
+    Attributes
+    ----------
+    skeleton : bytes
+        The msgpack skeleton.
+    tensors : list of torch.Tensor
+        The state dict's own tensors, in the skeleton's reference order.
+    layout : list of (torch.dtype, torch.Size)
+        Per tensor, what its buffer description is made of (:func:`buffers_of`); cheaper
+        to take and to compare than the description itself, so a save of the layout of
+        the save before is recognised without describing each tensor again.
+    on_cpu : bool
+        Whether every tensor is a CPU tensor.
+    """
+
+    skeleton: bytes
+    tensors: list
+    layout: list
+    on_cpu: bool
+
+
 _PLAIN_LEAVES = (str, bytes, int, float, bool)
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-#: Exact types of plain leaves, checked first: most leaves of a state dict are one.
+#: Exact types of plain tensors and of plain leaves, checked first: most values of a state
+#: dict are one of them.
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
 
 
-def flatten_state_dict(state_dict: Any) -> tuple[bytes, list[torch.Tensor]]:
+def flatten_state_dict(state_dict: Any) -> Flattened:
     """Split a state dict into its msgpack skeleton and its tensors.
 
     Raises
     ------
     TypeError
         For values other than tensors, dicts, lists, tuples, str, bytes, int, float,
-        bool and None (naming the key where it was found).
+        bool and None (naming the key where it was found), and for tensors of a dtype
+        the protocol does not carry.
     """
     tensors: list[torch.Tensor] = []
-    strided = torch.strided
+    layout: list = []
+    cuda: list = []
+    names, strided = _DTYPE_NAMES, torch.strided
     ref = protocol.packed_tensor_ref  # packed natively: no encoder hook per tensor
+    tensor_types, plain_types = _PLAIN_TENSORS, _PLAIN_TYPES
 
-    # The walk runs once per leaf on every save (thousands of them), so it tests exact
-    # types first and leaves isinstance to the rarer subclasses (OrderedDict, ...).
+    # The walk runs once per value on every save (thousands of them): containers handle
+    # their tensors and plain leaves in their own loop, exact types first, and a tensor
+    # is described by what is cheapest to read (its dtype and shape objects).
+    def take(value: torch.Tensor) -> Any:
+        dtype = value.dtype
+        if dtype not in names and (value.is_quantized or not dtype_name(dtype)):
+            raise _Refused(value)  # dtype_name raises for dtypes the protocol lacks
+        if value.layout is not strided:
+            raise _Refused(value)
+        if value.is_cuda:
+            cuda.append(value)
+        layout.append((dtype, value.shape))
+        tensors.append(value)
+        return ref(len(tensors) - 1)
+
     def walk(value: Any) -> Any:
         kind = type(value)
-        if kind in _PLAIN_TENSORS:
-            if value.is_quantized or value.layout != strided:
-                raise _Refused(value)
-            tensors.append(value.detach())
-            return ref(len(tensors) - 1)
-        if kind in _PLAIN_TYPES:
+        if kind in tensor_types:
+            return take(value)
+        if kind in plain_types:
             return value
         if kind is dict or isinstance(value, dict):
             out = {}
-            for k, v in value.items():
-                try:
-                    out[k] = walk(v)
-                except _Refused as exc:
-                    exc.where = f".{k}{exc.where}"
-                    raise
+            try:
+                for key, item in value.items():
+                    kind = type(item)
+                    if kind in plain_types:
+                        out[key] = item
+                    elif kind in tensor_types:
+                        out[key] = take(item)
+                    else:
+                        out[key] = walk(item)
+            except _Refused as exc:
+                exc.where = f".{key}{exc.where}"
+                raise
             return out
         if kind is list or kind is tuple or isinstance(value, (list, tuple)):
             items = []
-            for i, v in enumerate(value):
-                try:
-                    items.append(walk(v))
-                except _Refused as exc:
-                    exc.where = f"[{i}]{exc.where}"
-                    raise
+            try:
+                for index, item in enumerate(value):
+                    kind = type(item)
+                    if kind in plain_types:
+                        items.append(item)
+                    elif kind in tensor_types:
+                        items.append(take(item))
+                    else:
+                        items.append(walk(item))
+            except _Refused as exc:
+                exc.where = f"[{index}]{exc.where}"
+                raise
             return tuple(items) if isinstance(value, tuple) else items
         if isinstance(value, _PLAIN_LEAVES):
             return value
@@ -114,7 +165,14 @@ def flatten_state_dict(state_dict: Any) -> tuple[bytes, list[torch.Tensor]]:
         raise TypeError(f"state_dict{exc.where} is a {type(exc.value).__name__}, which ckptd "
                         "cannot store without pickling; store it as a tensor or a plain "
                         "value") from None
-    return protocol.pack_value(skeleton), tensors
+    return Flattened(protocol.pack_value(skeleton), tensors, layout, not cuda)
+
+
+def buffers_of(layout: list) -> list:
+    """The ``[dtype, shape, nbytes]`` descriptions of a :attr:`Flattened.layout`."""
+    names = _DTYPE_NAMES
+    return [[names[dtype], list(shape), shape.numel() * dtype.itemsize]
+            for dtype, shape in layout]
 
 
 def describe(source: torch.Tensor | io.BytesIO | bytes) -> list:

@@ -67,6 +67,9 @@ class StagingJob:
     #: The msg id of this save's STAGE, sent ahead of the walk with no skeleton
     #: (:mod:`ckpt_client.transport.sent_ahead`): the skeleton goes with STAGED.
     ahead: int | None = None
+    #: Every source is a CPU tensor (the caller knows it from its own walk): the copy is
+    #: one call, with no check of each source.
+    on_cpu: bool = False
 
     @property
     def specs(self) -> list | None:
@@ -107,15 +110,16 @@ class StagingJob:
         save.request_id = reply.request_id
         save.accepted_at = time.monotonic()
         save.placements = reply.placements
-        buffers = self.body.buffers
-        ours = [i for i in range(len(buffers)) if self.specs is None or self.specs[i] is None]
+        buffers, specs = self.body.buffers, self.specs
+        handover = handover_for(connection)
+        ours = handover.every_buffer(len(buffers)) if specs is None else \
+            [i for i, spec in enumerate(specs) if spec is None]
         try:
             if not save.start_copy():
                 raise InterruptedError("the save was aborted while it was staged")
             try:
-                handover = handover_for(connection)
                 handover.copier.copy(reply.offset, handover.offsets(buffers), buffers,
-                                     self.sources, ours)
+                                     self.sources, ours, on_cpu=self.on_cpu)
             finally:
                 save.end_copy()
             if save._cancelled:
@@ -128,9 +132,9 @@ class StagingJob:
             raise
         self._wait_for_release()
         done = Staged(request_id=save.request_id, skeleton=skeleton, copied_at=time.time())
-        if not self.confirm and self.specs is None:
+        if not self.confirm and specs is None:
             save.staged_reply = connection.send(MessageType.STAGED, done)
-            save.transport_bytes = _transport_bytes(buffers, None)
+            save.transport_bytes = {"shm": handover.total_bytes(buffers), "cuda": 0}
             return None
         try:
             staged = connection.call(MessageType.STAGED, done,
@@ -250,7 +254,8 @@ class Handover:
         self.planning = threading.Lock()
         self._copier: PoolCopier | None = None
         self._stager: BackgroundStager | None = None
-        self._layout: tuple | None = None  # (buffers, their offsets) of the last save
+        self._layout: tuple | None = None  # (buffers, offsets, total bytes) of the last save
+        self._every: list = []  # [0, 1, ...]: the indices of a save's every buffer
 
     @property
     def copier(self) -> PoolCopier:
@@ -262,9 +267,24 @@ class Handover:
     def offsets(self, buffers: list) -> list:
         """Where each of ``buffers`` starts in its extent (kept for the last list: a save
         sent ahead repeats the very list of the save before)."""
+        return self._layout_of(buffers)[1]
+
+    def total_bytes(self, buffers: list) -> int:
+        """The bytes ``buffers`` describe (kept as :meth:`offsets` is)."""
+        return self._layout_of(buffers)[2]
+
+    def _layout_of(self, buffers: list) -> tuple:
         if self._layout is None or self._layout[0] is not buffers:
-            self._layout = (buffers, protocol.layout_extent([b[2] for b in buffers])[0])
-        return self._layout[1]
+            sizes = [b[2] for b in buffers]
+            self._layout = (buffers, protocol.layout_extent(sizes)[0], sum(sizes))
+        return self._layout
+
+    def every_buffer(self, count: int) -> list:
+        """``[0, ..., count - 1]``, the same list while ``count`` is (the copier then
+        recognises the last save's choice of buffers without comparing it)."""
+        if len(self._every) != count:
+            self._every = list(range(count))
+        return self._every
 
     def stager(self) -> BackgroundStager:
         """The background thread of zero-stall saves (started on first use)."""
@@ -299,7 +319,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
           iteration: int | None = None, stock_files: bool = False,
           allow_cuda_ipc: bool = True, zero_stall: bool = False,
           hold: threading.Event | None = None, ahead: SentAhead | None = None,
-          layout_kind: tuple | None = None) -> DaemonSave:
+          buffers: list | None = None, on_cpu: bool = False,
+          remember: tuple | None = None) -> DaemonSave:
     """Hand ``sources`` to the daemon: staged on return, or (``zero_stall``) queued.
 
     Parameters
@@ -329,9 +350,17 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
     ahead : SentAhead, optional
         This save's STAGE, sent before ``sources`` were known: used if it asked for what
         this save needs, else dropped.
-    layout_kind : tuple, optional
-        A torch save's :func:`~ckpt_client.transport.sent_ahead.kind_of`: its layout is
-        remembered under it, for the next save of that kind to be sent ahead with.
+    buffers : list, optional
+        The ``[dtype, shape, nbytes]`` description of each source, when the caller has
+        it already (else each source is described here).
+    on_cpu : bool
+        The caller knows every source is a CPU tensor: no CUDA export is planned and the
+        copy checks no source.
+    remember : tuple, optional
+        A torch save's ``(kind, layout)``
+        (:func:`~ckpt_client.transport.sent_ahead.kind_of`, :attr:`Flattened.layout
+        <ckpt_client.transport.flatten.Flattened.layout>`): its layout is remembered
+        under its kind, for the next save of that kind to be sent ahead with.
 
     Raises
     ------
@@ -345,15 +374,17 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         raise ValueError("stage(hold=...) needs zero_stall=True: the caller sets hold later")
     handover = handover_for(connection)
     # Until the job takes it over, a failure drops the STAGE sent ahead.
-    with dropped_on_error(ahead):
-        buffers = [describe(s) for s in sources]
+    if buffers is None:
+        with dropped_on_error(ahead):
+            buffers = [describe(s) for s in sources]
     # Saves reach the daemon in the order they were planned: a CUDA export may be re-sent
     # only on the daemon's word after the save before it (see cuda_exports.ExportCache).
     with handover.planning:
         with dropped_on_error(ahead):
             if not zero_stall:
                 handover.wait_for_background()
-            plan, events = plan_ipc(connection, sources) if allow_cuda_ipc else (None, [])
+            plan, events = plan_ipc(connection, sources) if allow_cuda_ipc and not on_cpu \
+                else (None, [])
             body = Stage(format=fmt, path=os.path.abspath(path), buffers=buffers,
                          skeleton=skeleton, files=files or [],
                          cuda=plan.specs if plan is not None else None, session=session,
@@ -370,7 +401,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         # not: that call may return only once the daemon has the STAGED in hand.
         job = StagingJob(save, body, sources, plan, events, hold,
                          confirm=zero_stall or connection.tiered,
-                         ahead=ahead.msg_id if ahead is not None else None)
+                         ahead=ahead.msg_id if ahead is not None else None, on_cpu=on_cpu)
         if zero_stall:
             handover.stager().submit(job)
             return save
@@ -379,7 +410,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         except BaseException as exc:
             save.mark_staged(_reason(exc))
             raise
-        if layout_kind is not None and plan is None:
-            remember_layout(connection, layout_kind, buffers)
+        if remember is not None and plan is None:
+            remember_layout(connection, *remember, buffers)
     save.mark_staged()
     return save

@@ -5,7 +5,9 @@ daemon cannot open itself. Destination views are cached per (extent offset, layo
 training job saves the same structure into the same place again and again, and building
 thousands of views per save would cost more than copying small tensors. The CPU tensors
 of a save are copied by one ``torch._foreach_copy_`` call (it releases the GIL), so many
-small tensors cost little more than one.
+small tensors cost little more than one. The copy runs without autograd: sources are the
+caller's own tensors (parameters included, never detached one by one), and a copy that
+autograd recorded would tie the pool to their graph.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import warnings
 from collections import OrderedDict
 
 import torch
+
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 class PoolCopier:
@@ -57,11 +61,20 @@ class PoolCopier:
         self._last = (base, buffers, list(chosen), chosen_nonempty, views)
         return chosen_nonempty, views
 
-    def copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list) -> None:
-        """Copy ``sources[i]`` for ``i`` in ``chosen`` to ``base + offsets[i]``."""
+    def copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list, *,
+             on_cpu: bool = False) -> None:
+        """Copy ``sources[i]`` for ``i`` in ``chosen`` to ``base + offsets[i]``.
+
+        ``on_cpu``: the caller knows every source is a CPU tensor (no check of each).
+        """
+        with torch.no_grad():
+            self._copy(base, offsets, buffers, sources, chosen, on_cpu)
+
+    def _copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list,
+              on_cpu: bool) -> None:
         chosen, destinations = self._destinations(base, offsets, buffers, chosen)
         picked = [sources[i] for i in chosen]
-        if all(type(s) is torch.Tensor and not s.is_cuda for s in picked):
+        if on_cpu or all(type(s) in _PLAIN_TENSORS and not s.is_cuda for s in picked):
             if picked:  # the usual save: CPU tensors only, one call for all of them
                 torch._foreach_copy_(destinations, picked)
             return

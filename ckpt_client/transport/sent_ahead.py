@@ -29,8 +29,9 @@ from ckpt_client.transport import waits
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import DaemonSave
 
-#: connection -> {kind: (layout, whether the last two saves of that kind had it)}, the
-#: layout a list of [dtype, shape, nbytes] per buffer.
+#: connection -> {kind: (buffers, whether the last two saves of that kind had them,
+#: layout)}: the buffers a list of [dtype, shape, nbytes] per tensor, the layout the
+#: (dtype, shape) pairs they were made from (:attr:`Flattened.layout`).
 _layouts: "weakref.WeakKeyDictionary[DaemonConnection, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -44,13 +45,16 @@ def kind_of(state_dict: Any) -> tuple:
     return (type(state_dict),)
 
 
-def remember_layout(connection: DaemonConnection, kind: tuple, buffers: list) -> None:
-    """``buffers`` is the layout of the save of ``kind`` just staged: the next save of
-    that kind is sent ahead with it once two saves in a row had it (structures that
-    alternate under one kind never are, so they never pay for a wrong guess)."""
+def remember_layout(connection: DaemonConnection, kind: tuple, layout: list,
+                    buffers: list) -> None:
+    """``buffers`` (made from ``layout``) describe the save of ``kind`` just staged: the
+    next save of that kind is sent ahead with them once two saves in a row had them
+    (structures that alternate under one kind never are, so they never pay for a wrong
+    guess)."""
     kinds = _layouts.setdefault(connection, {})
     last = kinds.pop(kind, None)
-    kinds[kind] = (buffers, last is not None and (last[0] is buffers or last[0] == buffers))
+    kinds[kind] = (buffers, last is not None and (last[0] is buffers or last[0] == buffers),
+                   layout)
     while kinds and len(kinds) > knobs.SENT_AHEAD_KINDS.get():
         kinds.pop(next(iter(kinds)))
 
@@ -59,11 +63,12 @@ class SentAhead:
     """A STAGE sent with a guessed layout, whose reply the save reads (or drops)."""
 
     def __init__(self, connection: DaemonConnection, kind: tuple, body: Stage,
-                 msg_id: int) -> None:
+                 msg_id: int, layout: list | None = None) -> None:
         self.connection = connection
         self.kind = kind
         self.body = body
         self.msg_id = msg_id
+        self.layout = layout  # what body.buffers were made from
         self._dropped = False
 
     @classmethod
@@ -78,9 +83,15 @@ class SentAhead:
             return None
         body = Stage(format=SaveFormat.TORCH, path=os.path.abspath(path), buffers=steady[0])
         try:
-            return cls(connection, kind, body, connection.send(MessageType.STAGE, body))
+            return cls(connection, kind, body, connection.send(MessageType.STAGE, body),
+                       steady[2])
         except DaemonUnavailableError:
             return None  # the ordinary STAGE meets (and reports) the same
+
+    def buffers_for(self, layout: list) -> list | None:
+        """The buffers sent ahead if ``layout`` is the one they were made from (comparing
+        layouts costs less than describing every tensor again), else ``None``."""
+        return self.body.buffers if layout == self.layout else None
 
     def matches(self, body: Stage) -> bool:
         """Whether ``body`` asks for what was sent ahead, skeleton aside."""

@@ -154,11 +154,11 @@ def test_a_save_the_daemon_failed_before_its_unconfirmed_staged_fails_at_finaliz
     path = os.path.join(daemon.roots[0], "late.pt")
     real_copy = PoolCopier.copy
 
-    def copy_after_the_deadline(self, *args):
+    def copy_after_the_deadline(self, *args, **kwargs):
         wait_for(lambda: [r for r in daemon.status()["requests"]
                           if r["path"] == path and r["phase"] == "failed"], 30,
                  "the daemon to fail the save by its staging deadline")
-        return real_copy(self, *args)
+        return real_copy(self, *args, **kwargs)
 
     monkeypatch.setattr(PoolCopier, "copy", copy_after_the_deadline)
     checkpoint = TorchAsyncCheckpoint()
