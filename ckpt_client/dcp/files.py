@@ -76,13 +76,12 @@ def _chunk_sizes(sizes: tuple, count: int, pool_size: int) -> list[list[list[int
 
 
 def resolve_items(plan: SavePlan, planner: SavePlanner) -> list:
-    """The data of each of ``plan``'s items: detached tensors and ``io.BytesIO``."""
+    """The data of each of ``plan``'s items: tensors (not detached: the copy into the
+    pool runs without autograd) and ``io.BytesIO``."""
     sources = []
     for item in plan.items:
         data = planner.resolve_data(item)
-        if isinstance(data, torch.Tensor):
-            data = data.detach()
-        elif not isinstance(data, io.BytesIO):
+        if not isinstance(data, (torch.Tensor, io.BytesIO)):
             raise TypeError(f"planner resolved {item.index.fqn} to {type(data).__name__}")
         sources.append(data)
     return sources

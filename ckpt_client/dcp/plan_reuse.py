@@ -126,13 +126,14 @@ class ReusablePlan:
 
     def sources(self, plan: SavePlan, state_dict: Any, planner: SavePlanner) -> list:
         """The data of each of ``plan``'s items in ``state_dict`` (which has this plan's
-        structure): detached tensors and ``io.BytesIO``, as the planner would resolve."""
+        structure): its tensors (not detached: the copy into the pool runs without
+        autograd) and ``io.BytesIO``, as the planner would resolve."""
         sources = []
         for item in plan.items:
             fqn = item.index.fqn
             value = _lookup(state_dict, self.paths[fqn])
             if item.type != WriteItemType.BYTE_IO:
-                sources.append(value.detach())
+                sources.append(value)
                 continue
             kept = self._pickled.get(fqn)
             if kept is not None and type(value) is kept[0] and value == kept[1]:
