@@ -101,7 +101,16 @@ class StagingJob:
                 self.plan.withdraw()
             return None
         if self.ahead is not None:
-            reply = connection.reply_to(self.ahead, MessageType.STAGE,
+            try:
+                reply = connection.reply_to(self.ahead, MessageType.STAGE,
+                                            timeout=waits.stage_reply(connection.deadlines))
+            except DaemonRequestError as exc:
+                if exc.code != ErrorCode.LAYOUT_UNKNOWN:
+                    raise
+                # The daemon no longer keeps the layout the STAGE sent ahead named: no
+                # request was made; this one carries the buffers and the skeleton.
+                self.ahead = None
+                reply = connection.call(MessageType.STAGE, self.body,
                                         timeout=waits.stage_reply(connection.deadlines))
         else:
             reply = connection.call(MessageType.STAGE, self.body,
@@ -411,6 +420,6 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
             save.mark_staged(_reason(exc))
             raise
         if remember is not None and plan is None:
-            remember_layout(connection, *remember, buffers)
+            remember_layout(connection, *remember, buffers, save.request_id)
     save.mark_staged()
     return save

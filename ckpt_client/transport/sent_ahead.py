@@ -10,7 +10,10 @@ layout (or fails), the request sent ahead is dropped, aborted and forgotten once
 reply came, and the save stages the ordinary way. A layout is guessed only for a kind of
 state dict (its top-level keys) whose last two saves had it, so a trainer that saves
 several structures through one connection guesses each from its own kind, and
-structures that alternate within a kind are never guessed.
+structures that alternate within a kind are never guessed. The STAGE sent ahead names the
+request of the last save of its kind instead of repeating its thousand buffer descriptions
+(the daemon keeps that layout), so the daemon decodes and checks almost nothing before it
+answers; a daemon that no longer keeps it refuses, and the save sends its buffers then.
 
 Owns the remembered layouts of each connection's default saves; knows nothing of copies.
 """
@@ -30,8 +33,9 @@ from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import DaemonSave
 
 #: connection -> {kind: (buffers, whether the last two saves of that kind had them,
-#: layout)}: the buffers a list of [dtype, shape, nbytes] per tensor, the layout the
-#: (dtype, shape) pairs they were made from (:attr:`Flattened.layout`).
+#: layout, request id)}: the buffers a list of [dtype, shape, nbytes] per tensor, the
+#: layout the (dtype, shape) pairs they were made from (:attr:`Flattened.layout`), the
+#: request id the daemon staged the last of them as.
 _layouts: "weakref.WeakKeyDictionary[DaemonConnection, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -46,15 +50,15 @@ def kind_of(state_dict: Any) -> tuple:
 
 
 def remember_layout(connection: DaemonConnection, kind: tuple, layout: list,
-                    buffers: list) -> None:
-    """``buffers`` (made from ``layout``) describe the save of ``kind`` just staged: the
-    next save of that kind is sent ahead with them once two saves in a row had them
-    (structures that alternate under one kind never are, so they never pay for a wrong
-    guess)."""
+                    buffers: list, request_id: int | None) -> None:
+    """``buffers`` (made from ``layout``) describe the save of ``kind`` just staged as
+    ``request_id``: the next save of that kind is sent ahead with them once two saves in
+    a row had them (structures that alternate under one kind never are, so they never
+    pay for a wrong guess)."""
     kinds = _layouts.setdefault(connection, {})
     last = kinds.pop(kind, None)
     kinds[kind] = (buffers, last is not None and (last[0] is buffers or last[0] == buffers),
-                   layout)
+                   layout, request_id)
     while kinds and len(kinds) > knobs.SENT_AHEAD_KINDS.get():
         kinds.pop(next(iter(kinds)))
 
@@ -82,8 +86,11 @@ class SentAhead:
         if steady is None or not steady[1] or not may_send():
             return None
         body = Stage(format=SaveFormat.TORCH, path=os.path.abspath(path), buffers=steady[0])
+        # A tiered daemon sizes its stage budget from the buffers: it gets them.
+        wire = body if steady[3] is None or connection.tiered else \
+            Stage(format=SaveFormat.TORCH, path=body.path, buffers=[], layout_of=steady[3])
         try:
-            return cls(connection, kind, body, connection.send(MessageType.STAGE, body),
+            return cls(connection, kind, body, connection.send(MessageType.STAGE, wire),
                        steady[2])
         except DaemonUnavailableError:
             return None  # the ordinary STAGE meets (and reports) the same

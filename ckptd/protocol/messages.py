@@ -76,7 +76,10 @@ class Stage(Body, message="stage"):
     ``buffers`` lists ``[dtype, shape, nbytes]`` in staging order; ``files`` (DCP) maps
     each output file name to the buffer indices it holds; ``cuda`` (mixed transport) has
     one entry per buffer: an IPC spec the daemon copies from, or None for a buffer the
-    trainer copies into shared memory itself.
+    trainer copies into shared memory itself. ``layout_of`` (torch saves, instead of
+    ``buffers``): the buffers are those of this connection's earlier request of that id;
+    the daemon keeps the last few torch saves' layouts per connection and refuses with
+    ``layout_unknown`` one it no longer keeps (the trainer then sends the buffers).
     """
     format: str = check(lambda v: v in (SaveFormat.TORCH, SaveFormat.DCP, SaveFormat.LOCAL),
                         "one of torch, dcp, local")
@@ -89,9 +92,15 @@ class Stage(Body, message="stage"):
     session: str | None = None
     iteration: int | None = check(_non_negative, "an iteration >= 0", None)
     stock_files: bool = False
+    layout_of: int | None = check(_non_negative, "a request id >= 0", None)
 
     def check_together(self) -> None:
-        """File entries name existing buffers; a local part names its iteration."""
+        """File entries name existing buffers; a local part names its iteration; a layout
+        named by ``layout_of`` comes alone (a torch save's, with no buffers)."""
+        if self.layout_of is not None and (self.buffers or self.format != SaveFormat.TORCH
+                                           or self.cuda is not None):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: 'layout_of' names a torch "
+                                "save's whole layout: send it without buffers or cuda specs")
         for name, indices in self.files:
             if any(i >= len(self.buffers) for i in indices):
                 raise ProtocolError(ErrorCode.BAD_REQUEST,

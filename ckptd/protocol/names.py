@@ -99,4 +99,5 @@ class ErrorCode:
     DAEMON_RESTARTED = "daemon_restarted"  # the request names an earlier daemon incarnation
     IPC_DENIED = "ipc_denied"              # the OS refused the daemon the trainer's CUDA memory
     STAGE_FULL = "stage_full"              # --stage-policy refuse: the stage budget is full
+    LAYOUT_UNKNOWN = "layout_unknown"      # a STAGE named a layout the daemon no longer keeps
     INTERNAL = "internal"

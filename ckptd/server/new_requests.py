@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-from ckptd import protocol
+import dataclasses
+
+from ckptd import knobs, protocol
 from ckptd.protocol import ErrorCode, Phase, SaveFormat, Stage
 from ckptd.server.endpoint import RequestError
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY
@@ -28,8 +30,53 @@ def copiers_of(request: SaveRequest) -> tuple[str, ...]:
     return ((CLIENT_COPY,) if client else ()) + ((DEVICE_COPY,) if device else ())
 
 
+def _with_kept_layout(rank: RankInfo, body: Stage) -> Stage:
+    """``body`` with the buffers of the earlier request of ``rank``'s connection that its
+    ``layout_of`` names (``body`` itself when it names none).
+
+    A training loop saves one structure again and again; the trainer then names the last
+    save's request instead of sending (and having this loop decode and check) a thousand
+    buffer descriptions while it waits for the reply.
+
+    Raises
+    ------
+    RequestError
+        ``layout_unknown`` if that request's layout is not kept (the trainer sends the
+        buffers then).
+    """
+    if body.layout_of is None:
+        return body
+    kept = rank.layouts.get(body.layout_of)
+    if kept is None:
+        raise RequestError(ErrorCode.LAYOUT_UNKNOWN,
+                           f"rank {rank.rank}: the layout of request {body.layout_of} is not "
+                           "kept any more", "send the STAGE with its buffers")
+    return dataclasses.replace(body, buffers=kept[0])
+
+
+def _layout_of(rank: RankInfo, body: Stage) -> tuple[list, int]:
+    """Offsets and extent length of ``body``'s buffers (a kept layout's, if it names one)."""
+    kept = rank.layouts.get(body.layout_of) if body.layout_of is not None else None
+    if kept is not None and kept[0] is body.buffers:
+        return kept[1], kept[2]
+    return protocol.layout_extent([b[2] for b in body.buffers])
+
+
+def _keep_layout(rank: RankInfo, request: SaveRequest) -> None:
+    """Keep a torch save's layout for the next save of the same structure to name."""
+    layouts = rank.layouts
+    layouts[request.id] = (request.buffers, request.offsets, request.extent_length)
+    while len(layouts) > max(knobs.SENT_AHEAD_KINDS.get(), 0):
+        layouts.popitem(last=False)
+
+
 def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
-    """The request a trainer's STAGE asks for (its path checked, its extent laid out)."""
+    """The request a trainer's STAGE asks for (its path checked, its extent laid out).
+
+    A tiered save never names a kept layout (the stage budget is sized from the buffers
+    before this runs): its layouts are not kept, so such a STAGE is refused here.
+    """
+    body = _with_kept_layout(rank, body)
     try:
         if body.format == SaveFormat.LOCAL:  # the store names the part: session, iteration, rank
             path = daemon.local.part_path_for(rank.rank, body.session, body.iteration)
@@ -37,7 +84,7 @@ def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
             path = daemon.roots.check(body.path)
     except PathRefusedError as exc:
         raise RequestError(ErrorCode.PATH_REFUSED, f"rank {rank.rank}: {exc}") from None
-    offsets, length = protocol.layout_extent([b[2] for b in body.buffers])
+    offsets, length = _layout_of(rank, body)
     request_id = daemon.table.new_id()
     tier = daemon.tier
     tiered = tier is not None and tier.wants(body.format)
@@ -54,6 +101,8 @@ def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
         # Known now, so the coordinator can hand its commit over at staging time.
         request.placements = predict_placements(body.buffers, body.files,
                                                 request.stock_files)
+    if body.format == SaveFormat.TORCH and not tiered:
+        _keep_layout(rank, request)
     return request
 
 

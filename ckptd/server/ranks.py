@@ -10,6 +10,7 @@ business.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ckptd.protocol import ErrorCode, Hello, process_alive
@@ -25,6 +26,10 @@ class RankInfo:
     pid: int
     world_size: int
     registered_at: float = field(default_factory=time.time)
+    #: request id -> (buffers, offsets, extent length) of this connection's last torch
+    #: saves, which a later STAGE may name instead of sending its buffers again
+    #: (:mod:`ckptd.server.new_requests` names and keeps them).
+    layouts: OrderedDict = field(default_factory=OrderedDict)
 
     def is_alive(self) -> bool:
         """Whether the trainer process still exists (zombies count as gone)."""

@@ -234,6 +234,61 @@ def test_a_save_of_a_steady_layout_sends_its_stage_ahead_and_its_skeleton_with_s
     checkpoint.close()
 
 
+def record_stages(monkeypatch) -> list:
+    """Per STAGE sent from now on: (the request id whose layout it names, its buffer count)."""
+    from ckptd.protocol import MessageType
+    from ckpt_client.transport.connection import DaemonConnection
+
+    stages = []
+    real_send = DaemonConnection.send
+
+    def spy(self, msg_type, body=None, frames=()):
+        if msg_type == MessageType.STAGE:
+            stages.append((body.layout_of, len(body.buffers)))
+        return real_send(self, msg_type, body, frames)
+
+    monkeypatch.setattr(DaemonConnection, "send", spy)
+    return stages
+
+
+@pytest.mark.parametrize("kept", ["8", "0"])
+def test_a_stage_sent_ahead_names_the_last_saves_layout_or_sends_the_buffers_when_not_kept(
+        start_daemon, monkeypatch, kept):
+    """The STAGE sent ahead names the request of the save before instead of repeating its
+    buffers (the daemon keeps the layouts of each connection's last torch saves). A
+    daemon that keeps none (``CKPTD_SENT_AHEAD_KINDS=0`` in its environment only) refuses
+    the name as unknown, and the save sends its buffers and skeleton instead. Either way
+    every file is right and nothing stays held; a layout nobody saved is refused."""
+    from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage
+    from ckpt_client.transport.flatten import flatten_state_dict
+
+    daemon = start_daemon(env={"CKPTD_SENT_AHEAD_KINDS": kept})
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stages = record_stages(monkeypatch)
+    root = daemon.roots[0]
+    checkpoint = TorchAsyncCheckpoint()
+    for seed in range(40, 44):
+        checkpoint.async_save(make_state(seed), os.path.join(root, f"k{seed}.pt"))
+    checkpoint.finalize_async_save(blocking=True)
+    buffers = len(flatten_state_dict(make_state(0)).tensors)
+    named = [(layout_of, 0) for layout_of, count in stages if layout_of is not None]
+    assert len(named) == 2 and all(isinstance(n[0], int) for n in named)
+    expected = [(None, buffers)] * 2 + ([named[0], named[1]] if kept != "0" else
+                                        [named[0], (None, buffers), named[1], (None, buffers)])
+    assert stages == expected
+    for seed in range(40, 44):
+        assert_same(torch.load(os.path.join(root, f"k{seed}.pt"), weights_only=True),
+                    make_state(seed))
+    with pytest.raises(DaemonRequestError, match="not kept") as info:
+        connect(daemon.socket).call(MessageType.STAGE, Stage(
+            format=SaveFormat.TORCH, path=os.path.join(root, "x.pt"), buffers=[],
+            layout_of=10**6), timeout=30)
+    assert info.value.code == ErrorCode.LAYOUT_UNKNOWN
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
+    assert [r for r in daemon.status()["requests"] if r["phase"] not in ("done", "aborted")] == []
+    checkpoint.close()
+
+
 def test_a_save_sent_ahead_that_fails_before_it_is_staged_leaves_nothing_held(
         daemon, monkeypatch):
     """The third save of a steady layout sends its STAGE ahead; a tensor of a dtype ckptd

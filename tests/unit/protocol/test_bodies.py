@@ -93,6 +93,21 @@ def test_a_stage_body_is_checked_field_by_field_and_as_a_whole():
     assert mixed.cuda == [None]
 
 
+def test_a_stage_may_name_an_earlier_torch_saves_layout_instead_of_its_buffers():
+    """``layout_of`` stands for a torch save's whole layout: alone, never beside buffers,
+    CUDA specs or in another format, and never a negative id."""
+    named = {"format": "torch", "path": "/ckpt/m.pt", "buffers": [], "layout_of": 7}
+    assert protocol.Stage.from_wire(named).layout_of == 7
+    assert protocol.Stage.from_wire({**named, "layout_of": None}).layout_of is None
+    for change, needle in (({"buffers": [["int8", [1], 1]]}, "without buffers"),
+                           ({"cuda": []}, "without buffers or cuda"),
+                           ({"format": "dcp"}, "a torch save's"),
+                           ({"layout_of": -1}, "'layout_of'")):
+        with pytest.raises(ProtocolError, match=needle) as info:
+            protocol.Stage.from_wire({**named, **change})
+        assert info.value.code == ErrorCode.BAD_REQUEST
+
+
 @pytest.mark.parametrize("peers, ok", [
     ([None, ["tcp://a:1", "key"], ["tcp://b:1", "key", "b:2"]], True),
     ([["tcp://a:1"]], False),
