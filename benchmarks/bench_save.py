@@ -449,8 +449,33 @@ def daemon_idle_pss(pid: int) -> int:
     return sum(procmem.read_pss(p) for p in procmem.tree(pid))
 
 
+def on_huge_pages(bench: Bench, section: dict, state: dict, pool: int, writers: int,
+                  watch: procmem.MemWatch) -> None:
+    """The default torch-format save once more, with a daemon whose staging pool lies in a
+    tmpfs mounted here with huge pages (``--pool-dir``; needs root, else left out)."""
+    from bench_write_path import huge_page_tmpfs
+
+    with huge_page_tmpfs(pool + (64 << 20)) as huge_dir:
+        if huge_dir is None:
+            return
+        os.environ["CKPTD_POOL_DIR"] = huge_dir
+        daemon = None
+        try:
+            daemon = bench.daemon = Daemon(bench.outdir, pool, writers)
+            watch.track(daemon.pid)
+            method = m.CkptdTorch(state)
+            method.name += " (pool on huge pages)"
+            section["results"].append(asdict(bench.run(method)))
+            section["huge_pool_dir"] = huge_dir
+        finally:
+            os.environ.pop("CKPTD_POOL_DIR", None)
+            if daemon is not None:
+                daemon.stop()
+            bench.daemon = None
+
+
 def run_suite(device: str, load: str, total_bytes: int, outdir: str, repeats: int,
-              writers: int, only: set[str] | None, full: bool) -> dict:
+              writers: int, only: set[str] | None, full: bool, huge: bool = False) -> dict:
     """Build the ``load`` state dict on ``device`` and measure the methods; the section."""
     print(f"[{device}, {load}] building a {total_bytes / GiB:.3f} GiB state dict ...", flush=True)
     state, mix = workload.build(load, total_bytes, device="cpu")
@@ -475,11 +500,11 @@ def run_suite(device: str, load: str, total_bytes: int, outdir: str, repeats: in
         copy.prepare = lambda: None  # type: ignore[method-assign]
         close_copy = copy.close
         copy.close = lambda: None  # type: ignore[method-assign]
+        pool = -(-int(1.05 * mix.total_bytes) // (1 << 20)) << 20  # 1.05x, whole MiB
         for method in chosen:
             if only and not any(key in method.name.lower() for key in only):
                 continue
             if method.name.startswith("ckptd") and daemon is None:
-                pool = -(-int(1.05 * mix.total_bytes) // (1 << 20)) << 20  # 1.05x, whole MiB
                 daemon = Daemon(outdir, pool, writers)
                 bench.daemon = daemon
                 section["daemon"] = {"pid": daemon.pid, "pool_bytes": pool, "writers": writers,
@@ -488,6 +513,11 @@ def run_suite(device: str, load: str, total_bytes: int, outdir: str, repeats: in
             if method.name.startswith("ckptd"):
                 m.stop_dcp_checkpoint_process()  # DCP's helper must not linger in ckptd's numbers
             section["results"].append(asdict(bench.run(method)))
+        if huge and device == "cpu":
+            if daemon is not None:
+                daemon.stop()
+                daemon = None
+            on_huge_pages(bench, section, state, pool, writers, watch)
         close_copy()
         m.stop_dcp_checkpoint_process()
         section["baseline_step_end_s"] = bench.measure_baseline_step(3)
@@ -769,6 +799,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--writers", type=int, default=2, help="ckptd writer processes")
     p.add_argument("--only", default="", help="comma-separated substrings of method names")
     p.add_argument("--no-gpu", action="store_true", help="skip the CUDA section")
+    p.add_argument("--huge-pool", action="store_true",
+                   help="also the default torch-format save with ckptd's pool in a tmpfs with "
+                        "huge pages, which the benchmark mounts (root)")
     p.add_argument("--interpretation", default=None,
                    help="file whose text goes under 'Interpretation' in the report")
     p.add_argument("--render", default=None, metavar="JSON",
@@ -820,7 +853,8 @@ def main(argv: list[str] | None = None) -> int:
         loads = ["training", "mix"] if args.workload == "both" else [args.workload]
         for load in loads:
             report["sections"].append(run_suite("cpu", load, total, outdir, args.repeats,
-                                                args.writers, only, full=load == loads[0]))
+                                                args.writers, only, full=load == loads[0],
+                                                huge=args.huge_pool))
         if args.no_gpu:
             report["skipped"].append({"device": "cuda", "why": "Skipped with --no-gpu."})
         elif not torch.cuda.is_available():
