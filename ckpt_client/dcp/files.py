@@ -51,11 +51,11 @@ def chunk_files(sources: list, count: int, pool_size: int) -> list[list[list[int
         Each chunk is a list of files (lists of source indices) whose staged layout is at
         most ``pool_size`` bytes; one chunk when everything fits at once.
     """
-    return _chunk_sizes(tuple(item_nbytes(s) for s in sources), count, pool_size)
+    return chunk_sizes(tuple(item_nbytes(s) for s in sources), count, pool_size)
 
 
 @functools.lru_cache(maxsize=8)
-def _chunk_sizes(sizes: tuple, count: int, pool_size: int) -> list[list[list[int]]]:
+def chunk_sizes(sizes: tuple, count: int, pool_size: int) -> list[list[list[int]]]:
     """:func:`chunk_files` by item sizes: a training loop saves the same sizes again and
     again, so the grouping (a sort and a layout per file) is worked out once. Callers
     only read the result."""

@@ -20,11 +20,15 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
+from ckpt_client.transport.flatten import describe
+
 #: DefaultSavePlanner methods whose behaviour the shortcut reproduces; a planner that
 #: overrides any of them plans the long way.
 _REPRODUCED = ("set_up_planner", "create_local_plan", "resolve_data", "lookup_object",
                "transform_object")
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: Exact types of the usual non-tensor leaves (their signature entry is their type).
+_LEAF_TYPES = frozenset({int, float, str, bytes, bool, type(None)})
 #: Non-tensor leaves whose pickled bytes can be reused while they compare equal.
 _IMMUTABLE = (int, float, str, bytes, bool, type(None))
 
@@ -44,13 +48,18 @@ def structure_of(state_dict: Any) -> tuple | None:
     """
     signature: list = []
 
+    # Exact types first: an abstract-class check (Mapping) on every leaf of every save
+    # costs more than the rest of the walk.
     def walk(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            if type(value) not in _PLAIN_TENSORS:
+        kind = type(value)
+        if kind in _LEAF_TYPES:
+            signature.append(kind)
+        elif kind in _PLAIN_TENSORS or isinstance(value, torch.Tensor):
+            if kind not in _PLAIN_TENSORS:
                 raise _Unsupported
             signature.append((value.dtype, value.shape, value.layout, value.requires_grad,
                               value.is_pinned()))
-        elif isinstance(value, Mapping):
+        elif kind is dict or isinstance(value, Mapping):
             signature.append((type(value), tuple(value)))
             for entry in value.values():
                 walk(entry)
@@ -123,6 +132,7 @@ class ReusablePlan:
         self.local_plan = local_plan
         self.paths = _real_paths(state_dict, mappings)
         self._pickled: dict[str, tuple[type, Any, bytes]] = {}
+        self._described: dict[str, list] = {}  # fqn -> a tensor item's description
 
     def sources(self, plan: SavePlan, state_dict: Any, planner: SavePlanner) -> list:
         """The data of each of ``plan``'s items in ``state_dict`` (which has this plan's
@@ -144,3 +154,18 @@ class ReusablePlan:
                 self._pickled[fqn] = (type(value), value, data.getvalue())
             sources.append(data)
         return sources
+
+    def buffers(self, plan: SavePlan, sources: list) -> list:
+        """The ``[dtype, shape, nbytes]`` descriptions of :meth:`sources`' result: a
+        tensor item's as first described (its dtype and shape are part of the signature
+        this plan is reused under, so they cannot have changed), a byte item's made now."""
+        described, buffers = self._described, []
+        for item, source in zip(plan.items, sources):
+            if isinstance(source, io.BytesIO):
+                buffers.append(describe(source))
+                continue
+            kept = described.get(item.index.fqn)
+            if kept is None:
+                kept = described[item.index.fqn] = describe(source)
+            buffers.append(kept)
+        return buffers

@@ -102,9 +102,12 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     planned = time.time()
     try:
         saves = early.adopt(final_plan, zero_stall) if early is not None else None
-        sources = reuse.sources(final_plan, state_dict, planner) if reuse is not None else None
+        sources = buffers = None
+        if reuse is not None and saves is None:
+            sources = reuse.sources(final_plan, state_dict, planner)
+            buffers = reuse.buffers(final_plan, sources)
         saves = saves or writer.stage(final_plan, planner, zero_stall=zero_stall,
-                                      sources=sources)
+                                      sources=sources, buffers=buffers)
     except (DaemonRequestError, DaemonUnavailableError) as exc:
         if not group.distributed:
             raise

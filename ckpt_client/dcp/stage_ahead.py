@@ -93,7 +93,8 @@ class StagedAhead:
         self.plan = reusable.local_plan
         self.adopted = False
         sources = reusable.sources(self.plan, state_dict, _TRANSFORM)
-        self.saves = writer.stage(self.plan, _TRANSFORM, sources=sources)
+        self.saves = writer.stage(self.plan, _TRANSFORM, sources=sources,
+                                  buffers=reusable.buffers(self.plan, sources))
         threading.Thread(target=self._abort_unless_adopted, args=(threading.current_thread(),),
                          name="ckptd-stage-ahead-watch", daemon=True).start()
 

@@ -25,12 +25,13 @@ from torch.futures import Future
 
 from ckptd.protocol import SaveFormat
 from ckpt_client.dcp.commit import commit_metadata, metadata_bytes
-from ckpt_client.dcp.files import DCP_SUFFIX, chunk_files, resolve_items
+from ckpt_client.dcp.files import DCP_SUFFIX, chunk_sizes, resolve_items
 from ckpt_client.dcp.stager import current_ticket, take_ticket
 from ckpt_client.errors import CheckpointException
 from ckpt_client.queue.request import wait_for_daemon_saves
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.daemon_save import DaemonSave
+from ckpt_client.transport.flatten import describe
 from ckpt_client.transport.handover import stage
 
 
@@ -97,8 +98,8 @@ class DaemonStorageWriter(_StorageWriterBase):
 
     # ------------------------------------------------------------------ writing
     def stage(self, plan: SavePlan, planner: SavePlanner, zero_stall: bool = False,
-              sources: list | None = None,
-              hold: threading.Event | None = None) -> tuple[DaemonSave, ...]:
+              sources: list | None = None, hold: threading.Event | None = None,
+              buffers: list | None = None) -> tuple[DaemonSave, ...]:
         """Hand this rank's items to the daemon; returns once they are staged (or queued,
         with ``zero_stall``).
 
@@ -106,15 +107,18 @@ class DaemonStorageWriter(_StorageWriterBase):
         do not fit the daemon's staging pool at once is streamed: its files go in several
         requests, each at most the pool's size, each staged when the previous ones have
         made room (back-pressure). Only a single item larger than the whole pool is
-        refused. ``sources``: the items' data when the caller resolved them already.
-        ``hold`` (zero-stall only): nothing reaches the writers before it is set.
+        refused. ``sources``: the items' data when the caller resolved them already
+        (``buffers``: their descriptions, if it has them too). ``hold`` (zero-stall
+        only): nothing reaches the writers before it is set.
         """
         if sources is None:
             sources = resolve_items(plan, planner)
+        if buffers is None:
+            buffers = [describe(s) for s in sources]
         connection = self.connection
         token = secrets.token_hex(4)
-        chunks = chunk_files(sources, self.files_per_rank or connection.writers,
-                             connection.pool_size)
+        chunks = chunk_sizes(tuple(b[2] for b in buffers),
+                             self.files_per_rank or connection.writers, connection.pool_size)
         saves, number = [], 0
         for chunk in chunks:
             members = sorted(i for group in chunk for i in group)
@@ -127,7 +131,8 @@ class DaemonStorageWriter(_StorageWriterBase):
             try:
                 saves.append(stage(connection, SaveFormat.DCP, self.path,
                                    [sources[i] for i in members], files=files,
-                                   zero_stall=zero_stall, hold=hold))
+                                   zero_stall=zero_stall, hold=hold,
+                                   buffers=[buffers[i] for i in members]))
             except BaseException:
                 for earlier in saves:  # a save is whole or nothing: drop the chunks before
                     earlier.abort(f"chunk {len(saves) + 1} of {len(chunks)} of the same save "
