@@ -18,7 +18,7 @@ Owns two things a writer needs to write with ``O_DIRECT``:
   The file's last page is written whole and the file truncated to its size. Space is allocated ahead of the writes
   (``fallocate``): a direct write past the end of a file takes the inode's lock alone and
   waits for the disk under it, so the threads' writes would queue one behind the other;
-  into allocated space they run side by side.
+  into allocated space they run side by side (not on tmpfs: :func:`allocating_ahead_pays`).
 
 The file layouts cooperate: ckptd's torch files start every record's data on a 4 KiB
 boundary (torch's ``storage_alignment``), DCP items start on one, and the staging extent
@@ -47,7 +47,7 @@ from ckptd.checksum import Checksum, algorithm_named, combine_pieces
 log = logging.getLogger(__name__)
 
 __all__ = ["PAGE", "WriteMode", "write_mode_of", "probe_directory", "DirectFileWriter",
-           "drop_cached_pages", "buffer_address", "fallocate"]
+           "drop_cached_pages", "buffer_address", "fallocate", "allocating_ahead_pays"]
 
 #: The unit of a direct write: file offsets, lengths and buffer addresses are multiples.
 PAGE = 4096
@@ -205,6 +205,25 @@ def _load_fallocate():
 # glibc's fallocate, not os.posix_fallocate: where a filesystem cannot allocate, the latter
 # writes a zero into every block instead (with buffered 1-byte writes O_DIRECT refuses).
 fallocate = _load_fallocate()
+_TMPFS_MAGIC = 0x01021994
+try:
+    _fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
+except (OSError, AttributeError):
+    _fstatfs = None
+
+
+def allocating_ahead_pays(fd: int) -> bool:
+    """Whether allocating a file's space before writing it is worth it on the filesystem of
+    ``fd``: on a disk it only reserves extents, and keeps direct writes from extending the
+    file one after the other under the inode's lock; tmpfs zeroes every page it allocates,
+    which the write then copies over (a pass over the bytes for nothing), and takes that
+    lock for every write anyway."""
+    if fallocate is None:
+        return False
+    buffer = ctypes.create_string_buffer(128)  # struct statfs, f_type first
+    if _fstatfs is None or _fstatfs(fd, buffer) != 0:
+        return True
+    return struct.unpack_from("l", buffer)[0] != _TMPFS_MAGIC
 _MAX_SEGMENTS = 512  # buffers per pwritev, well under the kernel's IOV_MAX (1024)
 
 
@@ -274,7 +293,7 @@ class DirectFileWriter:
         self._pieces: list[tuple[int, int, int]] = []
         self._allocated = 0     # bytes of the file allocated ahead (0: allocation stopped)
         self._allocate_step = knobs.DIRECT_ALLOCATE_BYTES.get() // PAGE * PAGE
-        self._allocating = fallocate is not None and self._allocate_step > 0
+        self._allocating = self._allocate_step > 0 and allocating_ahead_pays(fd)
         self._direct_from = knobs.DIRECT_MIN_BYTES.get()  # read once: a file has thousands of writes
 
     def fileno(self) -> int:

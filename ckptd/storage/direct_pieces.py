@@ -14,8 +14,8 @@ padded with zeros, and the file is cut to its size at :meth:`DirectPieces.finish
 other piece (a sender that chunks differently) switches the file to buffered writes for
 good, so nothing is refused and no padding ever lands on another piece's bytes; its pages
 are then dropped after the fsync like any buffered checkpoint file. Space is allocated up
-front (``fallocate``), so the threads' writes land inside the file instead of each
-extending it under the inode's lock.
+front (``fallocate``, where it pays: not on tmpfs), so the threads' writes land inside the
+file instead of each extending it under the inode's lock.
 
 Pattern: aligned positional writes + bounce page + truncate. No sockets, no checksums.
 """
@@ -29,7 +29,7 @@ import mmap
 import os
 import threading
 
-from ckptd.storage.direct_io import PAGE, buffer_address, fallocate
+from ckptd.storage.direct_io import PAGE, allocating_ahead_pays, buffer_address, fallocate
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class DirectPieces:
         self._lock = threading.Lock()
         self._end = 0
         self.buffered = False
-        if size > 0 and fallocate is not None:
+        if size > 0 and allocating_ahead_pays(fd):
             fallocate(fd, 0, 0, size)
 
     def write(self, offset: int, view: memoryview) -> None:

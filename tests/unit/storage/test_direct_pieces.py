@@ -78,3 +78,31 @@ def test_a_filesystem_refusing_o_direct_still_receives_the_part(ramfs):  # noqa:
     receiver.finish()
     assert (ramfs / "part").read_bytes() == bytes(data)
     verify_file(str(ramfs / "part"))
+
+
+def test_space_is_allocated_ahead_on_a_disk_but_not_on_tmpfs(tmp_path):
+    # tmpfs zeroes each page it allocates and the write then copies over it: a pass over
+    # the bytes for nothing; on a disk the reservation keeps writes from extending the file
+    shm = "/dev/shm"
+    if not os.path.isdir(shm) or os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize < 1 << 24:
+        pytest.skip("no tmpfs with room at /dev/shm")
+    size = 8 * PAGE + 5
+    seen = {}
+    for where in (str(tmp_path), shm):
+        path = os.path.join(where, f"ckptd-test-pieces-{os.getpid()}")
+        receiver = PartReceiver(path, size)
+        try:
+            fd = receiver._file.stream.fileno()
+            seen[where] = (direct_io.allocating_ahead_pays(fd), os.fstat(fd).st_size)
+            data = page_aligned(size, 1)
+            receiver.write(0, data)
+            receiver.finish()
+            with open(path, "rb") as f:
+                assert f.read() == bytes(data)
+        finally:
+            for name in (path, path + ".ckptd-sum"):
+                if os.path.exists(name):
+                    os.unlink(name)
+    assert seen[shm] == (False, 0), "nothing allocated ahead on tmpfs"
+    if seen[str(tmp_path)][0]:  # a filesystem that can allocate
+        assert seen[str(tmp_path)][1] == size
