@@ -182,7 +182,7 @@ class DaemonConnection:
         if self._pool_tensor is None:
             import torch
 
-            fd = os.open(self.pool_path, os.O_RDWR)
+            fd = os.open(self.pool_path, os.O_RDWR | os.O_NOFOLLOW)
             try:
                 self._pool_map = mmap.mmap(fd, self.pool_size,
                                            flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)

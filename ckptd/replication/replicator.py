@@ -96,7 +96,7 @@ class Replicator:
         self._commands = Mailbox(self.transport.context, "replicator-commands")
         self.events = Mailbox(self.transport.context, "replicator-events")
         self._bulk_events = _SharedMailbox(self.transport.context, "replicator-bulk")
-        fd = os.open(pool_path, os.O_RDONLY)
+        fd = os.open(pool_path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             self._pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:

@@ -17,6 +17,7 @@ Owns the sweeping schedule; what counts as dead and how to remove it safely belo
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from ckptd import knobs
@@ -50,7 +51,9 @@ class PredecessorSweeper:
 
     def sweep(self) -> None:
         """Remove every leftover whose owner is gone; note the ones to look at again."""
-        _, self.waiting_pools = remove_stale_pools(self.pool_dir)
+        self.waiting_pools = []
+        for directory in self._pool_directories():
+            self.waiting_pools += remove_stale_pools(directory)[1]
         _, waiting = WrittenDirectories.sweep_predecessors(self.runtime_dir)
         if waiting and waiting != self.waiting_journals:
             log.info("earlier ckptd(s) at this socket (pid %s) or their writers still run; "
@@ -58,6 +61,13 @@ class PredecessorSweeper:
                      ", ".join(map(str, waiting)))
         self.waiting_journals = waiting
         self._next_at = time.monotonic() + knobs.LEFTOVER_SWEEP_INTERVAL.get()
+
+    def _pool_directories(self) -> list[str]:
+        """The pool directory, and the default one where a daemon from before a change of
+        ``--pool-dir`` left its pool (no daemon would ever sweep it otherwise)."""
+        default = knobs.POOL_DIR.default
+        same = os.path.realpath(default) == os.path.realpath(self.pool_dir)
+        return [self.pool_dir] if same or not os.path.isdir(default) else [self.pool_dir, default]
 
     def tick(self) -> None:
         """Housekeeping: sweep again when something waited and the interval passed."""

@@ -18,9 +18,11 @@ worse). It must not know about requests, files or sockets.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
@@ -60,18 +62,44 @@ def remove_stale_pools(directory: str | None = None) -> tuple[list[str], list[in
         parts = name.split("-")
         if not name.startswith(prefix) or len(parts) != 4 or not parts[2].isdigit():
             continue
-        if process_alive(int(parts[2])):
-            if int(parts[2]) != os.getpid():
-                running.append(int(parts[2]))
+        pid, path = int(parts[2]), os.path.join(directory, name)
+        if process_alive(pid):
+            if pid != os.getpid():
+                running.append(pid)
             continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(os.path.join(directory, name))
-        except FileNotFoundError:
-            pass
+        outcome = _unlink_unless_held(path)
+        if outcome == "removed":
+            removed.append(path)
+        elif outcome == "held":  # by a daemon whose pid we cannot see: look again later
+            running.append(pid)
     if removed:
         log.info("removed %d staging pool(s) left by dead daemons: %s", len(removed), ", ".join(removed))
     return removed, running
+
+
+def _unlink_unless_held(path: str) -> str | None:
+    """Unlink the pool file ``path`` unless a live daemon holds its lock (one in another pid
+    namespace, whose pid looked dead here): ``"removed"``, ``"held"``, or ``None`` when it
+    is not a regular file of this user (a name planted by someone else in a shared
+    directory is left alone) or is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # gone, a symlink, or not ours to open
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "held"
+        os.unlink(path)
+        return "removed"
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def pool_path_for_this_daemon(directory: str | None = None) -> str:
@@ -131,13 +159,15 @@ class StagingPool:
     _free: list = field(default_factory=list)
     _waiters: deque = field(default_factory=deque)
     _map: mmap.mmap | None = None
+    _lock_fd: int | None = None  # the file's descriptor, holding its flock while we live
     registered_with_cuda: bool = False
     _registered: list = field(default_factory=list)  # page-locked chunk addresses
 
     def __post_init__(self) -> None:
         self.directory = check_pool_directory(os.path.dirname(self.path))
         self.size = align_up(self.size, max(EXTENT_ALIGNMENT, self.directory.page_size))
-        self._map, self.regions = segment.create(self.path, self.size, self.directory, self.nodes)
+        self._map, self.regions, self._lock_fd = segment.create(self.path, self.size,
+                                                                self.directory, self.nodes)
         self._free = [Extent(0, self.size)]
         self.huge_page_bytes = huge_page_bytes(segment.address(self._map))
         self._log_pages()
@@ -321,4 +351,7 @@ class StagingPool:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 from dataclasses import dataclass
 
 TMPFS_MAGIC = 0x01021994
@@ -77,7 +78,7 @@ def check_pool_directory(path: str) -> PoolDirectory:
         If it does not exist, is not a directory, or is on neither tmpfs nor hugetlbfs;
         the message names the directory, its filesystem and what to do.
     """
-    path = os.path.abspath(path)
+    path = os.path.realpath(path)  # the pool's path is announced resolved: no symlink in it
     fix = "pass --pool-dir DIR (or set CKPTD_POOL_DIR) naming a tmpfs directory such as /dev/shm"
     if not os.path.exists(path):
         raise PoolDirectoryError(f"staging pool directory {path} does not exist; create it "
@@ -89,6 +90,7 @@ def check_pool_directory(path: str) -> PoolDirectory:
             f"staging pool directory {path} is not writable by uid {os.geteuid()} (its mode, or "
             f"a read-only mount); mount the tmpfs read-write with mode=1777 (each pool is a "
             f"0600 file named after its user), or {fix}")
+    _check_others_cannot_swap_pools(path, fix)
     magic, block_size = _statfs(path)
     fstype, options = mount_of(path)
     if magic == HUGETLBFS_MAGIC:
@@ -100,6 +102,23 @@ def check_pool_directory(path: str) -> PoolDirectory:
             f"mount one: mount -t tmpfs -o huge=within_size,size=<pool size + 1G> tmpfs {path}")
     huge = next((o.partition("=")[2] for o in options if o.startswith("huge=")), "never")
     return PoolDirectory(path, "tmpfs", huge, SMALL_PAGE)
+
+
+def _check_others_cannot_swap_pools(path: str, fix: str) -> None:
+    """Trainers open the pool by its name: in a directory where another user may rename
+    or delete our files (writable by others without the sticky bit), or that another user
+    owns, that user could put a file of theirs under our pool's name and read the weights
+    our trainers copy into it."""
+    info = os.stat(path)
+    if info.st_uid not in (0, os.geteuid()):
+        raise PoolDirectoryError(
+            f"staging pool directory {path} belongs to uid {info.st_uid}, not to root or to "
+            f"this daemon's uid {os.geteuid()}: its owner could replace our pool; {fix}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise PoolDirectoryError(
+            f"staging pool directory {path} (mode {stat.S_IMODE(info.st_mode):o}) is writable "
+            f"by other users without the sticky bit, so they could rename a file of theirs "
+            f"over our pool; chmod 1777 {path} (mount the tmpfs with mode=1777), or {fix}")
 
 
 def _statfs(path: str) -> tuple[int, int]:

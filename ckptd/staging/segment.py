@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -43,13 +44,16 @@ class Region:
 
 
 def create(path: str, size: int, directory: PoolDirectory,
-           nodes: list | None) -> tuple[mmap.mmap, list[Region]]:
+           nodes: list | None) -> tuple[mmap.mmap, list[Region], int]:
     """Create the pool file ``path`` of ``size`` bytes, reserve its pages and map it.
 
     Returns
     -------
-    (mmap.mmap, list of Region)
-        The populated shared mapping, and the NUMA regions (empty: one unbound region).
+    (mmap.mmap, list of Region, int)
+        The populated shared mapping, the NUMA regions (empty: one unbound region), and
+        the file's descriptor, holding an exclusive ``flock`` for as long as the caller
+        keeps it open: a sweeper that cannot see this daemon's pid (another pid
+        namespace sharing the directory) finds the lock taken and leaves the pool alone.
 
     Raises
     ------
@@ -59,15 +63,15 @@ def create(path: str, size: int, directory: PoolDirectory,
     """
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
         os.ftruncate(fd, size)
         regions = _bind_regions(fd, size, nodes) if nodes and len(nodes) > 1 else []
-        return _allocate(fd, size, directory), regions
+        return _allocate(fd, size, directory), regions, fd
     except OSError as exc:
+        os.close(fd)
         os.unlink(path)
         raise OSError(exc.errno, f"cannot reserve a {size}-byte staging pool at {path}: "
                       f"{exc.strerror}; {_how_to_make_room(directory)}") from None
-    finally:
-        os.close(fd)
 
 
 def _allocate(fd: int, size: int, directory: PoolDirectory) -> mmap.mmap:

@@ -146,7 +146,7 @@ class Writer:
     def __init__(self, pool_path: str, pool_size: int, sock: zmq.Socket | None = None) -> None:
         self.progress = ProgressReporter(sock)
         self.inbox = Inbox(sock)
-        fd = os.open(pool_path, os.O_RDWR)
+        fd = os.open(pool_path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
         finally:

@@ -52,3 +52,22 @@ def test_a_predecessor_still_exiting_is_swept_once_it_is_gone(tmp_path):
     assert not temporary.exists() and not journal.exists()
     assert sweeper.waiting_journals == []
 
+
+
+def test_a_pool_left_in_the_default_directory_is_swept_after_a_change_of_pool_dir(tmp_path):
+    """A daemon SIGKILLed before the operator moved pools to a huge-page tmpfs left its pool
+    in /dev/shm; no later daemon makes pools there, so the sweep looks there too."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    pools, runtime = tmp_path / "pools", tmp_path / "run"
+    pools.mkdir()
+    runtime.mkdir()
+    left = os.path.join(knobs.POOL_DIR.default, f"ckptd-{os.getuid()}-{gone.pid}-5eed5eed")
+    with open(left, "wb") as f:
+        f.write(b"pool")
+    try:
+        PredecessorSweeper(str(runtime), str(pools)).sweep()
+        assert not os.path.exists(left)
+    finally:
+        if os.path.exists(left):
+            os.unlink(left)

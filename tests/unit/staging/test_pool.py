@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -109,3 +110,36 @@ def test_cancelling_the_head_waiter_lets_the_next_one_in(pool):
     granted = pool.cancel_wait("too big for now")
     assert [token for token, _ in granted] == ["fits already"]
     pool.release(held)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_pool_whose_lock_is_held_stays_and_foreign_names_are_left_alone(tmp_path):
+    """A daemon in another pid namespace sharing the directory looks dead here by its pid;
+    its pool's lock says otherwise. A symlink or a file of another user named like one of
+    our pools is never touched (nor reported: nothing to wait for)."""
+    from ckptd.staging.pool import remove_stale_pools
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    held = tmp_path / f"ckptd-{os.getuid()}-{finished.pid}-0badc0de"
+    held.write_bytes(b"x")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+         "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+         "time.sleep(600)", str(held)], stdout=subprocess.PIPE, text=True)
+    target = tmp_path / "precious"
+    target.write_bytes(b"not a pool")
+    link = tmp_path / f"ckptd-{os.getuid()}-{finished.pid}-11111111"
+    link.symlink_to(target)
+    foreign = tmp_path / f"ckptd-{os.getuid()}-{finished.pid}-22222222"
+    foreign.write_bytes(b"x")
+    os.chown(foreign, 65534, 65534)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        assert remove_stale_pools(str(tmp_path)) == ([], [finished.pid])
+        assert held.exists() and link.is_symlink() and target.exists() and foreign.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale_pools(str(tmp_path)) == ([str(held)], [])  # its holder is gone
+    assert link.is_symlink() and target.exists() and foreign.exists()

@@ -119,3 +119,40 @@ def test_a_hugetlbfs_pool_is_rounded_to_its_page_size_or_refused_without_free_pa
     with pytest.raises(OSError, match=f"{directory} is a hugetlbfs.*vm.nr_hugepages"):
         StagingPool(os.path.join(directory, "pool"), POOL)
     assert os.listdir(directory) == []
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory on /dev/shm (a tmpfs, so only the checks under test can refuse it)."""
+    import shutil
+    import tempfile
+
+    made = tempfile.mkdtemp(prefix="ckptd-test-dir-", dir="/dev/shm")
+    yield __import__("pathlib").Path(made)
+    shutil.rmtree(made, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode,refused", [(0o777, True), (0o1777, False), (0o755, False)])
+def test_a_directory_others_may_rename_files_in_is_refused(shm_dir, mode, refused):
+    """Trainers open the pool by name: where another user may rename a file of theirs over
+    it (writable by others, no sticky bit), the daemon refuses the directory."""
+    directory = shm_dir / "pools"
+    directory.mkdir()
+    os.chmod(directory, mode)
+    if not refused:
+        assert check_pool_directory(str(directory)).path == str(directory)
+        return
+    with pytest.raises(PoolDirectoryError) as raised:
+        check_pool_directory(str(directory))
+    assert str(directory) in str(raised.value) and f"chmod 1777 {directory}" in str(raised.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_directory_another_user_owns_is_refused_and_a_symlink_is_resolved(shm_dir):
+    directory, link = shm_dir / "theirs", shm_dir / "link"
+    directory.mkdir()
+    link.symlink_to(directory)
+    assert check_pool_directory(str(link)).path == str(directory)  # announced resolved
+    os.chown(directory, 65534, 65534)
+    with pytest.raises(PoolDirectoryError, match="belongs to uid 65534"):
+        check_pool_directory(str(link))

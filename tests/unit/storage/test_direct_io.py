@@ -127,10 +127,15 @@ def test_torch_files_written_direct_load_with_stock_torch(writer, tmp_path, shap
 # ---------------------------------------------------------------- a filesystem without O_DIRECT
 
 @pytest.fixture
-def ramfs(tmp_path):
-    """A ramfs mount: it refuses O_DIRECT (tmpfs accepts it on this kernel)."""
+def ramfs(tmp_path, monkeypatch):
+    """A ramfs mount: it refuses O_DIRECT (tmpfs accepts it on this kernel). A fresh
+    mount may get the device number of one an earlier test unmounted: the writers' record
+    of what each device takes starts empty, so it is this mount's answer that counts."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a ramfs needs root and mount(8)")
+    from ckptd.storage import direct_io
+
+    monkeypatch.setattr(direct_io, "_modes", {})
     mount_point = tmp_path / f"wp-ramfs-{uuid.uuid4().hex[:6]}"
     mount_point.mkdir()
     subprocess.run(["mount", "-t", "ramfs", "ckptd-test-ramfs", str(mount_point)], check=True)
