@@ -34,6 +34,8 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 
+import torch
+
 from ckptd import protocol
 from ckpt_client.transport import waits
 from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
@@ -381,6 +383,13 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
     """
     if hold is not None and not zero_stall:
         raise ValueError("stage(hold=...) needs zero_stall=True: the caller sets hold later")
+    if zero_stall:
+        # The copy runs after this call returns: take each tensor's storage as it is now.
+        # A Parameter's ``.data`` may be rebound meanwhile (``module.half()``, ``.to()``,
+        # ZeRO partitions) and the copy must not follow it to the new storage.
+        # (A source that is not a tensor, a DCP bytes item, is a buffer of the planner's.)
+        sources = [source.detach() if isinstance(source, torch.Tensor) else source
+                   for source in sources]
     handover = handover_for(connection)
     # Until the job takes it over, a failure drops the STAGE sent ahead.
     if buffers is None:

@@ -229,3 +229,46 @@ def test_a_finished_zero_stall_save_keeps_no_reference_to_the_tensors_it_saved(d
     del tensor, state
     gc.collect()
     assert storage.expired(), "the saved tensor's memory is still referenced"
+
+
+@pytest.mark.parametrize("format_", ["torch", "dcp"])
+def test_a_zero_stall_save_keeps_the_values_of_parameters_rebound_before_their_copy(
+        start_daemon, monkeypatch, format_):
+    """A state dict of the Parameters themselves (``keep_vars=True``, as sharded trainers
+    build them), saved zero-stall while back-pressure holds its copy; then the module is
+    converted (``half()`` rebinds every ``param.data`` to a new tensor, nothing in place,
+    so the optimizer guard has nothing to wait for). The checkpoint must hold the values
+    and dtype of the call, not what the Parameters point to when the copy runs."""
+    daemon = start_daemon(pool_size=POOL)
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)  # where ckpt_client.dcp saves go
+    model, _ = model_and_optimizer()
+    before = snapshot(model)
+    root = daemon.roots[0]
+    first, second = (os.path.join(root, name) for name in ("first", "second"))
+    queue = AsyncCallsQueue()
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
+
+    def save(state, path):
+        if format_ == "torch":
+            checkpoint.async_save(state, path, zero_stall=True)
+        else:
+            queue.schedule_async_request(dcp.async_save(state, path, zero_stall=True))
+
+    with writers_paused(daemon):
+        save(model.state_dict(), first)
+        (checkpoint if format_ == "torch" else queue).wait_for_staging(timeout=60)
+        save(model.state_dict(keep_vars=True), second)
+        wait_for(lambda: "waiting_for_pool" in phases(daemon), 30, "the second save to wait")
+        model.half()
+    if format_ == "torch":
+        checkpoint.finalize_async_save(blocking=True)
+        saved = torch.load(second, weights_only=True)
+    else:
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        saved = {k: torch.zeros_like(v) for k, v in before.items()}
+        DCP.load(saved, storage_reader=FileSystemReader(second))
+    checkpoint.close()
+    queue.close()
+    changed = [k for k in before if saved[k].dtype != before[k].dtype
+               or not torch.equal(saved[k], before[k])]
+    assert not changed, f"saved values differ from those at the save call: {changed}"
