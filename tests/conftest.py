@@ -129,6 +129,13 @@ def start_daemon(tmp_path):
 
 
 def _remove_pool_of(daemon: DaemonProcess) -> None:
+    # This process's connection to the daemon (ckpt_client keeps one per socket) maps its
+    # pool until closed: hundreds of tests' pools would fill the machine's memory.
+    from ckpt_client.transport.connection import _connections
+
+    leftover = _connections.get(daemon.socket)
+    if leftover is not None:
+        leftover.close()
     # A SIGKILLed daemon cannot unlink its pool; tests must not leak /dev/shm.
     for name in os.listdir("/dev/shm"):
         if name.startswith(f"ckptd-{os.getuid()}-{daemon.pid}-"):

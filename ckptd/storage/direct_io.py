@@ -178,9 +178,11 @@ def buffer_address(view: memoryview) -> int | None:
 _executor: ThreadPoolExecutor | None = None
 
 # Bounce buffers of finished files, for the next file of this process: a fresh anonymous
-# mapping costs a page fault and a zeroed page per 4 KiB when first written (about 13 MiB
-# a file with the default knobs, several milliseconds of kernel time on these machines),
-# where a reused one costs nothing. Only buffers no write uses any more are kept.
+# mapping costs a page fault and a zeroed page per 4 KiB when first written (several
+# milliseconds of kernel time a file on these machines), where a reused one costs nothing.
+# Only buffers no write uses any more are kept, at most a file's limit: the writes in
+# flight plus one chunk's worth (37 MiB of a writer process with the default 32 MiB chunks
+# and 1 MiB bounce buffers, for a file of many small records).
 _spare_buffers: list[mmap.mmap] = []
 _spare_lock = threading.Lock()
 
