@@ -36,6 +36,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def hold_lock(path) -> subprocess.Popen:
+    """Another process that holds an exclusive ``flock`` on ``path`` until it is killed (a
+    writer still exiting, a daemon of another pid namespace); returns once it holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+         "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
+         "time.sleep(600)", str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"
+    return holder
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):
     """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
+
+from conftest import hold_lock
 
 from ckptd import knobs
 from ckptd.checksum import TMP_MARKER
@@ -26,11 +27,7 @@ def test_a_predecessor_still_exiting_is_swept_once_it_is_gone(tmp_path):
     temporary = written / f".model.pt.4242.0123456789ab{TMP_MARKER}"
     temporary.write_bytes(b"half a file")
     # the predecessor's writer, still exiting: it holds its temporary's lock
-    writer = subprocess.Popen(
-        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
-         "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); "
-         "time.sleep(600)", str(temporary)], stdout=subprocess.PIPE, text=True)
-    assert writer.stdout.readline() == "locked\n"
+    writer = hold_lock(temporary)
     journal = runtime / f"ckptd.{gone.pid}.dirs"
     journal.write_text(f"D {written}\nP {writer.pid}\n")
     pools = tmp_path / "pools"  # the configured pool directory, not /dev/shm
