@@ -201,8 +201,8 @@ def test_zero_stall_dcp_on_two_ranks_keeps_the_pre_step_snapshot(start_daemon, t
 
 
 @pytest.mark.parametrize("format_", ["torch", "dcp"])
-def test_a_finished_zero_stall_save_keeps_no_reference_to_the_tensors_it_saved(daemon,
-                                                                               format_):
+def test_a_finished_zero_stall_save_keeps_no_reference_to_the_tensors_it_saved(
+        daemon, monkeypatch, format_):
     """Once a zero-stall save is finalized nothing of ckpt_client holds its tensors' memory
     (on a GPU that is device memory): the background stager used to keep its last job, and
     with it a view of every source tensor, until the next zero-stall save came."""
@@ -210,6 +210,7 @@ def test_a_finished_zero_stall_save_keeps_no_reference_to_the_tensors_it_saved(d
 
     from torch.multiprocessing.reductions import StorageWeakRef
 
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)  # where ckpt_client.dcp saves go
     tensor = torch.ones(1 << 16)
     storage = StorageWeakRef(tensor.untyped_storage())
     state = {"w": tensor, "step": 3}
