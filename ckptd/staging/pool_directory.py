@@ -21,13 +21,12 @@ create or map pools.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import stat
 from dataclasses import dataclass
 
-TMPFS_MAGIC = 0x01021994
-HUGETLBFS_MAGIC = 0x958458F6
+from ckptd.filesystems import HUGETLBFS_MAGIC, TMPFS_MAGIC, statfs
+
 SMALL_PAGE = 4096
 
 #: One line for the log of a daemon whose pool landed on 4 KiB pages.
@@ -122,15 +121,12 @@ def _check_others_cannot_swap_pools(path: str, fix: str) -> None:
 
 
 def _statfs(path: str) -> tuple[int, int]:
-    """``(f_type, f_bsize)`` of the filesystem holding ``path`` (os.statvfs has no type)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-    if libc.statfs(os.fsencode(path), buf) != 0:
-        err = ctypes.get_errno()
+    """``(f_type, f_bsize)`` of the filesystem holding ``path``, or the refusal naming it."""
+    try:
+        return statfs(path)
+    except OSError as exc:
         raise PoolDirectoryError(f"cannot statfs staging pool directory {path}: "
-                                 f"{os.strerror(err)} (errno {err})")
-    words = ctypes.cast(buf, ctypes.POINTER(ctypes.c_long))
-    return words[0] & 0xFFFFFFFF, words[1]
+                                 f"{exc.strerror} (errno {exc.errno})") from None
 
 
 def mount_of(path: str) -> tuple[str, list[str]]:

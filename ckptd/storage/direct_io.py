@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from ckptd import knobs
 from ckptd.checksum import Checksum, algorithm_named, combine_pieces
+from ckptd.filesystems import TMPFS_MAGIC, statfs
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +208,6 @@ def _load_fallocate():
 # glibc's fallocate, not os.posix_fallocate: where a filesystem cannot allocate, the latter
 # writes a zero into every block instead (with buffered 1-byte writes O_DIRECT refuses).
 fallocate = _load_fallocate()
-_TMPFS_MAGIC = 0x01021994
-try:
-    _fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
-except (OSError, AttributeError):
-    _fstatfs = None
 
 
 def allocating_ahead_pays(fd: int) -> bool:
@@ -222,10 +218,10 @@ def allocating_ahead_pays(fd: int) -> bool:
     lock for every write anyway."""
     if fallocate is None:
         return False
-    buffer = ctypes.create_string_buffer(128)  # struct statfs, f_type first
-    if _fstatfs is None or _fstatfs(fd, buffer) != 0:
+    try:
+        return statfs(fd)[0] != TMPFS_MAGIC
+    except OSError:
         return True
-    return struct.unpack_from("l", buffer)[0] != _TMPFS_MAGIC
 _MAX_SEGMENTS = 512  # buffers per pwritev, well under the kernel's IOV_MAX (1024)
 
 
