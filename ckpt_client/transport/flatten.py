@@ -165,6 +165,11 @@ def flatten_state_dict(state_dict: Any) -> Flattened:
         raise TypeError(f"state_dict{exc.where} is a {type(exc.value).__name__}, which ckptd "
                         "cannot store without pickling; store it as a tensor or a plain "
                         "value") from None
+    finally:
+        # walk calls itself through its closure cell, a reference cycle that would keep
+        # this save's tensors (on a GPU, their device memory) alive until the collector's
+        # next full pass; emptying the cell lets reference counting free them.
+        del walk
     return Flattened(protocol.pack_value(skeleton), tensors, layout, not cuda)
 
 

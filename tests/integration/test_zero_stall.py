@@ -200,12 +200,16 @@ def test_zero_stall_dcp_on_two_ranks_keeps_the_pre_step_snapshot(start_daemon, t
         assert changed
 
 
+@pytest.mark.parametrize("zero_stall", [True, False], ids=["zero_stall", "default"])
 @pytest.mark.parametrize("format_", ["torch", "dcp"])
-def test_a_finished_zero_stall_save_keeps_no_reference_to_the_tensors_it_saved(
-        daemon, monkeypatch, format_):
-    """Once a zero-stall save is finalized nothing of ckpt_client holds its tensors' memory
-    (on a GPU that is device memory): the background stager used to keep its last job, and
-    with it a view of every source tensor, until the next zero-stall save came."""
+def test_a_finished_save_keeps_no_reference_to_the_tensors_it_saved(
+        daemon, monkeypatch, format_, zero_stall):
+    """Once a save is finalized nothing of ckpt_client holds its tensors' memory (on a GPU
+    that is device memory, and a temporary saved once must not outlive its save), and
+    reference counting alone frees it: the cyclic collector is off here, so a reference
+    cycle holding the tensors fails the test as it held GPU memory on a device (the state
+    dict walk's recursive closure did, until the collector's next pass). The background
+    stager used to keep its last job, and with it every source, until the next save."""
     import gc
 
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -213,23 +217,30 @@ def test_a_finished_zero_stall_save_keeps_no_reference_to_the_tensors_it_saved(
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)  # where ckpt_client.dcp saves go
     tensor = torch.ones(1 << 16)
     storage = StorageWeakRef(tensor.untyped_storage())
-    state = {"w": tensor, "step": 3}
-    if format_ == "torch":
-        checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
-        try:
-            checkpoint.async_save(state, os.path.join(daemon.roots[0], "z.pt"), zero_stall=True)
-            checkpoint.finalize_async_save(blocking=True)
-        finally:
-            checkpoint.close()
-    else:
-        queue = AsyncCallsQueue()
-        queue.schedule_async_request(dcp.async_save(state, os.path.join(daemon.roots[0], "z"),
-                                                    zero_stall=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-        queue.close()
-    del tensor, state
+    state = {"w": tensor, "nested": {"t": [tensor * 2]}, "step": 3}
     gc.collect()
-    assert storage.expired(), "the saved tensor's memory is still referenced"
+    gc.disable()
+    try:
+        if format_ == "torch":
+            checkpoint = TorchAsyncCheckpoint(socket=daemon.socket)
+            try:
+                checkpoint.async_save(state, os.path.join(daemon.roots[0], "z.pt"),
+                                      zero_stall=zero_stall)
+                checkpoint.finalize_async_save(blocking=True)
+            finally:
+                checkpoint.close()
+        else:
+            queue = AsyncCallsQueue()
+            queue.schedule_async_request(dcp.async_save(
+                state, os.path.join(daemon.roots[0], "z"), zero_stall=zero_stall))
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            queue.close()
+        temporary = StorageWeakRef(state["nested"]["t"][0].untyped_storage())
+        del tensor, state
+        assert storage.expired(), "the saved tensor's memory is still referenced"
+        assert temporary.expired(), "a temporary saved once is still referenced"
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("format_", ["torch", "dcp"])
