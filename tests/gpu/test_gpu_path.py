@@ -66,8 +66,9 @@ def test_odd_tensors_and_the_transport_each_took(daemon, monkeypatch):
              "fp8b": base.to(torch.float8_e5m2), "dense": base.clone(),
              "step": torch.tensor(5.0)}  # a CPU tensor in the same save: mixed transport
     loaded, request = save_and_load(state, os.path.join(daemon.roots[0], "odd.pt"))
-    for key, value in state.items():
-        assert torch.equal(loaded[key].view(torch.uint8), value.cpu().contiguous().view(torch.uint8))
+    for key, value in state.items():  # as bytes (fp8 has no equality); reshape: 0-dim too
+        assert torch.equal(loaded[key].reshape(-1).view(torch.uint8),
+                           value.cpu().reshape(-1).view(torch.uint8)), key
     moved = request.daemon_saves[0].transport_bytes
     assert moved["cuda"] > 0 and moved["shm"] >= 4, moved  # dense/fp8 by IPC, the rest by shm
 
@@ -96,13 +97,32 @@ def test_gpu_memory_and_shared_files_stay_flat_over_50_saves(daemon, monkeypatch
     assert shm_torch_files() <= files + 2
 
 
+#: torch maps its counter files with a RefcountedMapAllocator, which keeps its own count
+#: of the processes mapping the file in the first 64 bytes; the int64 counters follow.
+COUNTER_FILE_HEADER = 64
+
+
 def ipc_counter(export: tuple) -> int:
     """The value of an export's reference counter, read from torch's counter file."""
     handle, offset = export
     name = handle.decode() if isinstance(handle, bytes) else handle
     with open("/dev/shm/" + name.lstrip("/"), "rb") as f:
-        f.seek(8 * offset)
+        f.seek(COUNTER_FILE_HEADER + 8 * offset)
         return int.from_bytes(f.read(8), "little", signed=True)
+
+
+def in_expandable_segment(tensor: torch.Tensor) -> bool:
+    """Whether the allocator put ``tensor`` in an expandable segment (shared through
+    ``pidfd_getfd``, unlike ordinary segments)."""
+    return any(s.get("is_expandable") and s["address"] <= tensor.data_ptr()
+               < s["address"] + s["total_size"] for s in torch.cuda.memory_snapshot())
+
+
+def set_allocator(settings: str) -> None:
+    """Change the CUDA allocator's settings at run time (the accelerator-neutral call
+    where this torch has it; the CUDA one is deprecated there)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
 
 
 def test_each_storage_is_exported_twice_and_its_counter_paid_once(daemon, monkeypatch):
@@ -202,14 +222,17 @@ def test_several_trainers_at_once_and_expandable_segments(daemon, alloc_conf):
 
 def test_expandable_segments_switched_on_at_run_time(daemon, monkeypatch):
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    set_allocator("expandable_segments:True")
+    torch.cuda.empty_cache()  # else x reuses a cached block of an ordinary segment
     try:
         x = torch.full((1 << 20,), 4.0, device="cuda")
+        assert in_expandable_segment(x), "the test needs x in an expandable segment"
         # Either IPC works, or the fallback warns (naming the cause) and copies via shm.
         loaded, _ = save_and_load({"x": x}, os.path.join(daemon.roots[0], "exp.pt"))
         assert torch.all(loaded["x"] == 4.0)
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        set_allocator("expandable_segments:False")
+        torch.cuda.empty_cache()  # later tests get ordinary segments again
 
 
 def test_a_daemon_the_kernel_denies_our_memory_gets_it_through_shm(start_daemon, monkeypatch):
@@ -220,12 +243,14 @@ def test_a_daemon_the_kernel_denies_our_memory_gets_it_through_shm(start_daemon,
 
     daemon = start_daemon(preexec_fn=seccomp.deny(seccomp.PIDFD_GETFD))
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    set_allocator("expandable_segments:True")
+    torch.cuda.empty_cache()  # else x reuses a cached block of an ordinary segment
     try:
         if ipc_blocked_reason(daemon.process.pid) is not None:
             pytest.skip("this machine's Yama scope routes expandable segments through shm "
                         "before any handle is sent")
-        x = torch.full((1 << 20,), 6.0, device="cuda")  # in an expandable segment
+        x = torch.full((1 << 20,), 6.0, device="cuda")
+        assert in_expandable_segment(x), "the test needs x in an expandable segment"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loaded, request = save_and_load({"x": x}, os.path.join(daemon.roots[0], "den.pt"))
@@ -240,7 +265,8 @@ def test_a_daemon_the_kernel_denies_our_memory_gets_it_through_shm(start_daemon,
         assert torch.all(loaded["x"] == 8.0) and request.daemon_saves[0].transport_bytes["cuda"] == 0
         assert "denied ckptd" in daemon.log()
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        set_allocator("expandable_segments:False")
+        torch.cuda.empty_cache()  # later tests get ordinary segments again
 
 
 def test_a_daemon_that_sees_other_gpus_gets_tensors_through_shm(start_daemon, monkeypatch):
