@@ -217,11 +217,25 @@ class _DeviceWorker:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         with self.torch.cuda.stream(self.stream):
-            return rebuild_cuda_tensor(
+            storage = rebuild_cuda_tensor(
                 self.torch.Tensor, [0], [1], 0, self.torch.UntypedStorage, self.torch.uint8,
                 self.device, spec["handle"], spec["storage_size"], spec["storage_offset"],
                 False, spec["ref_counter_handle"], spec["ref_counter_offset"],
                 spec["event_handle"], False).untyped_storage()
+        log.debug("opened export %s of trainer storage at offset %d: mapped at %#x, %d bytes",
+                  export_id(spec)[1], spec["storage_offset"], storage.data_ptr(), storage.nbytes())
+        return storage
+
+
+#: Where a loaded NVIDIA driver shows itself: the kernel module's proc entry, or its
+#: device nodes (a container may get the nodes without the host's /proc/driver).
+_DRIVER_SIGNS = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0")
+
+
+def nvidia_driver_present() -> bool:
+    """Whether this node has an NVIDIA driver, checked without importing torch (which a
+    daemon on a CPU-only node never needs)."""
+    return any(os.path.exists(sign) for sign in _DRIVER_SIGNS)
 
 
 def _pci_node(properties) -> int | None:
@@ -243,7 +257,7 @@ class CudaStager:
     @classmethod
     def create_if_available(cls, pool) -> "CudaStager | None":
         """A stager if this node has a usable CUDA device, else ``None``."""
-        if not os.path.exists("/proc/driver/nvidia/version"):
+        if not nvidia_driver_present():
             return None
         import torch
 
