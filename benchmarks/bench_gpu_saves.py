@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from bench_save import GiB, Daemon, machine_facts, on_device, spread  # noqa: E402
 import methods as m  # noqa: E402
-from report import write_report  # noqa: E402
+from report import publish  # noqa: E402
 import workload  # noqa: E402
 
 MiB = 1 << 20
@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
               "facts": machine_facts(args.workdir or tempfile.gettempdir()),
               "bytes": mix.total_bytes, "tensors": len(tensors), "rows": rows,
               "wall_s": time.time() - started}
-    text = render(report)
-    print("\n" + text)
-    write_report(args.out, text, report)
+    publish(args.out, render(report), report)
     return 0
 
 

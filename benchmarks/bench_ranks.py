@@ -123,7 +123,7 @@ def measure(ranks: int, total: int, daemon: Daemon, args: argparse.Namespace,
         if per_run else None
     return {"ranks": ranks, "device": per_rank[0]["device"], "bytes_per_rank": total // ranks,
             "blocking_s": statistics.median(blocking), "bound_s": statistics.median(bound),
-            "ratio": statistics.median(b / c for b, c in zip(blocking, bound)),
+            "ratio": statistics.median(blocking) / statistics.median(bound),
             "best_ratio": min(blocking) / min(bound),
             "durable_s": statistics.median(durable), "staging_s": stage,
             "staging_gbps": total / stage / GB if stage else None,
@@ -139,11 +139,12 @@ def render(report: dict) -> str:
              "", f"- Machine: {facts['cpu']}, {facts['cores']} cores, torch {facts['torch']}; "
              f"checkpoints on {facts['disk']}; load {report['load_start']} → "
              f"{report['load_end']}.",
+             *([f"- GPU: {facts['gpu']}."] if facts.get("gpu") else []),
              f"- State: the `training` workload, {report['total_bytes'] / GiB:.3f} GiB in all, "
              f"split evenly over the ranks; {report['repeats']} timed runs after a warm-up "
              "(medians).", "",
              "| ranks | device | GiB per rank | slowest rank blocks s | bound s (all ranks "
-             "copying at once) | blocking / bound (paired runs) | best / best | node staging "
+             "copying at once) | blocking / bound (ratio of medians) | best / best | node staging "
              "GB/s | all durable s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:

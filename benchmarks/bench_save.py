@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 import methods as m  # noqa: E402
 from ckptd.protocol import wait_until_ready  # noqa: E402
-from report import stop_daemon, write_report  # noqa: E402
+from report import publish, stop_daemon, write_report  # noqa: E402
 import procmem  # noqa: E402
 from procmem import loadavg  # noqa: E402
 import workload  # noqa: E402
@@ -112,7 +112,21 @@ def machine_facts(workdir: str) -> dict:
             "mem_total_gib": round(mem_total / GiB, 1), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__,
             "workdir": workdir, "disk": f"{dev} ({rotational}) mounted on {mnt}, {fstype}",
-            "fstype": fstype}
+            "fstype": fstype, "gpu": gpu_facts()}
+
+
+def gpu_facts() -> str | None:
+    """The devices, driver and CUDA of a GPU machine (``None`` without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    driver = "?"
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            driver = re.search(r"Kernel Module\s+(\S+)", f.read()).group(1)
+    except (OSError, AttributeError):
+        pass
+    return f"{len(names)}× {names[0]}, driver {driver}, CUDA {torch.version.cuda} (torch's)"
 
 
 def code_version() -> str:
@@ -512,7 +526,12 @@ def run_suite(device: str, load: str, total_bytes: int, outdir: str, repeats: in
                 watch.track(daemon.pid)
             if method.name.startswith("ckptd"):
                 m.stop_dcp_checkpoint_process()  # DCP's helper must not linger in ckptd's numbers
-            section["results"].append(asdict(bench.run(method)))
+            try:
+                section["results"].append(asdict(bench.run(method)))
+            except Exception as exc:  # a baseline broken on this torch must not sink the rest
+                why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                print(f"    FAILED: {why}", flush=True)
+                section.setdefault("failed", []).append({"method": method.name, "error": why})
         if huge and device == "cpu":
             if daemon is not None:
                 daemon.stop()
@@ -555,6 +574,9 @@ def render_section(section: dict) -> list[str]:
         f"{section['baseline_step_end_s']:.3f} s re-measured at the end): "
         f"{section.get('step_matmuls', 4)} 1024² matmuls as the forward/backward (calibrated "
         "to 3× the update), then an in-place update of every tensor.", ""]
+    failed = [f"- **{f['method']} failed** on this machine and is left out: {f['error']}"
+              for f in section.get("failed", [])]
+    lines += failed + ([""] if failed else [])
     lines += blocking_headline(section, results)
     lines += ["", "What the trainer waits in all, the step beside the write, memory:", ""]
     lines += side_by_side_table(section, results, total)
@@ -709,6 +731,7 @@ def render(report: dict) -> str:
         f"- CPU: {facts['cpu']}, {facts['cores']} cores (torch uses {facts['torch_threads']} threads); "
         f"RAM {facts['mem_total_gib']} GiB; kernel {facts['kernel']}; Python {facts['python']}, "
         f"torch {facts['torch']}.",
+        *([f"- GPU: {facts['gpu']}."] if facts.get("gpu") else []),
         f"- Checkpoint directory: {facts['workdir']} on {facts['disk']}.",
         f"- Code measured: commit {facts.get('code', '?')}.",
         f"- Load average (1/5/15 min) at start {report['load_start']}, at end {report['load_end']} "
@@ -799,6 +822,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--writers", type=int, default=2, help="ckptd writer processes")
     p.add_argument("--only", default="", help="comma-separated substrings of method names")
     p.add_argument("--no-gpu", action="store_true", help="skip the CUDA section")
+    p.add_argument("--no-cpu", action="store_true",
+                   help="skip the CPU section (on a GPU machine whose time is short: the CUDA "
+                        "methods alone)")
     p.add_argument("--huge-pool", action="store_true",
                    help="also the default torch-format save with ckptd's pool in a tmpfs with "
                         "huge pages, which the benchmark mounts (root)")
@@ -851,10 +877,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         init_single_process_group(rundir)
         loads = ["training", "mix"] if args.workload == "both" else [args.workload]
-        for load in loads:
+        for load in ([] if args.no_cpu else loads):
             report["sections"].append(run_suite("cpu", load, total, outdir, args.repeats,
                                                 args.writers, only, full=load == loads[0],
                                                 huge=args.huge_pool))
+        if args.no_cpu:
+            report["skipped"].append({"device": "cpu", "why": "Skipped with --no-cpu."})
         if args.no_gpu:
             report["skipped"].append({"device": "cuda", "why": "Skipped with --no-gpu."})
         elif not torch.cuda.is_available():
@@ -881,9 +909,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interpretation:
         with open(args.interpretation) as f:
             report["interpretation"] = f.read()
-    text = render(report)
-    print("\n" + text)
-    write_report(args.out, text, report)
+    publish(args.out, render(report), report)
     return 0
 
 

@@ -19,6 +19,12 @@ def write_report(out: str | None, text: str, report: dict) -> None:
         json.dump(report, f, indent=1)
 
 
+def publish(out: str | None, text: str, report: dict) -> None:
+    """Print the Markdown report and write it (and its JSON) to ``out`` when given."""
+    print("\n" + text)
+    write_report(out, text, report)
+
+
 def stop_daemon(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     """SIGTERM a daemon (it drains its writes), SIGKILL it if it outlives ``timeout``."""
     if proc.poll() is not None:
