@@ -59,7 +59,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from bench_local import cpu_snapshot, other_cpu, wait_until_quiet, write_section  # noqa: E402
+from bench_local import (_RAW_RECEIVER, cpu_snapshot, other_cpu, wait_until_quiet,  # noqa: E402
+                         write_section)
 from procmem import loadavg, parent_map, tree  # noqa: E402
 
 MiB = 1 << 20
@@ -143,16 +144,7 @@ def save_rounds(rank: int, world: int, roots: list, label: str, part_bytes: int,
 
 # ================================================================ the bound
 
-_RAW_RECEIVER = r"""
-import socket, sys
-server = socket.create_server((sys.argv[1], int(sys.argv[2])))
-print("ready", flush=True)
-conn, _ = server.accept()
-buf, got, total = memoryview(bytearray(4 << 20)), 0, int(sys.argv[3])
-while got < total:
-    got += conn.recv_into(buf)
-conn.sendall(b"k")
-"""
+# bench_local's sender, except that it connects first and starts when told (the four at once)
 _RAW_SENDER = r"""
 import socket, sys, time
 total, chunk = int(sys.argv[3]), memoryview(bytearray(4 << 20))
