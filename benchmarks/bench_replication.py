@@ -59,8 +59,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
-from bench_local import (_RAW_RECEIVER, cpu_snapshot, other_cpu, wait_until_quiet,  # noqa: E402
-                         write_section)
+from bench_local import (_RAW_RECEIVER, _exit_on_signal, cpu_snapshot,  # noqa: E402
+                         other_cpu, wait_until_quiet, write_section)
 from procmem import loadavg, parent_map, tree  # noqa: E402
 
 MiB = 1 << 20
@@ -319,18 +319,15 @@ def render(report: dict) -> str:
 
 # ================================================================ main
 
-def _exit_on_signal(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the with blocks that tear the bed down
-
-
 def main(argv: list[str] | None = None) -> int:
+    # SystemExit on SIGTERM/SIGINT unwinds through the with block that tears the bed down
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part-mib", type=int, default=256, help="part size per rank (MiB)")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rates", default="2gbit,unlimited",
                    help="link settings in turn: tc rates, or 'unlimited'")
+    p.add_argument("--part-mib", type=int, default=256, help="part size per rank (MiB)")
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--label", default="this tree", help="names the code measured")
     p.add_argument("--wait-quiet", type=float, default=120.0,
                    help="seconds to wait at most for other tests/benchmarks to finish")
