@@ -40,6 +40,9 @@ def report(saves) -> None:
             ids.append(save.request_id)
             spans.extend(s for s in save.spans if s not in spans)
     for connection, ids, spans in by_connection.values():
+        if getattr(connection, "not_answering", None) is not None:
+            log.debug("spans of requests %s not reported: the daemon does not answer", ids)
+            continue
         try:
             connection.call(MessageType.TRACE_SPANS, TraceSpans(request_ids=ids, spans=spans),
                             timeout=REPORT_TIMEOUT)

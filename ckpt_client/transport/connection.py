@@ -12,6 +12,20 @@ and every reply is turned into its typed body here (:func:`read_reply`, with the
 reads attributes the protocol declares and a reply it cannot read is one clear
 :class:`DaemonReplyError`, not a ``KeyError`` somewhere later.
 
+A connection that waited a call timeout in vain for one reply is marked "not answering"
+(:class:`Silence`, :attr:`DaemonConnection.not_answering`): the daemon is stopped (SIGSTOP,
+a debugger), hung, or dead, and asking it about every other outstanding save would cost
+one call timeout each. The saves that wait on it read the mark and give up at once
+(:mod:`ckpt_client.transport.daemon_save`), and what they leave for the daemon (abort,
+forget) is sent without waiting for a reply. Any reply to a request sent after the
+unanswered one clears the mark: the daemon read past it, so it answers again (SIGCONT).
+New requests still go out while it is set (a new save's STAGE): the first one answered
+clears it, the first one unanswered confirms it at the cost of its own wait.
+The connection itself is kept, not re-established: the aborts and forgets the given-up
+saves left queued on it must reach a daemon that resumes, before the next request (a new
+socket drops what the old one had queued), and the daemon keeps per-connection state.
+A dead daemon's connection is replaced by the next :func:`connect`, mark and all.
+
 What other parts of the client must do when the daemon died (pay the CUDA IPC releases
 it owed) is registered on the connection with :meth:`DaemonConnection.when_daemon_dies`;
 this module knows nothing of CUDA."""
@@ -21,6 +35,9 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -39,6 +56,32 @@ def _default_rank() -> tuple[int, int]:
     if initialized() is not None:
         return rank_and_world()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+@dataclass(frozen=True)
+class Silence:
+    """The request a connection's daemon did not answer: the connection's "not answering"
+    mark, which the other outstanding saves read instead of waiting again.
+
+    Attributes
+    ----------
+    msg_type : str
+        The unanswered request's type.
+    msg_id : int
+        Its id: a reply to any later request clears the mark.
+    timeout : float
+        Seconds it was waited for.
+    since : float
+        Monotonic time the wait ended.
+    error : DaemonUnavailableError
+        What that call raised (the daemon silent, or dead).
+    """
+
+    msg_type: str
+    msg_id: int
+    timeout: float
+    since: float
+    error: DaemonUnavailableError
 
 
 class DaemonConnection:
@@ -88,6 +131,8 @@ class DaemonConnection:
         self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
         self._death_hooks: list[Callable[[DaemonConnection], None]] = []
+        self._silence: Silence | None = None
+        self._silence_lock = threading.Lock()  # a poll and a background staging race on it
 
     # ------------------------------------------------------------------ calls
     def ensure_daemon_alive(self) -> None:
@@ -149,23 +194,82 @@ class DaemonConnection:
 
     def reply_to(self, msg_id: int, msg_type: str, timeout: float | None = None):
         """The reply to the ``msg_type`` request :meth:`send` sent as ``msg_id``, as its
-        typed body; raises as :meth:`call` does."""
-        timeout = knobs.CALL_TIMEOUT.get() if timeout is None else timeout
+        typed body; raises as :meth:`call` does.
+
+        A daemon found dead, or silent for at least ``CKPTD_CALL_TIMEOUT`` (the wait after
+        which a save gives up on its daemon), marks the connection not answering
+        (:attr:`not_answering`); a reply clears that mark if its request was sent after
+        the unanswered one. A shorter wait that runs out (a best-effort forget or span
+        report) fails only its own call: a busy daemon may answer it late."""
+        call_timeout = knobs.CALL_TIMEOUT.get()
+        timeout = call_timeout if timeout is None else timeout
         try:
             reply = self.channel.wait(msg_id, timeout, self.ensure_daemon_alive)
         except protocol.ErrorReply as exc:
+            self._heard(msg_id)
             raise DaemonRequestError(exc.body) from None
         except protocol.ReplyTimeout:
-            self.ensure_daemon_alive()  # a dead daemon raises here; past it, it is silent
-            raise DaemonNotAnsweringError(
+            try:
+                self.ensure_daemon_alive()  # a dead daemon raises here; past it, it is silent
+            except DaemonUnavailableError as exc:
+                self._went_silent(msg_id, msg_type, timeout, exc)
+                raise
+            silent = DaemonNotAnsweringError(
                 self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) did not answer "
                                   f"a {msg_type} request within {timeout:.0f}s",
-                self.daemon_pid) from None
+                self.daemon_pid)
+            if timeout >= call_timeout:  # a shorter, best-effort wait proves nothing more
+                self._went_silent(msg_id, msg_type, timeout, silent)
+            raise silent from None
+        except DaemonUnavailableError as exc:  # the daemon died while we waited
+            self._went_silent(msg_id, msg_type, timeout, exc)
+            raise
         except (zmq.ZMQError, protocol.ProtocolError) as exc:
             raise DaemonUnavailableError(
                 self.socket_path, f"talking to the ckptd daemon (pid {self.daemon_pid}) "
                                   f"failed: {exc}") from None
+        self._heard(msg_id)
         return read_reply(self.socket_path, self.daemon_pid, msg_type, reply.body)
+
+    def tell(self, msg_type: str, body: protocol.Body) -> None:
+        """Send one request and do not wait for its reply (it is discarded on arrival).
+
+        For what a save leaves for a daemon that does not answer now (an abort, a forget):
+        a daemon that resumes reads it before any later request of this connection.
+
+        Raises
+        ------
+        DaemonUnavailableError
+            If this connection is closed or the transport failed.
+        """
+        self.channel.drop(self.send(msg_type, body))
+
+    @property
+    def not_answering(self) -> Silence | None:
+        """The request this connection's daemon left unanswered, while no later request
+        was answered; ``None`` while the daemon answers."""
+        return self._silence
+
+    def _went_silent(self, msg_id: int, msg_type: str, timeout: float,
+                     error: DaemonUnavailableError) -> None:
+        with self._silence_lock:
+            if self._silence is not None and self._silence.msg_id > msg_id:
+                return  # a later request went unanswered already
+            first = self._silence is None
+            self._silence = Silence(msg_type, msg_id, timeout, time.monotonic(), error)
+        if first:
+            log.warning("rank %d: %s; the other saves outstanding on this connection are "
+                        "given up without asking it again", self.rank, error)
+
+    def _heard(self, msg_id: int) -> None:
+        with self._silence_lock:
+            silence = self._silence
+            if silence is None or msg_id <= silence.msg_id:
+                return  # answered before the daemon went silent: says nothing about now
+            self._silence = None
+        log.info("rank %d: the ckptd daemon (pid %d) at %s answers again (its %s request "
+                 "went unanswered %.0fs before)", self.rank, self.daemon_pid, self.socket_path,
+                 silence.msg_type, time.monotonic() - silence.since)
 
     def when_daemon_dies(self, hook: Callable[[DaemonConnection], None]) -> None:
         """Call ``hook(self)`` once, when this connection closes and its daemon is dead.

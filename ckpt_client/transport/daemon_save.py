@@ -4,6 +4,10 @@
 gets back from staging: it waits for staging to end, asks the daemon for the request's
 phase (``poll``: a request of a daemon that died or was restarted reads as failed,
 "lost", never as somebody else's result), and forgets or aborts the request there.
+Once a call on its connection went unanswered (the connection's "not answering" mark,
+:attr:`~ckpt_client.transport.connection.DaemonConnection.not_answering`), a save still
+waiting for its outcome gives up at once instead of waiting a call timeout of its own,
+and what it leaves for the daemon (abort, forget) is sent without waiting for a reply.
 :class:`RefusedSave` stands in for a save the daemon refused, so that the refusal reaches
 every rank through the queue's agreement. :func:`wait_until_finished` is the client's one
 loop that polls the daemon until saves end.
@@ -21,6 +25,8 @@ from ckptd.protocol import (Abort, ErrorCode, Forget, MessageType, Phase, Poll, 
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport import waits
+from ckpt_client.transport.silent_daemon import (gave_up_message, leave_dropped, not_waited_for,
+                                                 tell_quietly)
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +136,9 @@ class DaemonSave:
         with self._copy_lock:
             self._copying = False
             tell, self._dropped_mid_copy = self._dropped_mid_copy, False
-        if tell:
+        if tell and self.connection.not_answering is not None:  # nobody waits for a refusal
+            tell_quietly(self.connection, MessageType.STAGED, Staged(request_id=self.request_id))
+        elif tell:
             try:
                 self.connection.call(MessageType.STAGED, Staged(request_id=self.request_id),
                                      timeout=waits.staged_reply(self.connection.deadlines))
@@ -155,6 +163,9 @@ class DaemonSave:
                 self.connection.socket_path, f"the ckptd daemon (pid {self.connection.daemon_pid})"
                 f" gave no outcome within {limit:.0f}s of accepting the save, longer than its "
                 f"own deadline for a save (CKPTD_SAVE_DEADLINE)"))
+        if self.connection.not_answering is not None:
+            self._drop_staged_reply()
+            return self._give_up(not_waited_for(self.connection))
         try:
             reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]))
             self._read_staged_reply()
@@ -202,29 +213,16 @@ class DaemonSave:
 
     def _give_up(self, exc: DaemonUnavailableError) -> RequestState:
         """The daemon did not answer (dead, or stopped: SIGSTOP, a hung node): this rank's
-        wait ends here. An abort and a forget that deletes the files are left queued on the
-        connection, in that order: a daemon that resumes drops the save if it is still in
-        flight, and removes what it wrote if its writers finished meanwhile (the daemon may
-        have handled their results before it reads the abort), so nothing of a save this
-        rank reports as failed stays."""
-        try:
-            abort = Abort(request_ids=[self.request_id],
-                          reason="the trainer gave up waiting: the daemon did not answer")
-            forget = Forget(request_ids=[self.request_id], delete_files=True)
-            for msg_type, body in ((MessageType.ABORT, abort), (MessageType.FORGET, forget)):
-                self.connection.channel.send(msg_type, {
-                    **body.to_wire(), "incarnation": self.connection.incarnation})
-        except Exception:  # noqa: BLE001 - the transport is gone: nothing can commit it
-            pass
-        seen = self.last.phase
-        self.gave_up = True
-        self.last = RequestState(phase=Phase.FAILED, error=(
-            f"rank {self.rank}: gave up on the save of {self.path} (last seen in phase "
-            f"{seen!r}): {exc}. The daemon is "
-            f"dead or stopped (check: ckptd status --socket {self.connection.socket_path}); "
-            f"the save is abandoned and the previous checkpoint is intact; save again once "
-            f"a daemon answers"))
+        wait ends here, and an abort and a forget that deletes the files are left queued
+        for a daemon that resumes (:func:`~ckpt_client.transport.silent_daemon.leave_dropped`)."""
+        self._leave_dropped("the trainer gave up waiting: the daemon did not answer")
+        self.last = RequestState(phase=Phase.FAILED, error=gave_up_message(
+            self.rank, self.path, self.last.phase, exc, self.connection.socket_path))
         return self.last
+
+    def _leave_dropped(self, reason: str, copying: bool = False) -> None:
+        self.gave_up = True  # ask that daemon nothing more about this save
+        leave_dropped(self.connection, self.request_id, reason, copying)
 
     @property
     def finished(self) -> bool:
@@ -244,6 +242,9 @@ class DaemonSave:
         self._drop_staged_reply()
         if self.request_id is None or self.gave_up:  # giving up queued its FORGET(delete)
             return
+        if self.connection.not_answering is not None:  # nobody waits for its word now
+            return tell_quietly(self.connection, MessageType.FORGET,
+                                Forget(request_ids=[self.request_id], delete_files=delete_files))
         try:
             self.connection.call(MessageType.FORGET, Forget(request_ids=[self.request_id],
                                                             delete_files=delete_files),
@@ -261,12 +262,18 @@ class DaemonSave:
         save dropped from another thread) keeps the extent held at the daemon until the
         copy is over; a later save of the same path is written only after that (the writer pool
         keeps one job per path in flight), so it can never be overwritten or removed.
-        A zero-stall save still queued here never reaches the daemon.
+        A zero-stall save still queued here never reaches the daemon. On a connection
+        whose daemon does not answer, nothing waits for a reply (nothing is sent again
+        for a save given up on: giving up queued its abort and forget).
         """
         with self._copy_lock:  # a copy starts either before this (and is told) or never
             self._cancelled = True
             self.drop_reason = self.drop_reason or reason
             copying = self._dropped_mid_copy = self._copying
+        if self.gave_up:
+            return
+        if self.request_id is not None and self.connection.not_answering is not None:
+            return self._leave_dropped(reason, copying)
         if self.request_id is not None:
             try:
                 self.connection.call(MessageType.ABORT, Abort(request_ids=[self.request_id],

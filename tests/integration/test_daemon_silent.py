@@ -7,6 +7,10 @@ a call on an open connection, and a fresh ``connect()`` whose hello goes unanswe
 a child process, so it does not reuse this process's cached connection). The error is a
 :class:`DaemonUnavailableError` (existing ``except`` clauses still catch it) that names
 the socket, the pid and what to check, and never advises starting one.
+
+Several saves in flight on a daemon that stops: the first unanswered call marks the
+connection, and the other saves give up at once instead of each waiting a call timeout;
+the daemon, resumed, drops them all and serves the next save.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ import sys
 
 import pytest
 
+import torch
+
 from conftest import wait_for
+from faults import writers_paused
 from ckptd.protocol import MessageType
-from ckpt_client import DaemonUnavailableError, connect
+from ckpt_client import DaemonUnavailableError, TorchAsyncCheckpoint, connect
 from ckpt_client.errors import DaemonNotAnsweringError
 
 
@@ -77,3 +84,45 @@ def test_connecting_to_a_stopped_daemon_says_it_runs_but_is_silent(daemon):
     assert child.returncode == 3, (child.returncode, child.stdout, child.stderr)
     assert "did not answer its hello within 1s" in child.stdout, child.stdout
     assert_names_a_silent_daemon(child.stdout, daemon.socket, daemon.pid)
+
+
+def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(daemon,
+                                                                               monkeypatch):
+    """Three saves in flight when the daemon is SIGSTOPped: finalize asks about the first,
+    its POLL goes unanswered for the call timeout, and the other two are given up without
+    asking again (their errors say an earlier call went unanswered; before, each waited its
+    own call timeout). Resumed, the daemon drops all three (their aborts were queued) and a
+    new save on the same connection commits."""
+    monkeypatch.setenv("CKPTD_CALL_TIMEOUT", "1")
+    paths = [os.path.join(daemon.roots[0], f"s{i}.pt") for i in range(3)]
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket, failure_policy="warn")
+    try:
+        with writers_paused(daemon):  # the saves stay in flight while the daemon is stopped
+            for i, path in enumerate(paths):
+                checkpoint.async_save({"w": torch.full((1 << 12,), float(i))}, path)
+            os.kill(daemon.pid, signal.SIGSTOP)
+            try:
+                wait_for(lambda: stopped(daemon.pid), 30, "the daemon to be stopped")
+                checkpoint.finalize_async_save(blocking=True)
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            wait_for(lambda: not daemon.status()["saves"], 60, "the resumed daemon's aborts")
+        errors = [exc.failures[0] for _, exc in checkpoint.failed_calls]
+        assert len(errors) == 3, errors
+        assert "did not answer a poll request within 1s" in errors[0], errors[0]
+        for path, error in zip(paths[1:], errors[1:]):
+            assert error.startswith(f"rank 0: gave up on the save of {path}"), error
+            assert "did not answer an earlier poll request on this connection within 1s" \
+                in error, error
+        for error in errors:
+            assert_names_a_silent_daemon(error, daemon.socket, daemon.pid)
+        wait_for(lambda: not any(w["jobs"] for w in daemon.status()["writers"]), 60,
+                 "the writers to answer the dropped saves")
+        assert not any(os.path.exists(path) for path in paths), "a given-up save committed"
+        checkpoint.async_save({"w": torch.full((1 << 12,), 7.0)}, paths[0])
+        checkpoint.finalize_async_save(blocking=True)
+        assert len(checkpoint.failed_calls) == 3, "the save after the resume failed"
+        assert torch.load(paths[0], weights_only=True)["w"][0] == 7.0
+        assert connect(daemon.socket, auto_start=False).not_answering is None
+    finally:
+        checkpoint.close()

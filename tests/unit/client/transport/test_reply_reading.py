@@ -163,3 +163,60 @@ def test_a_save_given_up_on_asks_the_silent_daemon_nothing_more(daemon_at):
     assert [kind for kind, _ in sent] == [MessageType.POLL, MessageType.ABORT,
                                           MessageType.FORGET], sent
     assert sent[2][1]["delete_files"] is True
+
+
+def test_one_unanswered_call_gives_up_every_save_outstanding_on_the_connection(daemon_at):
+    """Three saves in flight on a daemon that stopped answering: the first POLL goes
+    unanswered, and the other two give up at once, saying an earlier call went unanswered,
+    instead of each waiting a call timeout of its own (k saves cost one timeout, not k).
+    Dropping them afterwards (close(abort=True)) sends nothing more: each one's abort and
+    forget were queued when it gave up. A reply to a later request clears the mark."""
+    from ckptd import knobs
+
+    socket = daemon_at({MessageType.PING: {"pid": 5}}, silent=(MessageType.POLL,))
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        saves = [DaemonSave(conn, rid, f"/ckpt/s{rid}") for rid in (1, 2, 3)]
+        for save in saves:
+            save.mark_staged()
+        with knobs.override(CALL_TIMEOUT=0.2):
+            assert all(save.finished for save in saves)
+        assert conn.not_answering is not None and conn.not_answering.msg_type == "poll"
+        for save in saves:
+            save.abort("the trainer called AsyncCallsQueue.close(abort=True)")
+            save.forget(delete_files=True)
+        conn.call(MessageType.PING)  # answered after every request sent before it was read
+        assert conn.not_answering is None, "a reply to a later request clears the mark"
+    finally:
+        conn.close()
+    first, *others = [save.error for save in saves]
+    assert "did not answer a poll request within 0s" in first, first
+    for save, error in zip(saves[1:], others):
+        assert error.startswith(f"rank 0: gave up on the save of {save.path}"), error
+        assert "did not answer an earlier poll request on this connection" in error, error
+        assert f"pid {os.getpid()}" in error and f"ckptd status --socket {socket}" in error
+    sent = [(kind, body["request_ids"]) for kind, body in daemon_at.made[0].received
+            if kind not in (MessageType.HELLO, MessageType.PING, MessageType.GOODBYE)]
+    assert sent == [(MessageType.POLL, [1])] + [
+        (kind, [rid]) for rid in (1, 2, 3) for kind in (MessageType.ABORT, MessageType.FORGET)
+    ], sent
+
+
+def test_a_reply_to_a_request_sent_before_the_unanswered_one_keeps_the_mark(daemon_at):
+    """A reply read late (another thread's request, answered just before the daemon
+    stopped) says nothing about the daemon now: only a reply to a request sent after the
+    unanswered one clears the connection's mark."""
+    from ckptd import knobs
+
+    socket = daemon_at({MessageType.PING: {"pid": 5}}, silent=(MessageType.POLL,))
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        earlier = conn.send(MessageType.PING)
+        with knobs.override(CALL_TIMEOUT=0.2), pytest.raises(DaemonUnavailableError):
+            conn.call(MessageType.POLL, protocol.Poll(request_ids=[1]))
+        assert conn.reply_to(earlier, MessageType.PING).pid == 5
+        assert conn.not_answering is not None and conn.not_answering.msg_type == "poll"
+        conn.call(MessageType.PING)
+        assert conn.not_answering is None
+    finally:
+        conn.close()
