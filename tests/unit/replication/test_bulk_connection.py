@@ -1,0 +1,100 @@
+"""A chunk's body over real tcp on 127.0.0.1 with blocking sockets, as the daemons use
+them: the receiving end waits for slices of a body, not for each segment, yet a body whose
+last bytes are held back still arrives (a wait that brings nothing falls back to taking
+bytes as they come), and afterwards the connection wakes for any byte and waits without a
+limit again, so the small frame that follows arrives."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+
+import pytest
+
+from ckptd.replication.bulk_connection import (_HEADER, RECEIVE_SLICE_BYTES, BulkConnection,
+                                               Kind)
+from ckptd.replication.sealing import TAG_BYTES
+from conftest import wait_for
+
+TIMEOUT = 30.0
+
+
+@pytest.fixture
+def tcp_ends():
+    server = socket.create_server(("127.0.0.1", 0))
+    left = socket.create_connection(server.getsockname())
+    right, _ = server.accept()
+    server.close()
+    one, two = os.urandom(32), os.urandom(32)
+    a = BulkConnection(left, one, two, "aes-256-gcm", b"b" * 32)
+    b = BulkConnection(right, two, one, "aes-256-gcm", b"a" * 32)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+
+def wait_limit(sock: socket.socket) -> tuple[int, int]:
+    return struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+
+
+def receive_in_thread(channel: BulkConnection) -> tuple[threading.Thread, dict]:
+    """``channel.receive()`` on a thread (a receive that never returns fails the test by
+    its join timeout instead of hanging it)."""
+    out: dict = {}
+
+    def run():
+        try:
+            frame = channel.receive()
+            out["frame"] = (frame.kind, frame.xfer, frame.offset, bytes(frame.payload))
+        except Exception as exc:  # reported by the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_body_whose_last_bytes_are_held_back_arrives_and_the_socket_is_reset(tcp_ends):
+    a, b = tcp_ends
+    payload = os.urandom(2 * RECEIVE_SLICE_BYTES + 1000)
+    header = _HEADER.pack(Kind.CHUNK, 0, 0, len(payload), 7, 4096, 0)
+    scratch = memoryview(bytearray(len(payload) + TAG_BYTES))
+    wire = b"".join(bytes(buffer) for buffer in a._out.seal(header, payload, scratch))
+    withheld = 100
+
+    reader, out = receive_in_thread(b)
+    a.sock.sendall(wire[:-withheld])
+    wait_for(lambda: 1 < lowat(b.sock) < RECEIVE_SLICE_BYTES, TIMEOUT,
+             "the receiver to wait for the tail of the body")
+    # nothing more comes within its wait: it takes bytes as they come, without a limit
+    wait_for(lambda: lowat(b.sock) == 1 and wait_limit(b.sock) == (0, 0), TIMEOUT,
+             "the receiver to fall back to any byte")
+    assert reader.is_alive() and not out
+    a.sock.sendall(wire[-withheld:])
+    reader.join(TIMEOUT)
+    assert not reader.is_alive(), "the body's last bytes never woke the receiver"
+    assert out == {"frame": (Kind.CHUNK, 7, 4096, payload)}
+    assert (lowat(b.sock), wait_limit(b.sock)) == (1, (0, 0))
+
+    reader, out = receive_in_thread(b)
+    a.send(Kind.ACK, 7, offset=4096)  # 32 bytes of header and a 16-byte tag
+    reader.join(TIMEOUT)
+    assert not reader.is_alive(), "a small frame after a body never woke the receiver"
+    assert out == {"frame": (Kind.ACK, 7, 4096, b"")}
+
+
+def test_a_whole_body_sent_at_once_leaves_the_socket_as_it_was(tcp_ends):
+    a, b = tcp_ends
+    payload = os.urandom(3 * RECEIVE_SLICE_BYTES + 5)
+    a.send(Kind.CHUNK, 9, offset=0, payload=payload)
+    a.send(Kind.ACK, 9, offset=0)
+    frame = b.receive()
+    assert (frame.kind, frame.xfer, bytes(frame.payload)) == (Kind.CHUNK, 9, payload)
+    assert (lowat(b.sock), wait_limit(b.sock)) == (1, (0, 0))
+    assert b.receive().kind == Kind.ACK
