@@ -25,6 +25,14 @@ def keypair() -> tuple[str, str]:
     return public.decode(), secret.decode()
 
 
+def keyed_ends(left, right, protection: str = "aes-256-gcm") -> tuple:
+    """Two :class:`BulkConnection` s over a connected socket pair, sharing fresh direction
+    keys without a handshake (for tests of the frames themselves)."""
+    one, two = os.urandom(32), os.urandom(32)
+    return (BulkConnection(left, one, two, protection, b"b" * 32),
+            BulkConnection(right, two, one, protection, b"a" * 32))
+
+
 def register_session(socket_path: str, session: str, root: str, extra_peers=()) -> dict:
     """Talk to a daemon as its only rank: hello, peer info, and a session whose table names
     the daemon itself plus ``extra_peers`` ([address, public key, bulk address] each).

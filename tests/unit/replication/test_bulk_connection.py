@@ -17,6 +17,7 @@ from ckptd.replication.bulk_connection import (_HEADER, RECEIVE_SLICE_BYTES, Bul
                                                Kind)
 from ckptd.replication.sealing import TAG_BYTES
 from conftest import wait_for
+from peerclient import keyed_ends
 
 TIMEOUT = 30.0
 
@@ -27,9 +28,7 @@ def tcp_ends():
     left = socket.create_connection(server.getsockname())
     right, _ = server.accept()
     server.close()
-    one, two = os.urandom(32), os.urandom(32)
-    a = BulkConnection(left, one, two, "aes-256-gcm", b"b" * 32)
-    b = BulkConnection(right, two, one, "aes-256-gcm", b"a" * 32)
+    a, b = keyed_ends(left, right)
     yield a, b
     a.close()
     b.close()

@@ -4,23 +4,20 @@ a payload that is not a map, drops the connection instead of reaching a handler.
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
 
 from ckptd.protocol import pack_value
-from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Kind
+from ckptd.replication.bulk_connection import BulkConnectionError, Kind
 from ckptd.replication.bulk_wire import (CONTROL_BODIES, Abort, Begin, Done, End, Ready,
                                          control_body, send_control)
+from peerclient import keyed_ends
 
 
 @pytest.fixture
 def ends():
-    left, right = socket.socketpair()
-    one, two = os.urandom(32), os.urandom(32)
-    a = BulkConnection(left, one, two, "aes-256-gcm", b"b" * 32)
-    b = BulkConnection(right, two, one, "aes-256-gcm", b"a" * 32)
+    a, b = keyed_ends(*socket.socketpair())
     yield a, b
     a.close()
     b.close()
