@@ -46,6 +46,7 @@ from ckpt_client.transport.daemon_save import DaemonSave
 from ckpt_client.transport.flatten import describe
 from ckpt_client.transport.pool_copy import PoolCopier
 from ckpt_client.transport.sent_ahead import SentAhead, dropped_on_error, remember_layout
+from ckpt_client.transport.silent_daemon import not_waited_for
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class StagingJob:
     #: Every source is a CPU tensor (the caller knows it from its own walk): the copy is
     #: one call, with no check of each source.
     on_cpu: bool = False
+    #: Monotonic time it was queued for the background thread (``None``: run inline).
+    queued_at: float | None = None
 
     @property
     def specs(self) -> list | None:
@@ -102,6 +105,13 @@ class StagingJob:
             if self.plan is not None:
                 self.plan.withdraw()
             return None
+        silence = connection.not_answering
+        if silence is not None and self.queued_at is not None and self.queued_at <= silence.since:
+            # Queued before a call went unanswered: one of the saves outstanding on this
+            # silent daemon, failed at once rather than after a staging wait of its own.
+            if self.plan is not None:
+                self.plan.withdraw()
+            raise not_waited_for(connection)
         if self.ahead is not None:
             try:
                 reply = connection.reply_to(self.ahead, MessageType.STAGE,
@@ -201,6 +211,7 @@ class BackgroundStager:
 
     def submit(self, job: StagingJob) -> None:
         """Queue a job; its save's ``wait_staged`` returns (or raises) when it is done."""
+        job.queued_at = time.monotonic()
         self._jobs.put(job)
 
     def wait_idle(self) -> None:

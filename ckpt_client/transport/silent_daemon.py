@@ -1,7 +1,8 @@
 """What a save does about a daemon that does not answer: the words, and what it leaves.
 
-A save stops waiting for its daemon when a call of its own goes unanswered, or when an
-earlier call on the same connection did (the connection's "not answering" mark,
+A save stops waiting for its daemon (for its outcome, or for its turn to be staged in the
+background) when a call of its own goes unanswered, or when an earlier call on the same
+connection did (the connection's "not answering" mark,
 :attr:`~ckpt_client.transport.connection.DaemonConnection.not_answering`): then asking
 again would only cost another call timeout per save. This module builds the error that
 says which of the two happened, and sends what a resumed daemon must still read (the

@@ -10,7 +10,8 @@ the socket, the pid and what to check, and never advises starting one.
 
 Several saves in flight on a daemon that stops: the first unanswered call marks the
 connection, and the other saves give up at once instead of each waiting a call timeout;
-the daemon, resumed, drops them all and serves the next save.
+the daemon, resumed, drops them all and serves the next save. Zero-stall saves queued
+for staging behind a STAGE that goes unanswered likewise fail at once.
 """
 
 from __future__ import annotations
@@ -124,5 +125,43 @@ def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(
         assert len(checkpoint.failed_calls) == 3, "the save after the resume failed"
         assert torch.load(paths[0], weights_only=True)["w"][0] == 7.0
         assert connect(daemon.socket, auto_start=False).not_answering is None
+    finally:
+        checkpoint.close()
+
+
+def test_zero_stall_saves_queued_behind_an_unanswered_stage_fail_at_once(start_daemon,
+                                                                         monkeypatch):
+    """Three zero-stall saves queued while the daemon is stopped: the background thread's
+    first STAGE goes unanswered for its whole wait (2.5 s here), and the two saves queued
+    behind it fail without a STAGE of their own (before, each waited as long again).
+    Resumed, the daemon serves a new save on the same connection."""
+    for knob, value in (("CALL_TIMEOUT", "1"), ("STAGE_TIMEOUT", "1"), ("WAIT_MARGIN", "0")):
+        monkeypatch.setenv(f"CKPTD_{knob}", value)
+    daemon = start_daemon(env={"CKPTD_STAGE_TIMEOUT": "1"})
+    paths = [os.path.join(daemon.roots[0], f"z{i}.pt") for i in range(3)]
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket, failure_policy="warn")
+    try:
+        connect(daemon.socket, auto_start=False)  # the hello, while the daemon answers
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: stopped(daemon.pid), 30, "the daemon to be stopped")
+            for i, path in enumerate(paths):
+                checkpoint.async_save({"w": torch.full((1 << 12,), float(i))}, path,
+                                      zero_stall=True)
+            checkpoint.finalize_async_save(blocking=True)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        errors = [exc.failures[0] for _, exc in checkpoint.failed_calls]
+        assert len(errors) == 3, errors
+        assert "did not answer a stage request within 2s" in errors[0], errors[0]
+        for path, error in zip(paths[1:], errors[1:]):
+            assert error.startswith(f"rank 0: staging {path} failed"), error
+            assert "did not answer an earlier stage request on this connection" in error, error
+            assert_names_a_silent_daemon(error, daemon.socket, daemon.pid)
+        checkpoint.async_save({"w": torch.full((1 << 12,), 7.0)}, paths[1])
+        checkpoint.finalize_async_save(blocking=True)
+        assert len(checkpoint.failed_calls) == 3, "the save after the resume failed"
+        assert torch.load(paths[1], weights_only=True)["w"][0] == 7.0
+        assert not os.path.exists(paths[0]) and not os.path.exists(paths[2])
     finally:
         checkpoint.close()
