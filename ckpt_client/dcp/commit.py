@@ -72,6 +72,17 @@ def commit_metadata(connection: DaemonConnection, directory: str, metadata: Meta
                                                              connection.tiered))
 
 
+def _failure_of(commit: Callable[[list], None], gathered: list) -> Exception | None:
+    """``commit(gathered)``'s exception, or ``None``. Caught here, not in the caller: a
+    traceback through the frame that keeps the errors would make a reference cycle
+    (errors -> exception -> frame -> errors) holding what the commit reached."""
+    try:
+        commit(gathered)
+    except Exception as exc:
+        return exc
+    return None
+
+
 def commit_on_coordinator(group: Group, results, commit: Callable[[list], None], *,
                           cause: Callable[[int, BaseException], str],
                           rank_failures: Callable[[list], dict] | None = None,
@@ -104,10 +115,9 @@ def commit_on_coordinator(group: Group, results, commit: Callable[[list], None],
     if group.is_coordinator:
         errors = dict(rank_failures(gathered)) if rank_failures is not None else {}
         if not errors:
-            try:
-                commit(gathered)
-            except Exception as exc:  # every rank must learn that the commit failed
-                errors[group.coordinator_global] = exc
+            failure = _failure_of(commit, gathered)
+            if failure is not None:  # every rank must learn that the commit failed
+                errors[group.coordinator_global] = failure
     causes = group.broadcast_from_coordinator({rank: cause(rank, exc)
                                                for rank, exc in errors.items()})
     return errors, causes

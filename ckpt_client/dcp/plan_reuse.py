@@ -74,6 +74,8 @@ def structure_of(state_dict: Any) -> tuple | None:
         walk(state_dict)
     except _Unsupported:
         return None
+    finally:
+        walk = None  # it calls itself through its cell: a garbage cycle every save otherwise
     return tuple(signature)
 
 

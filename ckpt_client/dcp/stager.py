@@ -54,7 +54,9 @@ class StagingTicket:
 
     def __init__(self, plans: PlanMemory | None = None) -> None:
         self._done = threading.Event()
-        self._error: BaseException | None = None
+        #: Why staging failed, as text: the exception itself would keep its traceback's
+        #: frames, and with them the save's planner and tensors, as long as this ticket.
+        self._error: str | None = None
         self._consumer: threading.Thread | None = None
         self._created = time.monotonic()
         self._plans = plans
@@ -72,8 +74,15 @@ class StagingTicket:
     def punch(self, error: BaseException | None = None) -> None:
         """Staging ended: the trainer may change its tensors (or learn ``error``)."""
         if not self._done.is_set():
-            self._error = error
+            self._error = None if error is None else f"{type(error).__name__}: {error}"
             self._done.set()
+
+    def done_with_state(self) -> None:
+        """The writer is done with this save's state dict (staged, plan remembered, or
+        failed): drop it, so that a stager's last ticket, kept until its next save, does
+        not keep the tensors (on a GPU, device memory and temporaries) alive."""
+        self.state_dict = None
+        self.ahead = None
 
     def stage_ahead(self, writer) -> None:
         """DCP's first call into ckptd's writer for this save (before planning): stage it
@@ -129,7 +138,7 @@ class StagingTicket:
                     f"(CKPTD_STAGE_TIMEOUT)"))
         if self._error is not None:
             raise CheckpointException("staging a checkpoint through ckptd failed",
-                                      {_rank(): f"{type(self._error).__name__}: {self._error}"})
+                                      {_rank(): self._error})
 
 
 def current_ticket() -> StagingTicket | None:
@@ -288,8 +297,11 @@ def _complete_when_staged(ticket: StagingTicket, future: Future) -> None:
         ticket.wait()
     except BaseException as exc:
         future.set_exception(exc)
-    else:
-        future.set_result(None)
+        # The exception's traceback keeps this frame: without its locals, no cycle
+        # (future -> exception -> frame -> future) holds the save until a GC pass.
+        ticket = future = None
+        return
+    future.set_result(None)
 
 
 def _signature(value) -> Any:

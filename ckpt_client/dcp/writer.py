@@ -172,10 +172,12 @@ class DaemonStorageWriter(_StorageWriterBase):
         except BaseException as exc:
             if ticket is not None:
                 ticket.punch(exc)
+                ticket.done_with_state()
             raise
         if ticket is not None:
             ticket.punch()
             ticket.remember(plan, planner)
+            ticket.done_with_state()
         try:
             wait_for_daemon_saves(saves)  # not execute_sync: no collective inside write_data
         except CheckpointException as exc:

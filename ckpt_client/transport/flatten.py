@@ -169,7 +169,7 @@ def flatten_state_dict(state_dict: Any) -> Flattened:
         # walk calls itself through its closure cell, a reference cycle that would keep
         # this save's tensors (on a GPU, their device memory) alive until the collector's
         # next full pass; emptying the cell lets reference counting free them.
-        del walk
+        walk = None
     return Flattened(protocol.pack_value(skeleton), tensors, layout, not cuda)
 
 

@@ -243,6 +243,37 @@ def test_a_finished_save_keeps_no_reference_to_the_tensors_it_saved(
         gc.enable()
 
 
+@pytest.mark.parametrize("zero_stall", [True, False], ids=["zero_stall", "default"])
+def test_stock_dcp_async_save_through_a_stager_keeps_no_reference_to_its_tensors(
+        daemon, monkeypatch, zero_stall):
+    """Stock ``dcp.async_save`` with ckptd's ``Stager``: once the save is durable,
+    reference counting alone frees its tensors although the stager lives on and keeps
+    its last ticket until its next save (the collector is off: a ticket that still held
+    the state dict fails this; on a GPU it held device memory until the next save)."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stager = dcp.Stager(zero_stall=zero_stall)
+    state = {"w": torch.ones(1 << 16), "nested": {"t": [torch.ones(1 << 10) * 2]}}
+    storages = [StorageWeakRef(state["w"].untyped_storage()),
+                StorageWeakRef(state["nested"]["t"][0].untyped_storage())]
+    gc.collect()
+    gc.disable()
+    try:
+        response = DCP.async_save(
+            state, storage_writer=dcp.StorageWriter(os.path.join(daemon.roots[0], "stock")),
+            async_stager=stager)
+        (response.upload_completion if zero_stall else response).result(timeout=120)
+        del state, response
+        assert all(s.expired() for s in storages), \
+            "the save's tensors are still referenced after it was durable"
+    finally:
+        gc.enable()
+        stager.close()
+
+
 @pytest.mark.parametrize("format_", ["torch", "dcp"])
 def test_a_zero_stall_save_keeps_the_values_of_parameters_rebound_before_their_copy(
         start_daemon, monkeypatch, format_):
