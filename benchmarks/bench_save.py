@@ -123,7 +123,9 @@ def gpu_facts() -> str | None:
     driver = "?"
     try:
         with open("/proc/driver/nvidia/version") as f:
-            driver = re.search(r"Kernel Module\s+(\S+)", f.read()).group(1)
+            # "... Kernel Module  580.159.04 ..." or "... Open Kernel Module for x86_64
+            # 580.159.04 ...": the first dotted version number on the line
+            driver = re.search(r"Kernel Module.*?\b(\d+\.\d+(?:\.\d+)?)\b", f.read()).group(1)
     except (OSError, AttributeError):
         pass
     return f"{len(names)}× {names[0]}, driver {driver}, CUDA {torch.version.cuda} (torch's)"
@@ -349,8 +351,8 @@ class Bench:
         print(f"  {method.name} ...", flush=True)
         load = loadavg()
         base = os.path.join(self.outdir, re.sub(r"[^A-Za-z0-9]+", "_", method.name))
-        method.prepare()
         try:
+            method.prepare()
             self._one(method, os.path.join(base, "warmup"), with_step=False)
             idle = [self._one(method, os.path.join(base, f"run{i}"), False, refs=True)
                     for i in range(self.repeats)]

@@ -50,7 +50,7 @@ tests)
     python3 -c "import pytest_timeout" 2>/dev/null && timeout_flag="--timeout 120"
     step pytest_gpu "${CAP_TESTS:-200}" python3 -m pytest -m gpu -v -p no:cacheprovider \
         $timeout_flag -rfEs tests/gpu
-    step gpu_saves "${CAP_SAVES:-90}" python3 benchmarks/bench_gpu_saves.py --size-gib 1 --profile \
+    step gpu_saves "${CAP_SAVES:-150}" python3 benchmarks/bench_gpu_saves.py --size-gib 1 --profile \
         --workdir /dev/shm --out "$OUT/RESULTS_GPU_saves.md"
     ;;
 bench)

@@ -231,6 +231,7 @@ def test_expandable_segments_switched_on_at_run_time(daemon, monkeypatch):
         loaded, _ = save_and_load({"x": x}, os.path.join(daemon.roots[0], "exp.pt"))
         assert torch.all(loaded["x"] == 4.0)
     finally:
+        x = None  # its segment can be released only once nothing holds it
         set_allocator("expandable_segments:False")
         torch.cuda.empty_cache()  # later tests get ordinary segments again
 
@@ -265,6 +266,7 @@ def test_a_daemon_the_kernel_denies_our_memory_gets_it_through_shm(start_daemon,
         assert torch.all(loaded["x"] == 8.0) and request.daemon_saves[0].transport_bytes["cuda"] == 0
         assert "denied ckptd" in daemon.log()
     finally:
+        x = None  # its segment can be released only once nothing holds it
         set_allocator("expandable_segments:False")
         torch.cuda.empty_cache()  # later tests get ordinary segments again
 
