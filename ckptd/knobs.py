@@ -23,7 +23,8 @@ __all__ = [
     "POOL_SIZE", "POOL_DIR", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
-    "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
+    "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
+    "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
     "DIRECT_ALLOCATE_BYTES",
     "CHECKSUM",
     "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL",
@@ -228,6 +229,13 @@ DIRECT_WRITE_THREADS = _knob(
     "DIRECT_WRITE_THREADS", 2, int, "Threads per writer issuing (and checksumming) direct writes")
 DIRECT_CHUNK_BYTES = _knob(
     "DIRECT_CHUNK_BYTES", 32 << 20, parse_size, "Bytes per direct write call")
+# A batch of a file's pieces goes to the disk when it holds a chunk, or earlier, from this
+# size, when none of the file's writes is in flight: the disk would otherwise wait while
+# the writer gathers the first chunk of a file (a few ms of Python per file, more for DCP's
+# per-item archives) or a run of small records.
+DIRECT_IDLE_BATCH_BYTES = _knob(
+    "DIRECT_IDLE_BATCH_BYTES", 1 << 20, parse_size,
+    "Bytes from which a direct write goes out early when none of the file's writes is in flight")
 DIRECT_BOUNCE_BYTES = _knob(
     "DIRECT_BOUNCE_BYTES", 1 << 20, parse_size,
     "Aligned bounce buffer for headers, padding, small tensors and unaligned tails")

@@ -35,8 +35,9 @@ from typing import Any, Callable
 from ckptd import knobs
 from ckptd.checksum import ALGORITHM, TMP_MARKER, Checksum, ChecksumWriter, sidecar_path
 from ckptd.storage.directories import DIRECTORY_FLAGS, open_directory
-from ckptd.storage.direct_io import DirectFileWriter, drop_cached_pages, write_mode_of
+from ckptd.storage.direct_io import DirectFileWriter
 from ckptd.storage.direct_pieces import DirectPieces
+from ckptd.storage.write_modes import drop_cached_pages, write_mode_of
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _SYNC_FILE_RANGE_WRITE = 2

@@ -14,7 +14,7 @@ import torch
 
 from ckptd import knobs
 from ckptd.checksum import algorithm_named, checksum_bytes, read_sidecar, verify_file
-from ckptd.storage import direct_io
+from ckptd.storage import direct_io, write_modes
 from ckptd.storage.durable import DurableFile, write_file_atomically
 from ckptd.storage.jobs import WriteTorch
 
@@ -133,9 +133,9 @@ def ramfs(tmp_path, monkeypatch):
     of what each device takes starts empty, so it is this mount's answer that counts."""
     if os.geteuid() != 0 or shutil.which("mount") is None:
         pytest.skip("mounting a ramfs needs root and mount(8)")
-    from ckptd.storage import direct_io
+    from ckptd.storage import direct_io, write_modes
 
-    monkeypatch.setattr(direct_io, "_modes", {})
+    monkeypatch.setattr(write_modes, "_modes", {})
     mount_point = tmp_path / f"wp-ramfs-{uuid.uuid4().hex[:6]}"
     mount_point.mkdir()
     subprocess.run(["mount", "-t", "ramfs", "ckptd-test-ramfs", str(mount_point)], check=True)
@@ -149,7 +149,7 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes_logged_once(ramfs, 
     with pytest.raises(OSError):
         os.close(os.open(ramfs / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
     os.unlink(ramfs / "probe")  # created, then refused
-    caplog.set_level(logging.INFO, logger=direct_io.__name__)
+    caplog.set_level(logging.INFO, logger=write_modes.__name__)
     for name in ("a", "b"):
         data = page_aligned(3 * PAGE + 5, 9)
         with DurableFile(str(ramfs / name), direct=True) as durable:
@@ -160,8 +160,8 @@ def test_a_filesystem_refusing_o_direct_gets_buffered_writes_logged_once(ramfs, 
         verify_file(str(ramfs / name))
     lines = [r.getMessage() for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
     assert len(lines) == 1, lines
-    assert direct_io.probe_directory(str(ramfs)).mode == "buffered"
-    assert direct_io.probe_directory(str(ramfs.parent)).mode == "direct"  # ext4 / tmpfs
+    assert write_modes.probe_directory(str(ramfs)).mode == "buffered"
+    assert write_modes.probe_directory(str(ramfs.parent)).mode == "direct"  # ext4 / tmpfs
     assert sorted(os.listdir(ramfs)) == ["a", "a.ckptd-sum", "b", "b.ckptd-sum"]
 
 
@@ -181,13 +181,44 @@ def test_a_batch_cut_short_by_the_kernel_is_written_to_its_end(tmp_path, monkeyp
     monkeypatch.setattr(direct_io.os, "pwritev", short)
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
     try:
-        offset, checked, crc = direct_io._write_batch(fd, segments, 10,
-                                                      algorithm_named("crc32c").update)
+        direct_io._write_batch(fd, [view for view, _ in segments], 10)
     finally:
         os.close(fd)
     expected = b"".join(bytes(v) for v, _ in segments)
     assert (tmp_path / "f").read_bytes()[10:] == expected and len(calls) > 1
-    assert (offset, checked, crc) == (10, len(expected), checksum_bytes(expected, "crc32c").value)
+    summed = direct_io._checksum_batch(segments, 10, algorithm_named("crc32c").update)
+    assert summed == (10, len(expected), checksum_bytes(expected, "crc32c").value)
+
+
+def test_headers_between_tensors_share_a_bounce_buffer_and_every_byte_lands(tmp_path,
+                                                                            monkeypatch):
+    # A record's header goes through the bounce buffer, its tensor straight from the pool;
+    # the next header goes on in the same buffer, a page further (a buffer per header ran
+    # a file of many tensors out of buffers within a chunk: it waited for the disk).
+    taken = []
+    real_take = direct_io.DirectFileWriter._take_buffer
+
+    def counting(self):
+        taken.append(1)
+        return real_take(self)
+
+    monkeypatch.setattr(direct_io.DirectFileWriter, "_take_buffer", counting)
+    pieces = []
+    for n in range(60):
+        pieces += [bytes([n]) * 100, bytes(PAGE - 100), page_aligned((n % 3 + 1) * PAGE, n)]
+    pieces.append(b"end")
+    expected = b"".join(bytes(p) for p in pieces)
+    with knobs.override(DIRECT_BOUNCE_BYTES=4 * PAGE, DIRECT_CHUNK_BYTES=16 * PAGE,
+                        DIRECT_MIN_BYTES=PAGE, CHECKSUM="crc32c"):
+        with DurableFile(str(tmp_path / "f"), direct=True) as durable:
+            if not isinstance(durable.stream, direct_io.DirectFileWriter):
+                pytest.skip(f"{tmp_path} refuses O_DIRECT ({durable.write_mode})")
+            for piece in pieces:
+                durable.stream.write(piece)
+            checksum = durable.commit()
+    assert (tmp_path / "f").read_bytes() == expected
+    assert checksum == checksum_bytes(expected, "crc32c") == read_sidecar(str(tmp_path / "f"))
+    assert len(taken) <= 60 // 4 + 1, f"{len(taken)} bounce buffers for 60 one-page headers"
 
 
 def test_a_file_reusing_the_bounce_buffers_of_the_one_before_holds_only_its_own_bytes(
