@@ -24,7 +24,10 @@ The file's last page is written whole and the file truncated to its size. Space 
 allocated ahead of the writes (``fallocate``): a direct write past the end of a file takes
 the inode's lock alone and waits for the disk under it, so the threads' writes would queue
 one behind the other; into allocated space they run side by side (not on tmpfs:
-:func:`allocating_ahead_pays`).
+:func:`allocating_ahead_pays`). As much as the caller knows the file will hold is
+allocated at once, before the first write: ``fallocate`` waits for every direct write of
+the file in flight (ext4 drains them under the inode's lock), so allocating step by step
+as the writes went emptied the disk's queue once a chunk.
 
 The file layouts cooperate: ckptd's torch files start every record's data on a 4 KiB
 boundary (torch's ``storage_alignment``), DCP items start on one, and the staging extent
@@ -155,9 +158,13 @@ class DirectFileWriter:
         The file, opened with ``O_DIRECT``, empty.
     algorithm : str
         The checksum algorithm of the record (``crc32c``, ``crc32``).
+    size_hint : int
+        Bytes the file will hold at least (allocated before the first write; 0: unknown).
+        No more than it will hold, as far as the caller knows: what is allocated past its
+        end is taken from every other file on the filesystem until it is cut to size.
     """
 
-    def __init__(self, fd: int, algorithm: str) -> None:
+    def __init__(self, fd: int, algorithm: str, size_hint: int = 0) -> None:
         self._fd = fd
         self._update = algorithm_named(algorithm).update
         self.algorithm = algorithm
@@ -192,6 +199,11 @@ class DirectFileWriter:
         self._allocated = 0     # bytes of the file allocated ahead (0: allocation stopped)
         self._allocate_step = knobs.DIRECT_ALLOCATE_BYTES.get() // PAGE * PAGE
         self._allocating = self._allocate_step > 0 and allocating_ahead_pays(fd)
+        if self._allocating and size_hint > 0:
+            if fallocate(fd, 0, 0, size_hint) == 0:
+                self._allocated = size_hint
+            else:
+                self._allocating = False
         self._direct_from = knobs.DIRECT_MIN_BYTES.get()  # read once: a file has thousands of writes
 
     def fileno(self) -> int:

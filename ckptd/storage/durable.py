@@ -141,6 +141,9 @@ class DurableFile:
     pieces_of : int, optional
         The file arrives in pieces of a file of this size, written with :meth:`write_at`
         from any thread and in any order (a replica), instead of through :attr:`stream`.
+    size_hint : int
+        Bytes a direct file will hold at least (its space is allocated before the first
+        write; 0: unknown).
 
     Attributes
     ----------
@@ -152,7 +155,7 @@ class DurableFile:
                  operator_path: bool = False, dir_fd: int | None = None,
                  direct: bool = False, algorithm: str | None = None,
                  progress: Callable[[str, int], None] | None = None,
-                 pieces_of: int | None = None) -> None:
+                 pieces_of: int | None = None, size_hint: int = 0) -> None:
         self.path = path
         self.directory = os.path.dirname(path) or "."
         self.with_checksum = checksum
@@ -189,7 +192,7 @@ class DurableFile:
         # A filesystem that refuses O_DIRECT still keeps the page cache clean of checkpoints.
         self._drop_pages = wants_direct and not use_direct
         self.stream: DurableFileStream | DirectFileWriter = (
-            DirectFileWriter(fd, algorithm) if use_direct
+            DirectFileWriter(fd, algorithm, size_hint) if use_direct
             else DurableFileStream(self._raw, algorithm))
         self._pieces: DirectPieces | None = None
         if use_direct and pieces_of is not None:
@@ -307,9 +310,11 @@ class DurableFile:
 
 def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any],
                           checksum: bool = True, direct: bool = False,
-                          progress: Callable[[str, int], None] | None = None) -> dict:
+                          progress: Callable[[str, int], None] | None = None,
+                          size_hint: int = 0) -> dict:
     """Write ``path`` through ``write_body(stream)`` as a :class:`DurableFile`
-    (``direct``: checkpoint data, O_DIRECT where possible).
+    (``direct``: checkpoint data, O_DIRECT where possible; ``size_hint``: bytes it will
+    hold at least, allocated up front).
 
     ``progress(phase, bytes_done)``, when given, is told of every write and of the start of
     the ``fsync`` and ``commit`` (record, rename, directory fsync) phases.
@@ -322,7 +327,8 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
         from a later file at the same path; ``write_mode`` says how it was written;
         ``synced_at`` when making it durable began (for the timeline).
     """
-    with DurableFile(path, checksum=checksum, direct=direct, progress=progress) as durable:
+    with DurableFile(path, checksum=checksum, direct=direct, progress=progress,
+                     size_hint=size_hint) as durable:
         try:
             write_body(durable.stream)
         except Exception as exc:

@@ -75,6 +75,15 @@ def item_size(buffer: list, stock: bool = False) -> int:
     return tensor_archive_size(dtype, tuple(shape), stock)
 
 
+def file_size(buffers: list, stock: bool = False) -> int:
+    """Bytes of a ``.distcp`` file holding ``buffers`` (``[dtype, shape, nbytes]`` each),
+    in order."""
+    cursor = 0
+    for buffer in buffers:
+        cursor = item_start(cursor, buffer[0] != "bytes", stock) + item_size(buffer, stock)
+    return cursor
+
+
 def predict_placements(buffers: list, files: list, stock: bool = False) -> dict:
     """``{file name: [[start, length], ...]}`` for a DCP request's ``files``
     (``[name, [buffer indices]]``), as the writers will place them."""

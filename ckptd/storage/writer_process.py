@@ -38,7 +38,7 @@ from ckptd.storage.previous import keep_aside
 from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StopWriter, WriteBytes, WriteItems,
                                 WriteProgress, WriterReady, WriteResult, WriteTorch)
-from ckptd.storage.layout import archive_alignment, item_start
+from ckptd.storage.layout import archive_alignment, file_size, item_start
 from ckptd.storage.torch_format import PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file
 from ckptd.storage.torch_layout import write_torch_layout
 
@@ -170,13 +170,15 @@ class Writer:
         """One file ``torch.load(weights_only=True)`` reads: the skeleton, pool tensors."""
         buffers = [self.pool_bytes(offset, nbytes) for offset, nbytes, _, _ in job.tensors]
         specs = [(dtype, shape, nbytes) for _, nbytes, dtype, shape in job.tensors]
+        # the file holds at least its storages' bytes (tensors sharing one count once)
+        least = sum({offset: nbytes for offset, nbytes, _, _ in job.tensors}.values())
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
         # A save with the structure of an earlier one serializes nothing per tensor.
         return write_file_atomically(
             job.path, lambda f: write_torch_layout(f, job.skeleton, specs, buffers,
                                                    max_write=max_write,
                                                    alignment=PAGE_ALIGNMENT), direct=True,
-            progress=self.step)
+            progress=self.step, size_hint=least)
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
         """Items one after the other; records where each one landed.
@@ -210,8 +212,12 @@ class Writer:
                         stream.write(item[offset:offset + max_write])
                 placements.append([start, stream.tell() - start])
 
+        # the layout's rule gives the file's size before a byte is written: all of it is
+        # allocated at once (a direct file only)
+        size = 0 if job.stock else file_size([[dtype, shape, nbytes]
+                                              for _, nbytes, dtype, shape in job.items])
         result = write_file_atomically(job.path, write_items, checksum=not job.stock,
-                                       direct=not job.stock, progress=self.step)
+                                       direct=not job.stock, progress=self.step, size_hint=size)
         result["items"] = placements
         return result
 

@@ -82,6 +82,25 @@ def test_space_allocated_ahead_is_given_back_and_the_bytes_are_exact(tmp_path, s
         f"{allocated} bytes still allocated to a {os.path.getsize(path)}-byte file"
 
 
+@pytest.mark.parametrize("hint", [0, PAGE, 3 * (1 << 20) + 5, 3 * (1 << 20) + PAGE + 5,
+                                  64 << 20])
+def test_space_allocated_up_front_from_a_size_hint_leaves_the_file_exact(tmp_path, hint):
+    # The caller's idea of the file's size (under it, exact, or wrong and too large) is
+    # allocated before the first write; the file holds its bytes and no block past them.
+    data = page_aligned(3 * (1 << 20) + 5, 4)
+    with knobs.override(DIRECT_CHUNK_BYTES=1 << 20):
+        result = write_file_atomically(
+            str(tmp_path / "f"), lambda s: (s.write(b"x" * PAGE), s.write(data)),
+            direct=True, size_hint=hint)
+    path = tmp_path / "f"
+    assert path.read_bytes() == b"x" * PAGE + bytes(data)
+    assert result["size"] == os.path.getsize(path) == PAGE + data.nbytes
+    verify_file(str(path))
+    allocated = os.stat(path).st_blocks * 512
+    assert allocated <= -(-os.path.getsize(path) // PAGE) * PAGE + (8 << 20), \
+        f"{allocated} bytes still allocated to a {os.path.getsize(path)}-byte file"
+
+
 def test_a_failed_direct_write_leaves_nothing(tmp_path):
     def body(stream):
         stream.write(page_aligned(1 << 20, 1))

@@ -9,6 +9,7 @@ import torch
 
 from ckptd import protocol
 from ckptd.storage.jobs import CancelJob, WriteItems, WriteTorch
+from ckptd.storage.layout import file_size
 from ckptd.storage.writer_process import ProgressReporter, Writer
 
 from pool_fixtures import pool_path, writer  # noqa: F401 (fixtures)
@@ -48,6 +49,24 @@ def test_an_items_job_records_where_each_item_landed(writer, tmp_path):
     assert result.ok and len(result.items) == 2
     start, length = result.items[0]
     assert open(path, "rb").read()[start:start + length] == bytes(range(16))
+
+
+@pytest.mark.parametrize("shapes", [[[16]], [[3], [1024], [1025, 3]], [[0], [7, 9], [5000]]])
+def test_an_items_file_is_as_large_as_its_size_allocated_up_front(writer, tmp_path, shapes):
+    # A DCP file's space is allocated from the layout's rule before the first write: the
+    # rule must give the size the writer then writes, byte items and tensors alike.
+    specs, offset = [], 0
+    for index, shape in enumerate(shapes):
+        spec = put(writer, offset, torch.full(shape, float(index)))
+        if index == 0:
+            spec[2], spec[3] = "bytes", [spec[1]]
+        specs.append(spec)
+        offset += -(-max(spec[1], 1) // 4096) * 4096
+    path = str(tmp_path / "x.distcp")
+    result = run(writer, WriteItems(path, "x.distcp", specs, 100))
+    assert result.ok
+    assert file_size([[d, s, n] for _, n, d, s in specs]) == result.size == \
+        os.path.getsize(path)
 
 
 def test_an_os_error_comes_back_with_its_errno_and_path(writer, tmp_path):
