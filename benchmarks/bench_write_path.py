@@ -23,8 +23,11 @@ ckptd runs twice: with its staging pool in ``/dev/shm`` and with ``--pool-dir`` 
 with huge pages that the benchmark mounts itself (root; it says so and leaves those rows
 out where the mount fails), both with the direct path; ``--buffered`` adds the page-cache
 path (``CKPTD_WRITE_MODE=buffered``, zlib crc32 records: the path before O_DIRECT) for the
-``/dev/shm`` pool. A note after the table times the trainer's part, a memcpy of the state
-into a pre-faulted buffer in each kind of memory.
+``/dev/shm`` pool; ``--before REV`` adds, for each pool and before the current code's rows,
+ckptd with its daemon and writers run from commit REV (exported with ``git archive``; the
+trainer's side stays this tree's, so REV must speak the same protocol): a change to the
+daemon or the writers, before and after in one run. A note after the table times the
+trainer's part, a memcpy of the state into a pre-faulted buffer in each kind of memory.
 
 With ``--replication MIB``, instead: the CPU replication costs, in a two-node
 network-namespace bed (``tests/netbed.py``, ``tests/bednodes.py``: a real daemon per node,
@@ -58,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import methods as m  # noqa: E402
+from before_tree import code_of, exported  # noqa: E402
 import workload  # noqa: E402
 from bench_save import Daemon, drop_caches, init_single_process_group  # noqa: E402
 from procmem import descendants  # noqa: E402
@@ -338,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where ckptd's pool is: shm (/dev/shm), huge (the huge-page tmpfs)")
     parser.add_argument("--variant", action="append", default=[], metavar="CKPTD_KNOB=VALUE",
                         help="also ckptd with this knob set (repeatable: one variant), for each pool")
+    parser.add_argument("--before", default="", metavar="REV",
+                        help="also ckptd's daemon and writers from git commit REV, for each pool")
     parser.add_argument("--buffered", action="store_true",
                         help="also the page-cache path (the path before O_DIRECT), pool in /dev/shm")
     parser.add_argument("--replication", type=int, default=0, metavar="MIB",
@@ -363,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(t.numel() * t.element_size() for t in tensors)
     pool_size = int(total * 1.05) + (64 << 20)
     # room for each daemon's pool: the benchmark process keeps an earlier daemon's mapped
-    pools_there = 2 if args.variant else 1
+    pools_there = 2 if args.variant or args.before else 1
     with huge_page_tmpfs(pools_there * pool_size + total + (256 << 20)) as huge_dir:
         copies = {"shm": m.PreallocatedCopy(tensors, one_call=True)}
         if huge_dir:
@@ -398,29 +404,50 @@ def run_methods(args, state: dict, tensors: list, total: int, pool_size: int, bo
     rundir = tempfile.mkdtemp(prefix="ckpt-writepath-pg-")
     init_single_process_group(rundir)
     wanted = [w for w in args.only.split(",") if w]
+    pools = args.pools.split(",")
+    variant = dict(item.split("=", 1) for item in args.variant)
+    with exported(args.before) as before:
+        configurations = [("buffered", "crc32", "/dev/shm", {}, None)] if args.buffered else []
+        for key, where in (("shm", "/dev/shm"), ("huge", huge_dir)):
+            if where and key in pools:
+                configurations += [("direct", "crc32c", where, {}, before)] if before else []
+                configurations += [("direct", "crc32c", where, {}, None)]
+                configurations += [("direct", "crc32c", where, variant, None)] if variant else []
+        rows, notes = run_ckptd(args, configurations, state, bounds, step, outdir, total,
+                                pool_size, huge_dir)
+    for method in (m.DcpAsyncSave(state, stager="shared"), m.DcpAsyncSave(state, stager="async")):
+        if not wanted or any(w in method.name for w in wanted):
+            rows.append(summary(method.name, measure(method, bounds, step, outdir, args.repeats,
+                                                     total)))
+            print(rows[-1], flush=True)
+    m.stop_dcp_checkpoint_process()
+    m.remove_tree(outdir)
+    return rows, notes
+
+
+def run_ckptd(args, configurations: list, state: dict, bounds: dict, step, outdir: str,
+              total: int, pool_size: int, huge_dir: str | None) -> tuple[list[str], list[str]]:
+    """The rows of ckptd in each configuration ``(mode, checksum, pool directory, knobs,
+    tree of the code before or None)``."""
+    wanted = [w for w in args.only.split(",") if w]
     rows, notes = [], []
 
     def keep(name: str) -> bool:
         return not wanted or any(w in name for w in wanted)
 
-    pools = args.pools.split(",")
-    variant = dict(item.split("=", 1) for item in args.variant)
-    configurations = [("buffered", "crc32", "/dev/shm", {})] if args.buffered else []
-    for key, where in (("shm", "/dev/shm"), ("huge", huge_dir)):
-        if where and key in pools:
-            configurations += [("direct", "crc32c", where, {})]
-            configurations += [("direct", "crc32c", where, variant)] if variant else []
-    for mode, checksum, pool_dir, extra in configurations:
+    for mode, checksum, pool_dir, extra, tree in configurations:
         os.environ["CKPTD_WRITE_MODE"], os.environ["CKPTD_CHECKSUM"] = mode, checksum
         os.environ["CKPTD_POOL_DIR"] = pool_dir
         os.environ.update(extra)
         pages = "huge-page tmpfs" if pool_dir == huge_dir else pool_dir
         pages += "".join(f", {key}={value}" for key, value in extra.items())
+        pages += f", before: {args.before}" if tree else ""
         names = [f"{method} [{mode}, {checksum}, pool in {pages}]"
                  for method in ("ckptd TorchAsyncCheckpoint", "ckptd dcp.async_save (enable_cache)")]
         if not any(keep(name) for name in names):
             continue
-        daemon = Daemon(outdir, pool_size, 2)
+        with code_of(tree):
+            daemon = Daemon(outdir, pool_size, 2)
         try:
             notes.append(f"[{mode}, {checksum}, pool in {pages}]: {pool_pages(daemon)}")
             for name, method in zip(names, (m.CkptdTorch(state), m.CkptdDcp(state, enable_cache=True))):
@@ -432,13 +459,6 @@ def run_methods(args, state: dict, tensors: list, total: int, pool_size: int, bo
             daemon.stop()
             for key in ("CKPTD_POOL_DIR", *extra):
                 os.environ.pop(key, None)
-    for method in (m.DcpAsyncSave(state, stager="shared"), m.DcpAsyncSave(state, stager="async")):
-        if keep(method.name):
-            rows.append(summary(method.name, measure(method, bounds, step, outdir, args.repeats,
-                                                     total)))
-            print(rows[-1], flush=True)
-    m.stop_dcp_checkpoint_process()
-    m.remove_tree(outdir)
     return rows, notes
 
 
