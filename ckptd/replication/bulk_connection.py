@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ckptd import protocol
+from ckptd import knobs, protocol
 from ckptd.protocol import PART_FRAME_BYTES
 from ckptd.replication.sealing import (PROTECTIONS, SALT_BYTES, TAG_BYTES, AuthenticationError,
                                        Sealer, connection_keys, new_salt, shared_secret)
@@ -88,32 +88,37 @@ class Frame:
         return value
 
 
-#: Bytes a blocked receive of a chunk's body waits for before it is woken (``SO_RCVLOWAT``).
-#: On a paced link segments arrive a few at a time, and waking the receiving thread for
-#: each (a context switch and a return to Python every ~100 KiB at 2 Gbit) cost a
-#: receiving daemon about a sixth more CPU per GB than on an unlimited link.
-RECEIVE_SLICE_BYTES = 256 * 1024
-#: Longest a receive waits for a whole slice (``SO_RCVTIMEO``) before it takes what is
-#: there: the kernel does not always wake a reader for its low-water mark (with four
-#: nodes on unlimited links, saves stalled until the peer timeout without this), and on
-#: a slow link a slice takes longer than this, so its bytes are still taken as they come.
-RECEIVE_SLICE_WAIT = struct.pack("ll", 0, 50_000)
 _NO_WAIT_LIMIT = struct.pack("ll", 0, 0)
 
 
+def _wait_limit(seconds: float) -> bytes:
+    """``SO_RCVTIMEO``'s value for ``seconds``."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
 def _recv_exact(sock: socket.socket, view: memoryview, moved=None, slices: bool = False) -> None:
-    """Fill ``view`` from ``sock``. ``slices``: be woken for :data:`RECEIVE_SLICE_BYTES` at
-    a time (the body's tail for what is left of it, whose bytes may be the last to come),
-    waiting at most :data:`RECEIVE_SLICE_WAIT` for each, and for any byte once a wait
-    brought none; afterwards the socket wakes for any byte and waits without limit again
-    (an idle connection waits for its next frame as long as it takes)."""
+    """Fill ``view`` from ``sock``. ``slices``: while at least two slices of the body
+    remain, be woken for a slice (``CKPTD_PEER_RECEIVE_SLICE_BYTES``) at a time, waiting at
+    most ``CKPTD_PEER_RECEIVE_SLICE_WAIT`` for each and for any byte once a wait brought
+    none; afterwards the socket wakes for any byte and waits without limit again (an idle
+    connection waits for its next frame as long as it takes).
+
+    Why two slices: the kernel wakes a blocked reader once the bytes it has not copied yet
+    reach the low-water mark, and a call copies what is queued before it sleeps. With a
+    slice or more still to come after anything one call can copy first, the mark is always
+    reachable; for the body's tail it may not be (a call that copied part of the tail
+    would wait for more bytes than will come, until the wait limit), so the tail is taken
+    as it comes."""
+    slice_bytes = knobs.PEER_RECEIVE_SLICE_BYTES.get() if slices else 0
     got, lowat, limited = 0, 1, False
     try:
-        if slices:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, RECEIVE_SLICE_WAIT)
+        if slice_bytes and len(view) >= 2 * slice_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            _wait_limit(knobs.PEER_RECEIVE_SLICE_WAIT.get()))
             limited = True
         while got < len(view):
-            want = min(RECEIVE_SLICE_BYTES, len(view) - got) if limited else 1
+            want = slice_bytes if limited and len(view) - got >= 2 * slice_bytes else 1
             if want != lowat:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                 lowat = want
@@ -329,7 +334,7 @@ class BulkConnection:
             if kind not in Kind.ALL or length > limit:
                 raise BulkConnectionError(f"refused a frame of kind {kind} with {length} bytes")
             body = self._buffer("body", self._in.body_size(length))
-            _recv_exact(self.sock, body, self._moved, slices=len(body) > RECEIVE_SLICE_BYTES)
+            _recv_exact(self.sock, body, self._moved, slices=True)
             payload = self._in.open(bytes(self._head), body, self._buffer("plain", length))
         except OSError as exc:
             raise BulkConnectionError(f"receiving failed: {exc}") from None
