@@ -192,7 +192,10 @@ print("ready", flush=True)
 conn, _ = server.accept()
 buf, got, total = memoryview(bytearray(4 << 20)), 0, int(sys.argv[3])
 while got < total:
-    got += conn.recv_into(buf)
+    n = conn.recv_into(buf)
+    if not n:
+        sys.exit("raw tcp receiver: the sender closed after %d of %d bytes" % (got, total))
+    got += n
 conn.sendall(b"k")
 """
 _RAW_SENDER = r"""

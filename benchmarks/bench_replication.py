@@ -182,7 +182,11 @@ def pair_tcp(bed, nbytes: int) -> float:
         for sender in senders:
             sender.stdin.write("go\n")
             sender.stdin.flush()
-        return max(float(sender.stdout.readline()) for sender in senders)
+        measured = max(float(sender.stdout.readline()) for sender in senders)
+    except BaseException:  # senders may wait for "go" forever: end them at once
+        for proc in senders + receivers:
+            proc.kill()
+        raise
     finally:
         for proc in senders + receivers:
             try:
@@ -190,6 +194,7 @@ def pair_tcp(bed, nbytes: int) -> float:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+    return measured
 
 
 # ================================================================ one link setting
