@@ -1,6 +1,6 @@
 """Replication in a 4-node bed, factor 2: time to durable against the link bound, and the
 CPU-seconds per GB it costs the sending and the receiving daemon, on rate-limited and on
-unlimited links, in one run (issue 22's write path, measured where replication runs).
+unlimited links, in one run (the write path's cost where replication runs).
 
 The bed is ``tests/netbed.py`` (a network namespace and a tmpfs per node, veth links
 through a bridge) with a real ``ckptd serve`` per node and one trainer rank per node
@@ -17,8 +17,8 @@ the links are set on the same bed and daemons, then:
 2. **Saves** through ``LocalCheckpointManager`` (``save(..., is_async=True)`` then
    ``maybe_finalize_async_calls(blocking=True)``, slowest rank), four sessions in turn,
    round after round (the first :data:`WARMUP_ROUNDS` are not counted: with one
-   warm-up round, the first counted one still took up to four times as long): ``f1`` (factor 1, every rank a part of
-   ``--part-mib``: the local write alone), ``f2`` (factor 2, every rank a part),
+   warm-up round, the first counted one still took up to four times as long): ``f1``
+   (factor 1, every rank a part of ``--part-mib``: the local write alone), ``f2`` (factor 2, every rank a part),
    ``half`` (factor 2; ranks 0 and 2 a part, ranks 1 and 3 1 MiB: nodes 0 and 2 only send,
    nodes 1 and 3 only receive) and ``tiny`` (factor 2, every rank 1 MiB: a save's fixed
    cost). Rank 0 reads each daemon's CPU (user + system of the daemon and its writers,
