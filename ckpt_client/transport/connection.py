@@ -19,8 +19,9 @@ one call timeout each. The saves that wait on it read the mark and give up at on
 (:mod:`ckpt_client.transport.daemon_save`), and what they leave for the daemon (abort,
 forget) is sent without waiting for a reply. Any reply to a request sent after the
 unanswered one clears the mark: the daemon read past it, so it answers again (SIGCONT).
-New requests still go out while it is set (a new save's STAGE): the first one answered
-clears it, the first one unanswered confirms it at the cost of its own wait.
+A request older than one answered never marks it (the daemon was only slow on it). New
+requests still go out while it is set (a new save's STAGE, one save's short recheck,
+:meth:`DaemonConnection.claim_recheck`): the first one answered clears it.
 The connection itself is kept, not re-established: the aborts and forgets the given-up
 saves left queued on it must reach a daemon that resumes, before the next request (a new
 socket drops what the old one had queued), and the daemon keeps per-connection state.
@@ -37,7 +38,7 @@ import mmap
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import zmq
@@ -75,6 +76,9 @@ class Silence:
         Monotonic time the wait ended.
     error : DaemonUnavailableError
         What that call raised (the daemon silent, or dead).
+    rechecked : bool
+        Whether a save took the one recheck of this mark
+        (:meth:`DaemonConnection.claim_recheck`).
     """
 
     msg_type: str
@@ -82,6 +86,7 @@ class Silence:
     timeout: float
     since: float
     error: DaemonUnavailableError
+    rechecked: bool = False
 
 
 class DaemonConnection:
@@ -132,6 +137,7 @@ class DaemonConnection:
         self._pool_tensor = None
         self._death_hooks: list[Callable[[DaemonConnection], None]] = []
         self._silence: Silence | None = None
+        self._answered = 0  # the highest request id that got a reply
         self._silence_lock = threading.Lock()  # a poll and a background staging race on it
 
     # ------------------------------------------------------------------ calls
@@ -198,9 +204,9 @@ class DaemonConnection:
 
         A daemon found dead, or silent for at least ``CKPTD_CALL_TIMEOUT`` (the wait after
         which a save gives up on its daemon), marks the connection not answering
-        (:attr:`not_answering`); a reply clears that mark if its request was sent after
-        the unanswered one. A shorter wait that runs out (a best-effort forget or span
-        report) fails only its own call: a busy daemon may answer it late."""
+        (:attr:`not_answering`) unless a later request was answered; a reply clears that
+        mark if its request was sent after the unanswered one. A shorter wait (a forget, a
+        span report) that runs out fails only its own call: a busy daemon may answer late."""
         call_timeout = knobs.CALL_TIMEOUT.get()
         timeout = call_timeout if timeout is None else timeout
         try:
@@ -250,19 +256,34 @@ class DaemonConnection:
         was answered; ``None`` while the daemon answers."""
         return self._silence
 
+    def claim_recheck(self) -> bool:
+        """Whether the caller may ask the daemon (``True`` while not marked): once per
+        mark, one caller sends a recheck with a short wait (a reply clears the mark: the
+        daemon was only slow); every later one gives up without asking, so a stopped
+        daemon costs one short wait more, not one call timeout per save."""
+        with self._silence_lock:
+            silence = self._silence
+            if silence is not None and not silence.rechecked:
+                self._silence = replace(silence, rechecked=True)
+            return silence is None or not silence.rechecked
+
     def _went_silent(self, msg_id: int, msg_type: str, timeout: float,
                      error: DaemonUnavailableError) -> None:
         with self._silence_lock:
+            if msg_id < self._answered:
+                return  # a later request was answered: the daemon only took long on this one
             if self._silence is not None and self._silence.msg_id > msg_id:
                 return  # a later request went unanswered already
             first = self._silence is None
-            self._silence = Silence(msg_type, msg_id, timeout, time.monotonic(), error)
+            self._silence = Silence(msg_type, msg_id, timeout, time.monotonic(), error,
+                                    rechecked=not first and self._silence.rechecked)  # unbroken
         if first:
             log.warning("rank %d: %s; the other saves outstanding on this connection are "
-                        "given up without asking it again", self.rank, error)
+                        "given up unless one short recheck is answered", self.rank, error)
 
     def _heard(self, msg_id: int) -> None:
         with self._silence_lock:
+            self._answered = max(self._answered, msg_id)
             silence = self._silence
             if silence is None or msg_id <= silence.msg_id:
                 return  # answered before the daemon went silent: says nothing about now

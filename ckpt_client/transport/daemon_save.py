@@ -5,9 +5,10 @@ gets back from staging: it waits for staging to end, asks the daemon for the req
 phase (``poll``: a request of a daemon that died or was restarted reads as failed,
 "lost", never as somebody else's result), and forgets or aborts the request there.
 Once a call on its connection went unanswered (the connection's "not answering" mark,
-:attr:`~ckpt_client.transport.connection.DaemonConnection.not_answering`), a save still
-waiting for its outcome gives up at once instead of waiting a call timeout of its own,
-and what it leaves for the daemon (abort, forget) is sent without waiting for a reply.
+:attr:`~ckpt_client.transport.connection.DaemonConnection.not_answering`), one save still
+waiting for its outcome asks once more with a short wait (a daemon that was only slow
+answers, which clears the mark), and the others give up at once instead of waiting a call
+timeout each, and what it leaves for the daemon (abort, forget) is sent without waiting for a reply.
 :class:`RefusedSave` stands in for a save the daemon refused, so that the refusal reaches
 every rank through the queue's agreement. :func:`wait_until_finished` is the client's one
 loop that polls the daemon until saves end.
@@ -26,7 +27,7 @@ from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUn
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport import waits
 from ckpt_client.transport.silent_daemon import (gave_up_message, leave_dropped, not_waited_for,
-                                                 tell_quietly)
+                                                 recheck_wait, tell_quietly)
 
 log = logging.getLogger(__name__)
 
@@ -163,11 +164,13 @@ class DaemonSave:
                 self.connection.socket_path, f"the ckptd daemon (pid {self.connection.daemon_pid})"
                 f" gave no outcome within {limit:.0f}s of accepting the save, longer than its "
                 f"own deadline for a save (CKPTD_SAVE_DEADLINE)"))
-        if self.connection.not_answering is not None:
+        if (rechecking := self.connection.not_answering is not None) \
+                and not self.connection.claim_recheck():  # another save rechecked it
             self._drop_staged_reply()
             return self._give_up(not_waited_for(self.connection))
         try:
-            reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]))
+            reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]),
+                                         timeout=recheck_wait() if rechecking else None)
             self._read_staged_reply()
             self.last = reply.requests[self.request_id]
             if self.last.stale_of:
@@ -179,8 +182,8 @@ class DaemonSave:
             self._drop_staged_reply()
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
                 raise
-            if isinstance(exc, DaemonUnavailableError):
-                return self._give_up(exc)
+            if isinstance(exc, DaemonUnavailableError):  # a recheck says what marked it
+                return self._give_up(not_waited_for(self.connection) if rechecking else exc)
             self.last = RequestState(phase="unknown", error=str(exc))
         if self.last.phase == "unknown":
             self.last = RequestState(phase=Phase.FAILED, error=(
@@ -211,11 +214,12 @@ class DaemonSave:
         if msg_id is not None:
             self.connection.channel.drop(msg_id)
 
-    def _give_up(self, exc: DaemonUnavailableError) -> RequestState:
+    def _give_up(self, exc: DaemonUnavailableError, reason: str = "the trainer gave up "
+                 "waiting: the daemon did not answer", copying: bool = False) -> RequestState:
         """The daemon did not answer (dead, or stopped: SIGSTOP, a hung node): this rank's
         wait ends here, and an abort and a forget that deletes the files are left queued
         for a daemon that resumes (:func:`~ckpt_client.transport.silent_daemon.leave_dropped`)."""
-        self._leave_dropped("the trainer gave up waiting: the daemon did not answer")
+        self._leave_dropped(reason, copying)
         self.last = RequestState(phase=Phase.FAILED, error=gave_up_message(
             self.rank, self.path, self.last.phase, exc, self.connection.socket_path))
         return self.last
@@ -273,7 +277,9 @@ class DaemonSave:
         if self.gave_up:
             return
         if self.request_id is not None and self.connection.not_answering is not None:
-            return self._leave_dropped(reason, copying)
+            self._drop_staged_reply()  # and it reads as failed: nothing is sent for it again
+            self._give_up(not_waited_for(self.connection), reason, copying)
+            return
         if self.request_id is not None:
             try:
                 self.connection.call(MessageType.ABORT, Abort(request_ids=[self.request_id],

@@ -4,7 +4,9 @@ A save stops waiting for its daemon (for its outcome, or for its turn to be stag
 background) when a call of its own goes unanswered, or when an earlier call on the same
 connection did (the connection's "not answering" mark,
 :attr:`~ckpt_client.transport.connection.DaemonConnection.not_answering`): then asking
-again would only cost another call timeout per save. This module builds the error that
+again would only cost another call timeout per save, except for one recheck per mark with
+a short wait (:func:`recheck_wait`), which a daemon that was only slow answers. This module
+says how long that recheck waits, builds the error that
 says which of the two happened, and sends what a resumed daemon must still read (the
 abort and the forget of a given-up save) without waiting for replies. It keeps no state:
 the mark is the connection's, ``gave_up`` is the save's.
@@ -14,11 +16,19 @@ from __future__ import annotations
 
 import time
 
+from ckptd import knobs
 from ckptd.protocol import Abort, Body, Forget, MessageType
 from ckpt_client.errors import DaemonNotAnsweringError, DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection
 
-__all__ = ["not_waited_for", "leave_dropped", "tell_quietly", "gave_up_message"]
+__all__ = ["not_waited_for", "leave_dropped", "tell_quietly", "gave_up_message", "recheck_wait"]
+
+
+def recheck_wait() -> float:
+    """Seconds the one recheck of a connection marked not answering waits for its reply:
+    as long as a hello may take (a daemon that serves at all answers that soon), never
+    longer than an ordinary call's wait."""
+    return min(knobs.HELLO_TIMEOUT.get(), knobs.CALL_TIMEOUT.get())
 
 
 def not_waited_for(connection: DaemonConnection) -> DaemonUnavailableError:

@@ -24,9 +24,14 @@ from ckpt_client.transport.daemon_save import DaemonSave
 class FakeDaemon:
     """Answers each request type with a fixed body (a map, sent as it is)."""
 
-    def __init__(self, socket_path: str, answers: dict, silent: tuple = ()) -> None:
+    def __init__(self, socket_path: str, answers: dict, silent: tuple = (),
+                 late: tuple = ()) -> None:
         self.answers = answers
         self.silent = silent  # request types it reads and never answers (a stopped daemon)
+        # Request types whose first request it answers only once the next request came
+        # (a daemon slow on that one request, which then answers again).
+        self.late = set(late)
+        self._held: list = []
         self.received: list = []  # (message type, body) of each request
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
@@ -46,9 +51,15 @@ class FakeDaemon:
             self.received.append((message.type, message.body))
             if message.type in self.silent:
                 continue
-            body = self.answers.get(message.type, {})
-            self.socket.send_multipart([routing_id, *protocol.encode(MessageType.REPLY,
-                                                                     message.id, body)])
+            if message.type in self.late:
+                self.late.discard(message.type)
+                self._held.append((routing_id, message))
+                continue
+            for to, answered in [*self._held, (routing_id, message)]:
+                body = self.answers.get(answered.type, {})
+                self.socket.send_multipart([to, *protocol.encode(MessageType.REPLY,
+                                                                 answered.id, body)])
+            self._held.clear()
 
     def close(self) -> None:
         self._stop.set()
@@ -65,9 +76,9 @@ def daemon_at(tmp_path):
     hello = HelloReply(daemon_pid=os.getpid(), incarnation="inc-1", version="0.0",
                        pool_path=str(pool), pool_size=4096).to_wire()
 
-    def start(answers: dict, silent: tuple = ()) -> str:
+    def start(answers: dict, silent: tuple = (), late: tuple = ()) -> str:
         made.append(FakeDaemon(str(tmp_path / "d.sock"), {MessageType.HELLO: hello, **answers},
-                               silent))
+                               silent, late))
         return str(tmp_path / "d.sock")
 
     start.made = made
@@ -167,8 +178,10 @@ def test_a_save_given_up_on_asks_the_silent_daemon_nothing_more(daemon_at):
 
 def test_one_unanswered_call_gives_up_every_save_outstanding_on_the_connection(daemon_at):
     """Three saves in flight on a daemon that stopped answering: the first POLL goes
-    unanswered, and the other two give up at once, saying an earlier call went unanswered,
-    instead of each waiting a call timeout of its own (k saves cost one timeout, not k).
+    unanswered, the second save rechecks with one POLL (a short wait, unanswered too), and
+    the third gives up without asking; each says an earlier call went unanswered, instead
+    of each waiting a call timeout of its own (k saves cost one timeout and one short
+    recheck, not k timeouts).
     Dropping them afterwards (close(abort=True)) sends nothing more: each one's abort and
     forget were queued when it gave up. A reply to a later request clears the mark."""
     from ckptd import knobs
@@ -197,9 +210,10 @@ def test_one_unanswered_call_gives_up_every_save_outstanding_on_the_connection(d
         assert f"pid {os.getpid()}" in error and f"ckptd status --socket {socket}" in error
     sent = [(kind, body["request_ids"]) for kind, body in daemon_at.made[0].received
             if kind not in (MessageType.HELLO, MessageType.PING, MessageType.GOODBYE)]
-    assert sent == [(MessageType.POLL, [1])] + [
-        (kind, [rid]) for rid in (1, 2, 3) for kind in (MessageType.ABORT, MessageType.FORGET)
-    ], sent
+    left = [MessageType.ABORT, MessageType.FORGET]
+    assert sent == [(kind, [rid]) for rid, kinds in ((1, [MessageType.POLL, *left]),
+                                                      (2, [MessageType.POLL, *left]), (3, left))
+                    for kind in kinds], sent
 
 
 def test_a_reply_to_a_request_sent_before_the_unanswered_one_keeps_the_mark(daemon_at):
@@ -220,3 +234,83 @@ def test_a_reply_to_a_request_sent_before_the_unanswered_one_keeps_the_mark(daem
         assert conn.not_answering is None
     finally:
         conn.close()
+
+
+def done(*request_ids: int) -> dict:
+    """A POLL reply saying each of ``request_ids`` is done."""
+    return {"requests": {rid: {"phase": "done"} for rid in request_ids}}
+
+
+def test_a_daemon_slow_on_one_poll_is_rechecked_and_the_other_saves_go_on(daemon_at):
+    """The daemon takes longer than a call timeout on one POLL, then answers again: the
+    save that waited gives up, but the next save's recheck (one POLL) is answered, which
+    clears the mark, so neither it nor the third save is given up, aborted or deleted
+    (they were committed)."""
+    from ckptd import knobs
+
+    socket = daemon_at({MessageType.POLL: done(1, 2, 3)}, late=(MessageType.POLL,))
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        saves = [DaemonSave(conn, rid, f"/ckpt/s{rid}") for rid in (1, 2, 3)]
+        for save in saves:
+            save.mark_staged()
+        with knobs.override(CALL_TIMEOUT=0.2):
+            assert saves[0].finished and "did not answer a poll request" in saves[0].error
+            assert conn.not_answering is not None
+            assert saves[1].finished and saves[1].error is None, saves[1].error
+            assert conn.not_answering is None, "the answered recheck clears the mark"
+            assert saves[2].finished and saves[2].error is None, saves[2].error
+    finally:
+        conn.close()
+    sent = [(kind, body["request_ids"]) for kind, body in daemon_at.made[0].received
+            if kind not in (MessageType.HELLO, MessageType.GOODBYE)]
+    assert sent == [(MessageType.POLL, [1]), (MessageType.ABORT, [1]), (MessageType.FORGET, [1]),
+                    (MessageType.POLL, [2]), (MessageType.POLL, [3])], sent
+
+
+def test_a_reply_run_out_after_a_later_request_was_answered_does_not_mark(daemon_at):
+    """An older request (a STAGED sent without waiting) whose wait runs out after a later
+    request (a POLL) was answered: the daemon read past it and answers, so the connection
+    is not marked not answering."""
+    from ckptd import knobs
+    from ckpt_client.errors import DaemonNotAnsweringError
+
+    socket = daemon_at({MessageType.POLL: done(1)}, silent=(MessageType.STAGED,))
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        staged = conn.send(MessageType.STAGED, protocol.Staged(request_id=1))
+        assert conn.call(MessageType.POLL, protocol.Poll(request_ids=[1])).requests[1].phase \
+            == "done"
+        with knobs.override(CALL_TIMEOUT=0.2), pytest.raises(DaemonNotAnsweringError):
+            conn.reply_to(staged, MessageType.STAGED)
+        assert conn.not_answering is None
+    finally:
+        conn.close()
+
+
+def test_aborting_a_save_on_a_marked_connection_leaves_it_failed_once(daemon_at):
+    """abort() on a connection marked not answering queues ABORT and FORGET once: the save
+    then reads as failed without asking again, and its STAGED reply is no longer kept."""
+    from ckptd import knobs
+
+    socket = daemon_at({}, silent=(MessageType.POLL, MessageType.STAGED))
+    conn = connect(socket, auto_start=False, rank=0)
+    try:
+        first, second = DaemonSave(conn, 1, "/ckpt/s1"), DaemonSave(conn, 2, "/ckpt/s2")
+        first.mark_staged()
+        second.mark_staged()
+        second.staged_reply = conn.send(MessageType.STAGED, protocol.Staged(request_id=2))
+        with knobs.override(CALL_TIMEOUT=0.2):
+            assert first.finished and conn.not_answering is not None
+            second.abort("the trainer called AsyncCallsQueue.close(abort=True)")
+            assert second.finished and "gave up on the save of /ckpt/s2" in second.error
+            second.forget(delete_files=True)
+        assert second.staged_reply is None
+        assert second.last.phase == "failed"
+        assert conn.channel._awaited == set(), "nobody waits for the STAGED reply any more"
+    finally:
+        conn.close()
+    sent = [(kind, body["request_ids"]) for kind, body in daemon_at.made[0].received
+            if kind in (MessageType.POLL, MessageType.ABORT, MessageType.FORGET)]
+    assert sent == [(MessageType.POLL, [1]), (MessageType.ABORT, [1]), (MessageType.FORGET, [1]),
+                    (MessageType.ABORT, [2]), (MessageType.FORGET, [2])], sent
