@@ -88,6 +88,14 @@ def daemon_at(tmp_path):
         fake.close()
 
 
+def staged_saves(conn, *request_ids: int) -> list:
+    """A staged save on ``conn`` for each of ``request_ids``, waiting for its outcome."""
+    saves = [DaemonSave(conn, rid, f"/ckpt/s{rid}") for rid in request_ids]
+    for save in saves:
+        save.mark_staged()
+    return saves
+
+
 def test_a_well_formed_reply_arrives_as_its_typed_body(daemon_at):
     socket = daemon_at({MessageType.PING: {"pid": 5, "added_by_a_newer_daemon": True}})
     conn = connect(socket, auto_start=False, rank=0)
@@ -189,9 +197,7 @@ def test_one_unanswered_call_gives_up_every_save_outstanding_on_the_connection(d
     socket = daemon_at({MessageType.PING: {"pid": 5}}, silent=(MessageType.POLL,))
     conn = connect(socket, auto_start=False, rank=0)
     try:
-        saves = [DaemonSave(conn, rid, f"/ckpt/s{rid}") for rid in (1, 2, 3)]
-        for save in saves:
-            save.mark_staged()
+        saves = staged_saves(conn, 1, 2, 3)
         with knobs.override(CALL_TIMEOUT=0.2):
             assert all(save.finished for save in saves)
         assert conn.not_answering is not None and conn.not_answering.msg_type == "poll"
@@ -251,9 +257,7 @@ def test_a_daemon_slow_on_one_poll_is_rechecked_and_the_other_saves_go_on(daemon
     socket = daemon_at({MessageType.POLL: done(1, 2, 3)}, late=(MessageType.POLL,))
     conn = connect(socket, auto_start=False, rank=0)
     try:
-        saves = [DaemonSave(conn, rid, f"/ckpt/s{rid}") for rid in (1, 2, 3)]
-        for save in saves:
-            save.mark_staged()
+        saves = staged_saves(conn, 1, 2, 3)
         with knobs.override(CALL_TIMEOUT=0.2):
             assert saves[0].finished and "did not answer a poll request" in saves[0].error
             assert conn.not_answering is not None
@@ -296,9 +300,7 @@ def test_aborting_a_save_on_a_marked_connection_leaves_it_failed_once(daemon_at)
     socket = daemon_at({}, silent=(MessageType.POLL, MessageType.STAGED))
     conn = connect(socket, auto_start=False, rank=0)
     try:
-        first, second = DaemonSave(conn, 1, "/ckpt/s1"), DaemonSave(conn, 2, "/ckpt/s2")
-        first.mark_staged()
-        second.mark_staged()
+        first, second = staged_saves(conn, 1, 2)
         second.staged_reply = conn.send(MessageType.STAGED, protocol.Staged(request_id=2))
         with knobs.override(CALL_TIMEOUT=0.2):
             assert first.finished and conn.not_answering is not None
