@@ -200,8 +200,11 @@ class DirectFileWriter:
         self._allocate_step = knobs.DIRECT_ALLOCATE_BYTES.get() // PAGE * PAGE
         self._allocating = self._allocate_step > 0 and allocating_ahead_pays(fd)
         if self._allocating and size_hint > 0:
-            if fallocate(fd, 0, 0, size_hint) == 0:
-                self._allocated = size_hint
+            # Whole pages: the last one is written padded, and allocating its tail later
+            # would wait for every write in flight (what allocating up front avoids).
+            ahead = -(-size_hint // PAGE) * PAGE
+            if fallocate(fd, 0, 0, ahead) == 0:
+                self._allocated = ahead
             else:
                 self._allocating = False
         self._direct_from = knobs.DIRECT_MIN_BYTES.get()  # read once: a file has thousands of writes

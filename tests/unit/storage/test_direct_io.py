@@ -101,6 +101,35 @@ def test_space_allocated_up_front_from_a_size_hint_leaves_the_file_exact(tmp_pat
         f"{allocated} bytes still allocated to a {os.path.getsize(path)}-byte file"
 
 
+def test_an_exact_size_hint_is_the_one_allocation_of_the_file(tmp_path, monkeypatch):
+    """Allocating past a file's end waits for every direct write in flight: given the
+    file's exact size (a DCP file's, from its layout), the writer allocates once, before
+    its first write, in whole pages (the last is written padded), and never again."""
+    fd = os.open(str(tmp_path), os.O_RDONLY)
+    try:
+        pays = direct_io.fallocate is not None and direct_io.allocating_ahead_pays(fd)
+    finally:
+        os.close(fd)
+    if not pays:
+        pytest.skip("this filesystem does not allocate ahead (tmpfs, or no fallocate)")
+    calls = []
+    real = direct_io.fallocate
+
+    def counted(fd, mode, offset, length):
+        calls.append((offset, length))
+        return real(fd, mode, offset, length)
+
+    monkeypatch.setattr(direct_io, "fallocate", counted)
+    data = page_aligned(3 * (1 << 20) + 5, 4)
+    size = PAGE + data.nbytes  # not a whole number of pages
+    with knobs.override(DIRECT_CHUNK_BYTES=1 << 20):
+        write_file_atomically(str(tmp_path / "f"),
+                              lambda s: (s.write(b"x" * PAGE), s.write(data)),
+                              direct=True, size_hint=size)
+    assert (tmp_path / "f").read_bytes() == b"x" * PAGE + bytes(data)
+    assert calls == [(0, -(-size // PAGE) * PAGE)], calls
+
+
 def test_a_failed_direct_write_leaves_nothing(tmp_path):
     def body(stream):
         stream.write(page_aligned(1 << 20, 1))
