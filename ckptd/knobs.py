@@ -320,8 +320,6 @@ PEER_HANDSHAKE_TIMEOUT = _knob(
     "PEER_HANDSHAKE_TIMEOUT", 10.0, float, "Seconds to connect and authenticate a bulk connection")
 PEER_BULK_PORT = _knob(
     "PEER_BULK_PORT", 0, int, "tcp port of the bulk listener (0: any free port, advertised)")
-# Control messages only (heartbeats, fetch requests): one I/O thread is plenty, two let
-# CURVE of a busy peer not delay another's.
 # On a paced link segments arrive a few at a time, and waking the receiving thread for
 # each (a context switch and a return to Python every ~100 KiB at 2 Gbit) cost a receiving
 # daemon about a sixth more CPU per GB than on an unlimited link.
@@ -332,6 +330,8 @@ PEER_RECEIVE_SLICE_BYTES = _knob(
 PEER_RECEIVE_SLICE_WAIT = _knob(
     "PEER_RECEIVE_SLICE_WAIT", 0.05, float,
     "Seconds a receive waits for a whole slice before it takes bytes as they come")
+# Control messages only (heartbeats, fetch requests): one I/O thread is plenty, two let
+# CURVE of a busy peer not delay another's.
 PEER_IO_THREADS = _knob(
     "PEER_IO_THREADS", 2, int, "ZeroMQ I/O threads of the peer context (control messages)")
 REPLICATOR_TICK = _knob(

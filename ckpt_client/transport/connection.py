@@ -256,16 +256,17 @@ class DaemonConnection:
         was answered; ``None`` while the daemon answers."""
         return self._silence
 
-    def claim_recheck(self) -> bool:
-        """Whether the caller may ask the daemon (``True`` while not marked): once per
-        mark, one caller sends a recheck with a short wait (a reply clears the mark: the
-        daemon was only slow); every later one gives up without asking, so a stopped
-        daemon costs one short wait more, not one call timeout per save."""
+    def claim_recheck(self) -> str | None:
+        """How the caller may ask the daemon: ``None`` (not marked), ``"recheck"`` (the one
+        recheck of this mark, with a short wait: a reply clears the mark) or ``"silent"``
+        (another caller rechecked: give up without asking; a stopped daemon costs one
+        short wait more, not one call timeout per save)."""
         with self._silence_lock:
             silence = self._silence
-            if silence is not None and not silence.rechecked:
-                self._silence = replace(silence, rechecked=True)
-            return silence is None or not silence.rechecked
+            if silence is None or silence.rechecked:
+                return None if silence is None else "silent"
+            self._silence = replace(silence, rechecked=True)
+            return "recheck"
 
     def _went_silent(self, msg_id: int, msg_type: str, timeout: float,
                      error: DaemonUnavailableError) -> None:

@@ -164,13 +164,12 @@ class DaemonSave:
                 self.connection.socket_path, f"the ckptd daemon (pid {self.connection.daemon_pid})"
                 f" gave no outcome within {limit:.0f}s of accepting the save, longer than its "
                 f"own deadline for a save (CKPTD_SAVE_DEADLINE)"))
-        if (rechecking := self.connection.not_answering is not None) \
-                and not self.connection.claim_recheck():  # another save rechecked it
+        if (claim := self.connection.claim_recheck()) == "silent":  # another save rechecked
             self._drop_staged_reply()
             return self._give_up(not_waited_for(self.connection))
         try:
             reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]),
-                                         timeout=recheck_wait() if rechecking else None)
+                                         timeout=recheck_wait() if claim == "recheck" else None)
             self._read_staged_reply()
             self.last = reply.requests[self.request_id]
             if self.last.stale_of:
@@ -183,7 +182,7 @@ class DaemonSave:
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
                 raise
             if isinstance(exc, DaemonUnavailableError):  # a recheck says what marked it
-                return self._give_up(not_waited_for(self.connection) if rechecking else exc)
+                return self._give_up(not_waited_for(self.connection) if claim else exc)
             self.last = RequestState(phase="unknown", error=str(exc))
         if self.last.phase == "unknown":
             self.last = RequestState(phase=Phase.FAILED, error=(
