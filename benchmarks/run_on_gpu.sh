@@ -65,7 +65,7 @@ bench)
     ;;
 extra)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step gpu_saves_expandable \
-        "${CAP_SAVES:-90}" python3 benchmarks/bench_gpu_saves.py --size-gib 1 \
+        "${CAP_SAVES:-150}" python3 benchmarks/bench_gpu_saves.py --size-gib 1 \
         --workdir /dev/shm --out "$OUT/RESULTS_GPU_saves_expandable.md"
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step bench_ranks_expandable \
         "${CAP_RANKS:-90}" python3 benchmarks/bench_ranks.py --size-gib 2 --ranks 1,2 \
