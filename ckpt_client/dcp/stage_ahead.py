@@ -14,8 +14,9 @@ remembered one or a subset of it (the global plan may drop items a replicated te
 on another rank; their staged bytes are written but no ``.metadata`` entry points at
 them). A final plan with an item that was not staged, or with another file prefix, fails
 the save (the trainer has moved on, so its tensors cannot be staged again). A save whose
-planning fails never adopts its early saves: they are aborted (the daemon removes what
-they wrote) once the executor thread has ended.
+planning fails never adopts its early saves: once the executor thread has ended, the
+save's ticket drops the state dict (the Stager keeps its last ticket until its next save)
+and the saves are aborted (the daemon removes what they wrote).
 
 Only saves run by DCP's thread executor are staged ahead or remembered. With the
 ``PROCESS`` executor the trainer is already released before DCP plans: the state dict is
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -87,15 +89,21 @@ class StagedAhead:
         The remembered plan.
     state_dict : dict
         The save's state dict (``Stateful`` values already turned into their state).
+    when_abandoned : callable, optional
+        Called (before the saves are aborted) when the save's planning failed: its owner
+        drops what it keeps of the save, so that nothing waits for its next save to free
+        the tensors.
     """
 
-    def __init__(self, writer, reusable: ReusablePlan, state_dict) -> None:
+    def __init__(self, writer, reusable: ReusablePlan, state_dict,
+                 when_abandoned: Callable[[], None] | None = None) -> None:
         self.plan = reusable.local_plan
         self.adopted = False
         sources = reusable.sources(self.plan, state_dict, _TRANSFORM)
         self.saves = writer.stage(self.plan, _TRANSFORM, sources=sources,
                                   buffers=reusable.buffers(self.plan, sources))
-        threading.Thread(target=self._abort_unless_adopted, args=(threading.current_thread(),),
+        threading.Thread(target=self._abort_unless_adopted,
+                         args=(threading.current_thread(), when_abandoned),
                          name="ckptd-stage-ahead-watch", daemon=True).start()
 
     def adopt(self, final_plan: SavePlan) -> tuple:
@@ -126,9 +134,12 @@ class StagedAhead:
         for save in self.saves:
             save.abort(reason)
 
-    def _abort_unless_adopted(self, executor: threading.Thread) -> None:
+    def _abort_unless_adopted(self, executor: threading.Thread,
+                              when_abandoned: Callable[[], None] | None) -> None:
         executor.join()  # DCP's executor thread runs one save, then ends
         if not self.adopted:
             log.warning("a DCP save staged ahead was never written (its planning failed); "
                         "dropping its staged bytes")
+            if when_abandoned is not None:
+                when_abandoned()
             self.abort("the DCP save's planning failed after it was staged ahead")

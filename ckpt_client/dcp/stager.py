@@ -95,7 +95,8 @@ class StagingTicket:
         if reusable is None:
             return
         try:
-            self.ahead = StagedAhead(writer, reusable, self.state_dict)
+            self.ahead = StagedAhead(writer, reusable, self.state_dict,
+                                     when_abandoned=self.done_with_state)
         except (DaemonRequestError, DaemonUnavailableError, CheckpointException):
             return  # write_data's own staging meets (and reports) the same refusal
         self.punch()
@@ -127,6 +128,7 @@ class StagingTicket:
         while not self._done.wait(0.05):
             consumer = self._consumer
             if consumer is not None and not consumer.is_alive():
+                self.done_with_state()  # never written: the stager keeps this ticket
                 self.punch(RuntimeError(
                     f"the DCP save thread {consumer.name!r} ended before staging: its "
                     f"planning failed (the upload future holds the error), or the "

@@ -235,3 +235,64 @@ def test_the_process_executor_releases_the_trainer_before_planning(daemon, tmp_p
                                  args=(root,), daemon=False, timeout=240))
     assert outcome == [("thread-1", None, True, True), ("process", True, True, True),
                        ("thread-2", True, True, True)]
+
+
+#: Names of the threads a failed stock async_save through a Stager runs: DCP's executor,
+#: the watch that aborts a save staged ahead, the zero-stall form's wait for staging.
+SAVE_THREADS = ("AsyncCheckpointExecutor", "ckptd-stage-ahead-watch", "ckptd-stager-wait")
+
+
+@pytest.mark.parametrize("zero_stall,ahead", [(False, True), (True, True), (True, False)],
+                         ids=["default", "zero_stall", "zero_stall_not_ahead"])
+def test_a_save_whose_planning_fails_frees_its_tensors_and_requests_at_once(
+        daemon, monkeypatch, zero_stall, ahead):
+    """A save (staged ahead with the remembered plan, or not) whose DCP planning fails:
+    once its upload future has failed, the daemon holds none of its requests (the
+    staged-ahead saves are aborted) and its tensors are freed although the stager lives
+    on and keeps its last ticket until its next save (the collector is off but for one
+    pass over DCP's own cycle: a ticket that kept the state dict fails this; on a GPU it
+    held device memory until the next save)."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    root = daemon.roots[0]
+    stager = dcp.Stager(zero_stall=zero_stall)
+    gate = threading.Event()
+    gate.set()
+
+    def save(state, name, fail=False):
+        response = DCP.async_save(state, storage_writer=dcp.StorageWriter(f"{root}/{name}"),
+                                  async_stager=stager, planner=GatedPlanner(gate, fail=fail))
+        return response.upload_completion if zero_stall else response
+
+    state = {"w": torch.ones(1 << 16), "nested": {"t": [torch.ones(1 << 10) * 2]}}
+    if ahead:
+        save(state, "ok").result(timeout=120)  # remembered: the next save is staged ahead
+    state = {"w": torch.ones(1 << 16), "nested": {"t": [torch.ones(1 << 10) * 2]}}
+    storages = [StorageWeakRef(state["w"].untyped_storage()),
+                StorageWeakRef(state["nested"]["t"][0].untyped_storage())]
+    gc.collect()
+    gc.disable()
+    try:
+        upload = save(state, "failing", fail=True)
+        del state
+        failed = upload.exception(timeout=120)
+        assert "global planning failed" in repr(failed.args)
+        del upload, failed
+        # DCP's failure is a reference cycle of its own (the planner's error keeps its
+        # traceback, whose frames keep the error and the state dict): once every thread
+        # of the save ended, one pass of the collector frees that, and nothing of
+        # ckpt_client may keep the tensors beyond it.
+        wait_for(lambda: not any(t.name.startswith(SAVE_THREADS)
+                                 for t in threading.enumerate()), 30,
+                 "the threads of the failed save to end")
+        gc.collect()
+        assert all(s.expired() for s in storages), "the failed save's tensors are kept"
+        wait_for(lambda: not daemon.status()["saves"]
+                 and daemon.status()["pool"]["used_bytes"] == 0, 30,
+                 "the daemon to drop the saves staged ahead")  # their writers answer first
+    finally:
+        gc.enable()
+        stager.close()
