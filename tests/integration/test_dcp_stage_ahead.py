@@ -267,12 +267,14 @@ def test_a_save_whose_planning_fails_frees_its_tensors_and_requests_at_once(
                                   async_stager=stager, planner=GatedPlanner(gate, fail=fail))
         return response.upload_completion if zero_stall else response
 
-    state = {"w": torch.ones(1 << 16), "nested": {"t": [torch.ones(1 << 10) * 2]}}
+    def fresh() -> dict:
+        return {"model": {"w": torch.ones(1 << 16)}, "optim": [torch.ones(1 << 10) * 2]}
+
     if ahead:
-        save(state, "ok").result(timeout=120)  # remembered: the next save is staged ahead
-    state = {"w": torch.ones(1 << 16), "nested": {"t": [torch.ones(1 << 10) * 2]}}
-    storages = [StorageWeakRef(state["w"].untyped_storage()),
-                StorageWeakRef(state["nested"]["t"][0].untyped_storage())]
+        save(fresh(), "ok").result(timeout=120)  # remembered: the next save is staged ahead
+    state = fresh()
+    storages = [StorageWeakRef(t.untyped_storage()) for t in (state["model"]["w"],
+                                                               state["optim"][0])]
     gc.collect()
     gc.disable()
     try:
