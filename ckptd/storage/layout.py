@@ -2,12 +2,17 @@
 
 A tiered DCP save is handed over at staging time: its coordinator gives the daemon the
 ``.metadata`` it will commit, and that names each item's offset and length in its file.
-Owns the one rule of where items go, which the writers follow (:func:`item_start`): one
-after the other, each tensor as one ``torch.save`` archive starting on a 4 KiB boundary
-of the file (so its bytes can be written with O_DIRECT; stock files keep torch's layout,
-back to back), each byte item raw. A tensor archive's size depends only on its dtype and
-shape (the zip records, the pickle, the alignment padding and the zip64 thresholds are
-all fixed by them). So the layout is
+Owns the one rule of where items go, which the writers follow (:func:`item_start`,
+:func:`tensor_item_alignments`): one after the other, each tensor as one ``torch.save``
+archive, each byte item raw. In ckptd's files a tensor the staging pool keeps on a page
+(``PAGE_ALIGNED_FROM`` bytes and more) starts its archive on a 4 KiB boundary of the file
+with its bytes on the next one, so they go to the disk with O_DIRECT straight from the
+pool; its other records and every smaller tensor's archive (which the writer copies
+through its bounce buffer anyway) use torch's default 64-byte alignment, back to back: a
+page per record and per small item made a DCP file of the optimizer state 4 % larger
+than its tensors. Stock files keep torch's layout. A tensor archive's size depends only
+on its dtype and shape (the zip records, the pickle, the alignment padding and the zip64
+thresholds are all fixed by them). So the layout is
 computed here by running the archive writer of :mod:`ckptd.storage.torch_format` over a
 stream that only counts, with a tensor whose pages are never touched (an anonymous
 mapping), once per distinct dtype and shape. The writer's real placements are checked
@@ -23,19 +28,31 @@ import functools
 import math
 import mmap
 
+from ckptd.protocol.layout import PAGE_ALIGNED_FROM
 from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, DTYPES, PAGE_ALIGNMENT, raw_tensor,
                                         write_tensor_file)
 
 
-def item_start(cursor: int, tensor: bool, stock: bool) -> int:
+def on_a_page(nbytes: int, stock: bool) -> bool:
+    """Whether a tensor item of ``nbytes`` starts on a page of its file (and its bytes on
+    the next): a ckptd file's tensor whose staged bytes are page-aligned."""
+    return not stock and nbytes >= PAGE_ALIGNED_FROM
+
+
+def item_start(cursor: int, nbytes: int | None, stock: bool) -> int:
     """Where the next item of a ``.distcp`` file starts when the file has ``cursor`` bytes:
-    a ckptd tensor archive on the next page, anything else right there."""
-    return -(-cursor // PAGE_ALIGNMENT) * PAGE_ALIGNMENT if tensor and not stock else cursor
+    a large tensor's archive (``nbytes`` its tensor's bytes) in a ckptd file on the next
+    page, anything else (``nbytes`` None for a byte item) right there."""
+    if nbytes is not None and on_a_page(nbytes, stock):
+        return -(-cursor // PAGE_ALIGNMENT) * PAGE_ALIGNMENT
+    return cursor
 
 
-def archive_alignment(stock: bool) -> int:
-    """The storage alignment inside a tensor item's archive."""
-    return DEFAULT_ALIGNMENT if stock else PAGE_ALIGNMENT
+def tensor_item_alignments(nbytes: int, stock: bool) -> tuple[int, int]:
+    """``(storage alignment, other records' alignment)`` inside a tensor item's archive."""
+    if on_a_page(nbytes, stock):
+        return PAGE_ALIGNMENT, DEFAULT_ALIGNMENT
+    return DEFAULT_ALIGNMENT, DEFAULT_ALIGNMENT
 
 
 class _CountingSink:
@@ -55,12 +72,13 @@ def tensor_archive_size(dtype: str, shape: tuple, stock: bool = False) -> int:
     """Bytes of ``torch.save(tensor)`` for a contiguous tensor of ``dtype`` and ``shape``
     (with ckptd's page alignment, or torch's default one for ``stock`` files)."""
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+    alignment, record_alignment = tensor_item_alignments(nbytes, stock)
     pages = mmap.mmap(-1, max(nbytes, 1))  # untouched anonymous pages cost nothing
     try:
         view = memoryview(pages)[:nbytes]
         sink = _CountingSink()
-        write_tensor_file(sink, raw_tensor(view, dtype, list(shape)),
-                          alignment=archive_alignment(stock))
+        write_tensor_file(sink, raw_tensor(view, dtype, list(shape)), alignment=alignment,
+                          record_alignment=record_alignment)
         view.release()
         return sink.size
     finally:
@@ -80,8 +98,13 @@ def file_size(buffers: list, stock: bool = False) -> int:
     in order."""
     cursor = 0
     for buffer in buffers:
-        cursor = item_start(cursor, buffer[0] != "bytes", stock) + item_size(buffer, stock)
+        cursor = item_start(cursor, _tensor_bytes(buffer), stock) + item_size(buffer, stock)
     return cursor
+
+
+def _tensor_bytes(buffer: list) -> int | None:
+    """A staged buffer's tensor bytes, None for a byte item."""
+    return None if buffer[0] == "bytes" else buffer[2]
 
 
 def predict_placements(buffers: list, files: list, stock: bool = False) -> dict:
@@ -91,7 +114,7 @@ def predict_placements(buffers: list, files: list, stock: bool = False) -> dict:
     for name, indices in files:
         cursor, spots = 0, []
         for index in indices:
-            start = item_start(cursor, buffers[index][0] != "bytes", stock)
+            start = item_start(cursor, _tensor_bytes(buffers[index]), stock)
             length = item_size(buffers[index], stock)
             spots.append([start, length])
             cursor = start + length

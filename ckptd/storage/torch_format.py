@@ -105,15 +105,21 @@ def write_torch_file(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], *
 
 
 def write_archive(stream: Any, skeleton: Any, tensors: Sequence[RawTensor], crc32: bool,
-                  max_write: int | None, alignment: int) -> ArchiveWriter:
-    """The archive of :func:`write_torch_file`, written; returns its writer (positions)."""
+                  max_write: int | None, alignment: int,
+                  record_alignment: int | None = None) -> ArchiveWriter:
+    """The archive of :func:`write_torch_file`, written; returns its writer (positions).
+
+    ``record_alignment`` (default: ``alignment``) places the records that are not
+    storages (the pickle, the version records, the serialization id); torch's writer
+    aligns them all alike, torch's loader finds each record from its header.
+    """
     data_pkl, storages = pickle_skeleton(skeleton, tensors)
-    archive = ArchiveWriter(stream, crc32, max_write, alignment)
+    archive = ArchiveWriter(stream, crc32, max_write, record_alignment or alignment)
     write_head_records(archive, data_pkl)
     archive.record(".storage_alignment", str(alignment).encode())
     archive.record("byteorder", sys.byteorder.encode())
     for key, tensor in enumerate(storages):
-        archive.record(f"data/{key}", tensor.data)
+        archive.record(f"data/{key}", tensor.data, alignment)
     archive.record("version", _FILE_VERSION)
     names_hash = serialization_names_hash(len(storages))
     serialization_id = f"{names_hash:020d}{archive.descriptor_crcs:020d}"
@@ -130,21 +136,26 @@ def write_head_records(archive: ArchiveWriter, data_pkl: bytes) -> None:
 
 
 def write_tensor_file(stream: Any, tensor: RawTensor, *, crc32: bool = False,
-                      max_write: int | None = None, alignment: int = DEFAULT_ALIGNMENT) -> int:
+                      max_write: int | None = None, alignment: int = DEFAULT_ALIGNMENT,
+                      record_alignment: int | None = None) -> int:
     """Write one tensor as ``torch.save(tensor, stream)`` would (a DCP tensor item).
 
-    Parameters and result as for :func:`write_torch_file`. Without zip CRCs every byte
-    but the tensor's is fixed by its dtype and shape, so those bytes are built once per
-    dtype and shape (:func:`tensor_archive_template`) and the item is three writes:
+    Parameters and result as for :func:`write_torch_file`, plus ``record_alignment``
+    (default: ``alignment``), where the records other than the tensor's start: a DCP item
+    of ckptd's puts only its tensor's bytes on a page (the six other records on torch's
+    default 64 bytes: a page each would add 24 KiB to every item). Without zip CRCs every
+    byte but the tensor's is fixed by its dtype and shape, so those bytes are built once
+    per dtype and shape (:func:`tensor_archive_template`) and the item is three writes:
     a DCP save of thousands of tensors builds no archive per tensor.
     """
     data = tensor.data
     if crc32 or (data.nbytes >= 8 and data[:4] == _DESCRIPTOR_SIGNATURE):
         # zip CRCs are data; so is the serialization id of a tensor whose bytes start like
         # a data descriptor (torch's writer counts such a write as one)
-        return write_torch_file(stream, TensorRef(0), [tensor], crc32=crc32,
-                                max_write=max_write, alignment=alignment)
-    head, tail = tensor_archive_template(tensor.dtype, tensor.shape, alignment)
+        return write_archive(stream, TensorRef(0), [tensor], crc32, max_write, alignment,
+                             record_alignment).position
+    head, tail = tensor_archive_template(tensor.dtype, tensor.shape, alignment,
+                                         record_alignment or alignment)
     if data.nbytes < _ONE_PIECE_BELOW:
         stream.write(b"".join((head, data, tail)))
     else:
@@ -172,7 +183,8 @@ class _TemplateSink:
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_archive_template(dtype: str, shape: tuple, alignment: int) -> tuple[bytes, bytes]:
+def tensor_archive_template(dtype: str, shape: tuple, alignment: int,
+                            record_alignment: int) -> tuple[bytes, bytes]:
     """The bytes of ``torch.save(tensor)`` (no zip CRCs) before and after the tensor's bytes,
     for a contiguous tensor of ``dtype`` and ``shape`` whose bytes do not start with a zip
     data descriptor's signature: the archive is written once, around a tensor whose pages
@@ -190,7 +202,7 @@ def tensor_archive_template(dtype: str, shape: tuple, alignment: int) -> tuple[b
         view = memoryview(pages)[:nbytes]
         sink = _TemplateSink(pages)
         archive = write_archive(sink, TensorRef(0), [raw_tensor(view, dtype, list(shape))],
-                                 False, None, alignment)
+                                 False, None, alignment, record_alignment)
         view.release()
     finally:
         pages.close()

@@ -118,8 +118,9 @@ class ArchiveWriter:
             self.stream.write(self._gathered)
             self._gathered = bytearray()
 
-    def record(self, name: str, data: Any) -> None:
-        """One stored (uncompressed) record whose data is the buffer ``data``."""
+    def record(self, name: str, data: Any, alignment: int | None = None) -> None:
+        """One stored (uncompressed) record whose data is the buffer ``data``, starting on
+        ``alignment`` (default: the archive's)."""
         data = memoryview(data).cast("B")
         size = data.nbytes
         full_name = f"archive/{name}".encode()
@@ -128,7 +129,7 @@ class ArchiveWriter:
         # torch pads the extra field so the data starts on the alignment
         # (caffe2::serialize::detail::getPadding), after a 4-byte "FB" field header.
         start = offset + _LOCAL_HEADER.size + len(full_name) + 4 + len(zip64)
-        padding = -start % self.alignment
+        padding = -start % (alignment or self.alignment)
         self.data_starts.append(start + padding)
         extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
         flags = _UTF8_NAMES | (_HAS_DESCRIPTOR if size else 0)

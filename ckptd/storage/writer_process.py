@@ -38,7 +38,7 @@ from ckptd.storage.previous import keep_aside
 from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StopWriter, WriteBytes, WriteItems,
                                 WriteProgress, WriterReady, WriteResult, WriteTorch)
-from ckptd.storage.layout import archive_alignment, file_size, item_start
+from ckptd.storage.layout import file_size, item_start, tensor_item_alignments
 from ckptd.storage.torch_format import PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file
 from ckptd.storage.torch_layout import write_torch_layout
 
@@ -184,9 +184,10 @@ class Writer:
         """Items one after the other; records where each one landed.
 
         A tensor item is one complete torch archive, as DCP's ``FileSystemWriter`` writes
-        it (``torch.save(tensor, stream)``). ckptd's own items each start on a 4 KiB
-        boundary of the file (zeros between), with a 4 KiB storage alignment and no zip
-        CRCs: every tensor's bytes can go to the disk straight from the pool. With
+        it (``torch.save(tensor, stream)``). In ckptd's own files (no zip CRCs) a large
+        tensor's item starts on a 4 KiB boundary of the file (zeros before it) with its
+        bytes on the next one, so they go to the disk straight from the pool; smaller
+        items follow back to back (:mod:`ckptd.storage.layout` owns that rule). With
         ``stock`` the items are back to back with torch's defaults (64-byte alignment,
         zip CRC-32s), so the file is stock DCP's byte for byte.
         """
@@ -196,17 +197,17 @@ class Writer:
                   else self.tensor_at(offset, nbytes, dtype, shape))
                  for offset, nbytes, dtype, shape in job.items]
 
-        alignment = archive_alignment(job.stock)
-
         def write_items(stream: ChecksumWriter) -> None:
             for item in items:
                 tensor = isinstance(item, RawTensor)
-                start = item_start(stream.tell(), tensor, job.stock)
+                nbytes = item.data.nbytes if tensor else None
+                start = item_start(stream.tell(), nbytes, job.stock)
                 if start > stream.tell():  # zeros up to the page; DCP reads by offset
                     stream.write(bytes(start - stream.tell()))
                 if tensor:
+                    alignment, record_alignment = tensor_item_alignments(nbytes, job.stock)
                     write_tensor_file(stream, item, crc32=job.stock, max_write=max_write,
-                                      alignment=alignment)
+                                      alignment=alignment, record_alignment=record_alignment)
                 else:  # in slices, so writeback starts while a large part is written
                     for offset in range(0, item.nbytes, max_write):
                         stream.write(item[offset:offset + max_write])

@@ -405,6 +405,9 @@ def dcp_state(seed: int) -> dict:
             "emb": torch.rand(10, 8, generator=generator).bfloat16(),
             "step": torch.tensor(seed), "counts": torch.arange(12, dtype=torch.int32).view(3, 4),
             "mask": torch.rand(5, generator=generator) > 0.5,
+            # large enough for a page of the file: ending exactly on one, and just past one
+            "exact": torch.rand(16384, generator=generator),
+            "past": torch.rand(1025, 16, generator=generator),
             "extra": {"epoch": seed, "note": "dcp"}}
 
 
@@ -448,11 +451,22 @@ def test_a_distcp_file_from_items_loads_with_stock_dcp(tmp_path, writer, stock):
     entries = sorted(metadata.storage_data.items(), key=lambda e: e[1].offset)
     if stock:  # the same bytes: stock's metadata describes our file too
         assert [list(p) for p in result.items] == [[i.offset, i.length] for _, i in entries]
-    else:  # each tensor archive on a page of the file: the placements go into .metadata
+    else:  # the placements go into .metadata
+        ours = (our_dir / file_name).read_bytes()
+        end = 0
         for (index, info), (start, length) in zip(entries, result.items):
             metadata.storage_data[index] = dataclasses.replace(info, offset=start, length=length)
-            if isinstance(state.get(index.fqn), torch.Tensor):
+            value = state.get(index.fqn)
+            if isinstance(value, torch.Tensor) and value.nbytes >= 65536:
+                # a large tensor's archive on a page, its bytes on the next: O_DIRECT from
+                # the pool; the archive's other records are not padded to pages
+                payload = value.reshape(-1).view(torch.uint8).numpy().tobytes()
                 assert start % 4096 == 0, index
+                assert ours[start + 4096:start + 4096 + len(payload)] == payload, index
+                assert length < 4096 + len(payload) + 4096, index
+            else:  # small items back to back, no page of padding each
+                assert start == end, index
+            end = start + length
     with open(our_dir / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
     loaded = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else deepcopy(v))

@@ -51,7 +51,8 @@ def test_an_items_job_records_where_each_item_landed(writer, tmp_path):
     assert open(path, "rb").read()[start:start + length] == bytes(range(16))
 
 
-@pytest.mark.parametrize("shapes", [[[16]], [[3], [1024], [1025, 3]], [[0], [7, 9], [5000]]])
+@pytest.mark.parametrize("shapes", [[[16]], [[3], [1024], [1025, 3]], [[0], [7, 9], [5000]],
+                                    [[5], [16384], [7], [1025, 16], [3]]])
 def test_an_items_file_is_as_large_as_its_size_allocated_up_front(writer, tmp_path, shapes):
     # A DCP file's space is allocated from the layout's rule before the first write: the
     # rule must give the size the writer then writes, byte items and tensors alike.

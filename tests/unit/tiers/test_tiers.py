@@ -78,7 +78,7 @@ def test_the_stage_budget_and_journal(tmp_path):
                                          ("int64", ()), ("float32", (0, 3)), ("bool", (7,)),
                                          ("float16", (1 << 12, 300))])
 def test_the_predicted_archive_size_is_what_the_writer_writes(dtype, shape):
-    from ckptd.storage.layout import archive_alignment
+    from ckptd.storage.layout import tensor_item_alignments
     from ckptd.storage.torch_format import raw_tensor, write_tensor_file
 
     tensor = torch.zeros(shape, dtype=getattr(torch, dtype))
@@ -86,19 +86,24 @@ def test_the_predicted_archive_size_is_what_the_writer_writes(dtype, shape):
     torch.save(tensor, buffer)  # stock files are torch's bytes exactly
     assert tensor_archive_size(dtype, shape, stock=True) == len(buffer.getvalue())
     written = io.BytesIO()
+    alignment, record_alignment = tensor_item_alignments(tensor.nbytes, False)
     write_tensor_file(written, raw_tensor(tensor.numpy().tobytes() if dtype != "bfloat16"
                                           else tensor.view(torch.int16).numpy().tobytes(),
                                           dtype, list(shape)),
-                      alignment=archive_alignment(False))
+                      alignment=alignment, record_alignment=record_alignment)
     assert tensor_archive_size(dtype, shape) == len(written.getvalue())
+    written.seek(0)
+    assert torch.equal(torch.load(written, weights_only=True), tensor)
 
 
 def test_placements_follow_the_writers_rule_and_are_checked():
-    buffers = [["float32", [10], 40], ["bytes", [7], 7], ["float32", [10], 40]]
-    predicted = predict_placements(buffers, [["f", [0, 1, 2]]])
-    size = tensor_archive_size("float32", (10,))
-    third = -(-(size + 7) // 4096) * 4096  # a tensor archive starts on the next page
-    assert predicted == {"f": [[0, size], [size, 7], [third, size]]}
+    buffers = [["float32", [10], 40], ["bytes", [7], 7], ["float32", [20000], 80000],
+               ["float32", [10], 40]]
+    predicted = predict_placements(buffers, [["f", [0, 1, 2, 3]]])
+    size, large = tensor_archive_size("float32", (10,)), tensor_archive_size("float32", (20000,))
+    third = -(-(size + 7) // 4096) * 4096  # a large tensor's archive starts on the next page
+    assert predicted == {"f": [[0, size], [size, 7], [third, large],
+                               [third + large, size]]}  # a small one right after
     assert check_prediction(predicted, "f", predicted["f"]) is None
     assert "not where the hand-over said" in check_prediction(predicted, "f", [[0, size]])
 
