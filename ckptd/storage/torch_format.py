@@ -23,6 +23,13 @@ Two promises, both held by the tests against torch itself:
 - the stock files of ``FileSystemWriterAsync`` (``alignment=DEFAULT_ALIGNMENT``,
   ``crc32=True``) are byte for byte what torch 2.13's ``torch.save`` writes by default.
 
+ckptd's DCP tensor items (:func:`write_tensor_file`) are one archive per tensor with its
+storage on the alignment the layout gives and the other records on ``record_alignment``
+(:func:`ckptd.storage.layout.tensor_item_alignments`): for a small tensor that is the
+default ``torch.save`` without CRCs byte for byte; for a large one no single torch
+setting writes it (torch pads every record alike), but torch's loader finds each record
+from its own header, so ``torch.load`` and DCP read it all the same (tested).
+
 (A torch built against another C++ library than libstdc++ would write another
 serialization id; torch.load only logs it, so such files differ from ours in those 40 bytes
 only.)
