@@ -46,7 +46,7 @@ from ckpt_client.transport.daemon_save import DaemonSave
 from ckpt_client.transport.flatten import describe
 from ckpt_client.transport.pool_copy import PoolCopier
 from ckpt_client.transport.sent_ahead import SentAhead, dropped_on_error, remember_layout
-from ckpt_client.transport.silent_daemon import not_waited_for
+from ckpt_client.transport.silent_daemon import not_waited_for, stage_reply
 
 log = logging.getLogger(__name__)
 
@@ -114,19 +114,16 @@ class StagingJob:
             raise not_waited_for(connection)
         if self.ahead is not None:
             try:
-                reply = connection.reply_to(self.ahead, MessageType.STAGE,
-                                            timeout=waits.stage_reply(connection.deadlines))
+                reply = stage_reply(connection, self.ahead)
             except DaemonRequestError as exc:
                 if exc.code != ErrorCode.LAYOUT_UNKNOWN:
                     raise
                 # The daemon no longer keeps the layout the STAGE sent ahead named: no
                 # request was made; this one carries the buffers and the skeleton.
                 self.ahead = None
-                reply = connection.call(MessageType.STAGE, self.body,
-                                        timeout=waits.stage_reply(connection.deadlines))
+                reply = stage_reply(connection, connection.send(MessageType.STAGE, self.body))
         else:
-            reply = connection.call(MessageType.STAGE, self.body,
-                                    timeout=waits.stage_reply(connection.deadlines))
+            reply = stage_reply(connection, connection.send(MessageType.STAGE, self.body))
         skeleton = self.body.skeleton if self.ahead is not None else None
         save.request_id = reply.request_id
         save.accepted_at = time.monotonic()

@@ -28,9 +28,9 @@ from typing import Any, Iterator
 from ckptd import knobs
 from ckptd.protocol import MessageType, SaveFormat, Stage
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
-from ckpt_client.transport import waits
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import DaemonSave
+from ckpt_client.transport.silent_daemon import stage_reply
 
 #: connection -> {kind: (buffers, whether the last two saves of that kind had them,
 #: layout, request id)}: the buffers a list of [dtype, shape, nbytes] per tensor, the
@@ -115,8 +115,7 @@ class SentAhead:
         self._dropped = True
         _layouts.get(self.connection, {}).pop(self.kind, None)
         try:
-            reply = self.connection.reply_to(self.msg_id, MessageType.STAGE,
-                                             timeout=waits.stage_reply(self.connection.deadlines))
+            reply = stage_reply(self.connection, self.msg_id)
         except (DaemonRequestError, DaemonUnavailableError):
             return  # refused or gone: there is no request to drop
         DaemonSave(self.connection, reply.request_id, self.body.path).abort(reason)

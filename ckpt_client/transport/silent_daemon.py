@@ -8,7 +8,8 @@ again would only cost another call timeout per save, except for one recheck per 
 a short wait (:func:`recheck_wait`), which a daemon that was only slow answers. This module
 says how long that recheck waits, builds the error that
 says which of the two happened, and sends what a resumed daemon must still read (the
-abort and the forget of a given-up save) without waiting for replies. It keeps no state:
+abort and the forget of a given-up save; the abort that names a STAGE whose reply did not
+come, :func:`stage_reply`) without waiting for replies. It keeps no state:
 the mark is the connection's, ``gave_up`` is the save's.
 """
 
@@ -19,9 +20,11 @@ import time
 from ckptd import knobs
 from ckptd.protocol import Abort, Body, Forget, MessageType
 from ckpt_client.errors import DaemonNotAnsweringError, DaemonUnavailableError
+from ckpt_client.transport import waits
 from ckpt_client.transport.connection import DaemonConnection
 
-__all__ = ["not_waited_for", "leave_dropped", "tell_quietly", "gave_up_message", "recheck_wait"]
+__all__ = ["not_waited_for", "leave_dropped", "tell_quietly", "gave_up_message", "recheck_wait",
+           "stage_reply"]
 
 
 def recheck_wait() -> float:
@@ -68,6 +71,31 @@ def leave_dropped(connection: DaemonConnection, request_id: int, reason: str,
                                                       reason=reason[:1000], copying=copying))
     tell_quietly(connection, MessageType.FORGET, Forget(request_ids=[request_id],
                                                         delete_files=True))
+
+
+def stage_reply(connection: DaemonConnection, msg_id: int):
+    """The reply to the STAGE request sent as ``msg_id``.
+
+    If it does not come within :func:`ckpt_client.transport.waits.stage_reply` (longer
+    than the daemon's own wait for room), or the transport fails, an abort that
+    names that STAGE message is left queued before the error is raised: this process
+    never learns the request id, so a daemon that resumes (or was only slow) and makes
+    the request anyway would otherwise hold its staging space until its staging
+    deadline, and the next saves could find the pool full.
+
+    Raises
+    ------
+    DaemonUnavailableError, DaemonRequestError
+        As :meth:`DaemonConnection.reply_to`.
+    """
+    try:
+        return connection.reply_to(msg_id, MessageType.STAGE,
+                                   timeout=waits.stage_reply(connection.deadlines))
+    except DaemonUnavailableError as exc:
+        tell_quietly(connection, MessageType.ABORT, Abort(
+            request_ids=[], stages=[msg_id],
+            reason=f"the trainer gave up waiting for the reply to its STAGE: {exc}"[:1000]))
+        raise
 
 
 def gave_up_message(rank: int, path: str, seen: str, error: DaemonUnavailableError,

@@ -159,6 +159,14 @@ class Abort(Body, message="abort"):
     # a STAGED says the copy is over, or the trainer is gone, so no other save is given
     # space that a late copy still writes into.
     copying: bool = False
+    # Message ids of this connection's STAGE requests whose reply the trainer stopped
+    # waiting for (the daemon was stopped, or slow): it never learnt the request ids, so
+    # it names the requests by the messages that asked for them, and the daemon drops
+    # what they made (or make, once admitted) instead of holding the space until the
+    # staging deadline. An older daemon ignores the field; ``request_ids=[]`` then
+    # aborts nothing.
+    stages: list[int] = check(lambda ids: all(i >= 0 for i in ids),
+                              "a list of message ids >= 0", [])
 
 
 class CommitFile(Body, message="commit_file"):

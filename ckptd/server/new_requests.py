@@ -1,7 +1,8 @@
 """Building save requests: from a trainer's STAGE, or from a tiered save's journal entry.
 
 Owns no state: it turns a message (or what a previous daemon journaled) into a
-:class:`ckptd.server.requests.SaveRequest` and says who fills its extent. Admitting it to
+:class:`ckptd.server.requests.SaveRequest`, says who fills its extent, and which requests
+a trainer's ABORT names (by id, or by the STAGE message that asked for one). Admitting it to
 the pool is the lifecycle's; answering the trainer is the save service's.
 """
 
@@ -12,7 +13,7 @@ import os
 import dataclasses
 
 from ckptd import knobs, protocol
-from ckptd.protocol import ErrorCode, Phase, SaveFormat, Stage
+from ckptd.protocol import Abort, ErrorCode, Phase, SaveFormat, Stage
 from ckptd.server.endpoint import RequestError
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY
 from ckptd.server.ranks import RankInfo
@@ -70,8 +71,13 @@ def _keep_layout(rank: RankInfo, request: SaveRequest) -> None:
         layouts.popitem(last=False)
 
 
-def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
+def request_from_stage(daemon, rank: RankInfo, body: Stage,
+                       stage_message: int | None = None) -> SaveRequest:
     """The request a trainer's STAGE asks for (its path checked, its extent laid out).
+
+    ``stage_message`` is the STAGE message's id on the trainer's connection: a trainer
+    that gave up waiting for the reply never learns the request id, and names the
+    request by that message in its ABORT instead (:func:`named_by`).
 
     A tiered save never names a kept layout (the stage budget is sized from the buffers
     before this runs): its layouts are not kept, so such a STAGE is refused here.
@@ -95,7 +101,7 @@ def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
         skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
         cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
         stock_files=body.format == SaveFormat.DCP and body.stock_files,
-        trainer_pid=rank.pid,
+        trainer_pid=rank.pid, stage_message=stage_message,
         near=daemon.placement.near(body.cuda, rank.pid))
     if tiered and body.format == SaveFormat.DCP:
         # Known now, so the coordinator can hand its commit over at staging time.
@@ -104,6 +110,15 @@ def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
     if body.format == SaveFormat.TORCH and not tiered:
         _keep_layout(rank, request)
     return request
+
+
+def named_by(abort: Abort, request: SaveRequest) -> bool:
+    """Whether ``abort`` (from ``request``'s connection) drops ``request``: it names all
+    requests, or this one's id, or the STAGE message that asked for it (the trainer gave
+    up waiting for that reply, so the request would otherwise hold its staging space,
+    unused, until the staging deadline)."""
+    return (abort.request_ids is None or request.id in abort.request_ids
+            or (request.stage_message is not None and request.stage_message in abort.stages))
 
 
 def request_from_journal(table: RequestTable, key: str, entry: dict, files: list) -> SaveRequest:

@@ -108,6 +108,7 @@ class SaveRequest:
     replicas: ReplicaSet | None = None
     placements: dict | None = None  # tiered DCP: where the writers will put each item
     stage_key: str | None = None   # tiered saves: its name in the stage directory
+    stage_message: int | None = None  # the id of the STAGE message that asked for it
     flush: object | None = None    # tiered saves: its ckptd.tiers.flusher.FlushJob
     trainer_pid: int | None = None  # for the timeline's rows
     created_at: float = field(default_factory=time.time)

@@ -28,7 +28,8 @@ from ckptd.server.device_copies import DeviceCopies
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.file_commits import FileCommits
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
-from ckptd.server.new_requests import copiers_of, request_from_journal, request_from_stage
+from ckptd.server.new_requests import (copiers_of, named_by, request_from_journal,
+                                       request_from_stage)
 from ckptd.server.ranks import RankRegistry
 from ckptd.server.requests import RequestTable, SaveRequest
 from ckptd.server.save_writes import SaveWrites
@@ -144,7 +145,7 @@ class SaveService:
         if self.daemon.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
                                "the save was not started; retry once a daemon is running")
-        request = request_from_stage(self.daemon, rank, body)
+        request = request_from_stage(self.daemon, rank, body, stage_message=call.msg_id)
         # A save's deadlines count from its STAGE's arrival (a tiered one may have waited
         # for the stage budget before it became a request).
         request.created_at = call.received_at
@@ -249,11 +250,11 @@ class SaveService:
         return ForgetReply(forgotten=forgotten)
 
     def on_abort(self, call: Call, body: Abort) -> AbortReply:
-        """Drop in-flight requests of this connection."""
+        """Drop in-flight requests of this connection (:func:`named_by`)."""
         self.ranks.of(call.routing_id)
         aborted = []
         for request in self.table.of_connection(call.routing_id):
-            if body.request_ids is None or request.id in body.request_ids:
+            if named_by(body, request):
                 self.lifecycle.abort(request, f"dropped by the trainer: {body.reason}", body.copying)
                 aborted.append(request.id)
         return AbortReply(aborted=aborted)

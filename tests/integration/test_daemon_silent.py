@@ -11,11 +11,14 @@ the socket, the pid and what to check, and never advises starting one.
 Several saves in flight on a daemon that stops: the first unanswered call marks the
 connection, and the other saves give up at once instead of each waiting a call timeout;
 the daemon, resumed, drops them all and serves the next save. Zero-stall saves queued
-for staging behind a STAGE that goes unanswered likewise fail at once.
+for staging behind a STAGE that goes unanswered likewise fail at once, and the request
+that STAGE makes once the daemon resumes is dropped at once (the trainer's abort names the
+STAGE message), so it holds no pool space.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -129,28 +132,41 @@ def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(
         checkpoint.close()
 
 
+def daemon_with_short_stage_waits(start_daemon, monkeypatch, **options):
+    """A daemon, and this trainer, that wait about 2 s for a STAGE's reply (1 s for a call)."""
+    for knob, value in (("CALL_TIMEOUT", "1"), ("STAGE_TIMEOUT", "1"), ("WAIT_MARGIN", "0")):
+        monkeypatch.setenv(f"CKPTD_{knob}", value)
+    return start_daemon(env={"CKPTD_STAGE_TIMEOUT": "1"}, **options)
+
+
+@contextlib.contextmanager
+def stopped_after_hello(daemon):
+    """This process connected (its hello answered), then ``daemon`` SIGSTOPped for the
+    block, and resumed (SIGCONT) after it, whatever happens."""
+    connect(daemon.socket, auto_start=False)
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: stopped(daemon.pid), 30, "the daemon to be stopped")
+        yield
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+
+
 def test_zero_stall_saves_queued_behind_an_unanswered_stage_fail_at_once(start_daemon,
                                                                          monkeypatch):
     """Three zero-stall saves queued while the daemon is stopped: the background thread's
     first STAGE goes unanswered for its whole wait (2.5 s here), and the two saves queued
     behind it fail without a STAGE of their own (before, each waited as long again).
     Resumed, the daemon serves a new save on the same connection."""
-    for knob, value in (("CALL_TIMEOUT", "1"), ("STAGE_TIMEOUT", "1"), ("WAIT_MARGIN", "0")):
-        monkeypatch.setenv(f"CKPTD_{knob}", value)
-    daemon = start_daemon(env={"CKPTD_STAGE_TIMEOUT": "1"})
+    daemon = daemon_with_short_stage_waits(start_daemon, monkeypatch)
     paths = [os.path.join(daemon.roots[0], f"z{i}.pt") for i in range(3)]
     checkpoint = TorchAsyncCheckpoint(socket=daemon.socket, failure_policy="warn")
     try:
-        connect(daemon.socket, auto_start=False)  # the hello, while the daemon answers
-        os.kill(daemon.pid, signal.SIGSTOP)
-        try:
-            wait_for(lambda: stopped(daemon.pid), 30, "the daemon to be stopped")
+        with stopped_after_hello(daemon):
             for i, path in enumerate(paths):
                 checkpoint.async_save({"w": torch.full((1 << 12,), float(i))}, path,
                                       zero_stall=True)
             checkpoint.finalize_async_save(blocking=True)
-        finally:
-            os.kill(daemon.pid, signal.SIGCONT)
         errors = [exc.failures[0] for _, exc in checkpoint.failed_calls]
         assert len(errors) == 3, errors
         assert "did not answer a stage request within 2s" in errors[0], errors[0]
@@ -163,5 +179,34 @@ def test_zero_stall_saves_queued_behind_an_unanswered_stage_fail_at_once(start_d
         assert len(checkpoint.failed_calls) == 3, "the save after the resume failed"
         assert torch.load(paths[1], weights_only=True)["w"][0] == 7.0
         assert not os.path.exists(paths[0]) and not os.path.exists(paths[2])
+    finally:
+        checkpoint.close()
+
+
+def test_a_stage_given_up_on_leaves_no_request_holding_the_pool(start_daemon, monkeypatch):
+    """A zero-stall save whose STAGE the stopped daemon does not answer: the trainer gives
+    up on it (it never learns the request id). Resumed, the daemon reads the STAGE and
+    makes the request anyway, then the abort the trainer left naming that STAGE: the
+    request is dropped and its three quarters of the pool are free at once (before, they
+    stayed held until the staging deadline, 600 s, and the next save found no room)."""
+    daemon = daemon_with_short_stage_waits(start_daemon, monkeypatch, pool_size="16M")
+    paths = [os.path.join(daemon.roots[0], f"o{i}.pt") for i in range(2)]
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket, failure_policy="warn")
+    try:
+        with stopped_after_hello(daemon):
+            checkpoint.async_save({"w": torch.zeros(3 << 20)}, paths[0], zero_stall=True)
+            checkpoint.finalize_async_save(blocking=True)
+        [(_, failure)] = checkpoint.failed_calls
+        assert "did not answer a stage request" in failure.failures[0], failure.failures
+        wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 15,
+                 "the resumed daemon to free the space of the STAGE given up on")
+        status = daemon.status()
+        assert not status["saves"], status["saves"]
+        assert [r["phase"] for r in status["requests"]] == ["aborted"], status["requests"]
+        checkpoint.async_save({"w": torch.full((3 << 20,), 7.0)}, paths[1])
+        checkpoint.finalize_async_save(blocking=True)
+        assert len(checkpoint.failed_calls) == 1, "the save after the resume failed"
+        assert torch.load(paths[1], weights_only=True)["w"][0] == 7.0
+        assert not os.path.exists(paths[0])
     finally:
         checkpoint.close()

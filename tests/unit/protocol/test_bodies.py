@@ -120,3 +120,16 @@ def test_a_local_session_names_each_peer_by_address_and_key(peers, ok):
     else:
         with pytest.raises(ProtocolError, match="'peers'"):
             protocol.LocalSession.from_wire(wire)
+
+
+def test_an_abort_may_name_stage_messages_and_an_older_clients_abort_still_reads():
+    """A trainer that gave up on a STAGE's reply names that STAGE message; an abort from
+    a ckpt_client that knows no such field names none (and still names its requests)."""
+    abort = protocol.Abort(request_ids=[], stages=[7], reason="gave up")
+    assert protocol.Abort.from_wire(abort.to_wire()) == abort
+    older = protocol.Abort.from_wire({"request_ids": [3], "reason": "close(abort=True)"})
+    assert older.stages == [] and older.request_ids == [3]
+    with pytest.raises(ProtocolError, match="'stages'"):
+        protocol.Abort.from_wire({"request_ids": [], "stages": [-1], "reason": "x"})
+    with pytest.raises(ProtocolError, match="'stages'"):
+        protocol.Abort.from_wire({"request_ids": [], "stages": ["7"], "reason": "x"})
