@@ -4,9 +4,10 @@ Each node of a :class:`netbed.NetBed` gets a real ``ckptd serve`` started inside
 namespace, with ``--local-dir`` on the node's own tmpfs and ``--peer-listen
 tcp://0.0.0.0:PORT`` (so the daemon must advertise its node's interface address; the
 loopback fallback binds each node's own 127.77.x.y instead). Ranks are separate Python
-processes started inside their node (``ip netns exec``) with ``GLOO_SOCKET_IFNAME`` and a
-rendezvous on rank 0's node (:meth:`netbed.NetBed.rank_env`): gloo, the daemon socket and
-replication all cross the bed as they would cross a cluster.
+processes forked inside their node by a server there that imported torch once
+(``tests/nodeforks.py``), with ``GLOO_SOCKET_IFNAME`` and a rendezvous on rank 0's node
+(:meth:`netbed.NetBed.rank_env`): gloo, the daemon socket and replication all cross the
+bed as they would cross a cluster.
 
 A rank runs ``module:function(rank, world_size, *args)`` (module-level functions of the
 tests or benchmarks) and leaves its outcome, pickled, in a file; nothing is mocked. Used
@@ -15,6 +16,7 @@ by ``tests/integration/test_local_netbed.py`` and ``benchmarks/bench_local.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -26,6 +28,7 @@ import traceback
 from dataclasses import dataclass
 
 from ckptd.protocol import wait_until_ready
+from nodeforks import RANK_PATH, NodeForkServer
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
@@ -66,6 +69,8 @@ class BedNodes:
         self.listen = [self._listen_address(i) for i in range(len(bed.nodes))]
         self.procs: list = [None] * len(bed.nodes)
         self.started: list = []
+        #: Each node's fork server, started by the first ranks placed there.
+        self.forks: dict[int, NodeForkServer] = {}
         # Started together, then waited for: on a 32-node bed one at a time takes long.
         for i in range(len(bed.nodes)):
             self.launch(i)
@@ -136,7 +141,10 @@ class BedNodes:
         self.start(i)
 
     def stop_all(self) -> None:
-        """Stop every daemon ever started here (the bed kills what is left)."""
+        """Stop every daemon ever started here and the fork servers (the bed kills what
+        is left)."""
+        for forks in self.forks.values():
+            forks.close()
         for proc in self.started:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -176,7 +184,11 @@ class BedNodes:
         """Run ``fn(rank, world_size, *args)`` on rank ``r`` inside node ``placement[r]``."""
         world = len(placement)
         port = self.bed.free_port(placement[0])
-        procs, results = [], []
+        for node in sorted(set(placement)):  # started together: they import torch at once
+            if node not in self.forks:
+                self.forks[node] = NodeForkServer(
+                    self.bed, node, os.path.join(self.workdir, f"forks-n{node}.log"))
+        pids, results = [], []
         for rank, node in enumerate(placement):
             job = os.path.join(self.workdir, f"{name}-rank{rank}.job")
             result = os.path.join(self.workdir, f"{name}-rank{rank}.out")
@@ -185,22 +197,22 @@ class BedNodes:
             with open(job, "wb") as f:
                 pickle.dump({"module": fn.__module__, "function": fn.__name__, "rank": rank,
                              "world": world, "args": args, "result": result}, f)
-            env = {**self.bed.rank_env(node, rank, world, port, master=placement[0]),
+            env = {**os.environ, **self.bed.env(node),
+                   **self.bed.rank_env(node, rank, world, port, master=placement[0]),
                    "CKPTD_SOCKET": self.socket(node), "PYTHONPATH": ROOT,
                    "CKPTD_AUTO_START": "0"}
-            log = open(os.path.join(self.workdir, f"{name}-rank{rank}.log"), "wb")
-            procs.append(self.bed.popen(node, [sys.executable, os.path.abspath(__file__), job],
-                                        env=env, stdout=log, stderr=subprocess.STDOUT))
-            log.close()
+            pids.append(self.forks[node].fork(
+                job, fn.__module__, env, os.path.join(self.workdir, f"{name}-rank{rank}.log")))
             results.append(result)
         deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for other in procs:
-                    if other.poll() is None:
-                        os.killpg(other.pid, signal.SIGKILL)
+        codes = []
+        for rank, pid in enumerate(pids):
+            codes.append(self.forks[placement[rank]].wait(
+                pid, max(1.0, deadline - time.monotonic())))
+            if codes[-1] is None:
+                for other in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(other, signal.SIGKILL)
                 raise AssertionError(f"{name}: ranks gave no result within {timeout:.0f}s; "
                                      f"see {self.workdir}/{name}-rank*.log")
         outcomes = []
@@ -211,7 +223,7 @@ class BedNodes:
             except FileNotFoundError:
                 with open(os.path.join(self.workdir, f"{name}-rank{rank}.log"), "rb") as f:
                     tail = f.read()[-3000:].decode(errors="replace")
-                outcomes.append(Outcome(rank, error=f"exited {procs[rank].returncode} without "
+                outcomes.append(Outcome(rank, error=f"exited {codes[rank]} without "
                                                     f"a result:\n{tail}"))
         return outcomes
 
@@ -234,8 +246,7 @@ def _rank_main(job_path: str) -> int:
     """Inside a node: join the gloo group, run the function, leave the outcome."""
     with open(job_path, "rb") as f:
         job = pickle.load(f)
-    sys.path[:0] = [TESTS_DIR, os.path.join(TESTS_DIR, "integration"),
-                    os.path.join(ROOT, "benchmarks")]
+    sys.path[:0] = RANK_PATH
     import datetime
     import importlib
 
@@ -263,6 +274,3 @@ def _rank_main(job_path: str) -> int:
     os.replace(tmp, job["result"])
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1]))

@@ -1,0 +1,206 @@
+"""A fork server inside one bed node: torch imported once, each rank forked from it.
+
+A rank started as a fresh ``python`` inside a node spent 2-3 s of CPU importing torch and
+the test module before doing anything; a four-node test starts sixteen of them on 2 cores.
+:class:`NodeForkServer` is started inside the node (``NetBed.popen``: its namespace, its
+environment), imports torch, ``torch.distributed`` and the module of the function the
+ranks run, and then only forks. Each forked rank gets a session of its own (the test
+kills its group on a timeout), its own log as stdout and stderr, and exactly the
+environment a rank started with ``NetBed.popen`` would have; the server ran nothing but
+those imports, so no rank inherits anything of another rank. The same pattern as the
+``forkserver`` that ``tests/multirank.py`` forks single-host ranks from.
+
+Wire (pipes to the test process, one line each): the test writes a JSON job
+``{"job", "env", "log", "module"}``; the server answers ``started PID`` for it, and
+``exited PID CODE`` when that rank ends (``CODE`` as ``Popen.returncode``: negative for a
+signal). End of input stops the server; ranks still running are the bed's to kill.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import queue
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS_DIR)
+#: Where rank functions live: the test helpers, the integration tests, the benchmarks.
+RANK_PATH = [TESTS_DIR, os.path.join(TESTS_DIR, "integration"), os.path.join(ROOT, "benchmarks")]
+#: Seconds the server may take to import torch and answer its first job.
+START_TIMEOUT = 120.0
+
+
+class NodeForkServer:
+    """The test process's end of one node's fork server (see the module docstring).
+
+    Parameters
+    ----------
+    bed : netbed.NetBed
+        A bed that is up.
+    node : int
+        The node the server (and so every rank it forks) runs in.
+    log_path : str
+        The server's own output (an import that failed, a traceback).
+    """
+
+    def __init__(self, bed, node: int, log_path: str) -> None:
+        self.node, self.log_path = node, log_path
+        with open(log_path, "ab") as log:
+            self.proc = bed.popen(node, [sys.executable, os.path.abspath(__file__)],
+                                  env={"PYTHONPATH": ROOT}, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=log)
+        self._started: queue.Queue = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._closed = False
+        self._changed = threading.Condition()
+        self._one_job = threading.Lock()
+        threading.Thread(target=self._read, name=f"forks-n{node}", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            kind, *fields = line.split()
+            if kind == b"started":
+                self._started.put(int(fields[0]))
+            elif kind == b"exited":
+                with self._changed:
+                    self._exits[int(fields[0])] = int(fields[1])
+                    self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._started.put(None)
+
+    def fork(self, job_path: str, module: str, env: dict, log_path: str) -> int:
+        """Fork a rank that runs ``bednodes`` job ``job_path`` (its function in ``module``)
+        with environment ``env`` and output to ``log_path``; returns its pid."""
+        line = json.dumps({"job": job_path, "module": module, "env": env, "log": log_path})
+        with self._one_job:
+            try:
+                self.proc.stdin.write(line.encode() + b"\n")
+                self.proc.stdin.flush()
+                pid = self._started.get(timeout=START_TIMEOUT)
+            except (BrokenPipeError, queue.Empty):
+                pid = None
+        if pid is None:
+            raise RuntimeError(f"node {self.node}'s fork server forked no rank (exit code "
+                               f"{self.proc.poll()}); see {self.log_path}")
+        return pid
+
+    def wait(self, pid: int, timeout: float) -> int | None:
+        """The exit code of rank ``pid``; ``None`` if it did not end within ``timeout`` (or
+        the server is gone and cannot tell)."""
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or self._closed, timeout)
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        """Stop the server (its end of input); the ranks it forked are not waited for."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+
+# ---------------------------------------------------------------- inside the node
+
+def _serve() -> int:
+    sys.path[:0] = RANK_PATH
+    import torch  # noqa: F401  (the point of this process: imported once, before any fork)
+    import torch.distributed  # noqa: F401
+
+    # SIGCHLD wakes the select below through this pipe; ranks are reaped as they end.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0, wake_r], [], [])
+        if wake_r in readable:
+            while True:
+                try:
+                    if not os.read(wake_r, 512):
+                        break
+                except BlockingIOError:
+                    break
+        _reap()
+        if 0 in readable:
+            data = os.read(0, 65536)
+            if not data:  # nothing to flush or close: skip the interpreter's (torch's) exit
+                os._exit(0)
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                job = json.loads(line)
+                _preload(job["module"])
+                pid = os.fork()
+                if pid == 0:
+                    _rank(job, (wake_r, wake_w))
+                os.write(1, f"started {pid}\n".encode())
+
+
+def _preload(module: str) -> None:
+    # Every rank of a job imports its function's module; importing it here once is what
+    # a fresh rank would do. One that fails to import fails in the rank, with its trace.
+    try:
+        importlib.import_module(module)
+    except Exception:
+        pass
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        os.write(1, f"exited {pid} {os.waitstatus_to_exitcode(status)}\n".encode())
+
+
+def _rank(job: dict, server_fds: tuple) -> None:
+    """In the forked child: become a rank as ``NetBed.popen`` would have started it."""
+    code = 1
+    try:
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in server_fds:
+            os.close(fd)
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        import bednodes
+
+        code = bednodes._rank_main(job["job"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(_serve())
