@@ -13,15 +13,15 @@ reads attributes the protocol declares and a reply it cannot read is one clear
 :class:`DaemonReplyError`, not a ``KeyError`` somewhere later.
 
 A connection that waited a call timeout in vain for one reply is marked "not answering"
-(:class:`Silence`, :attr:`DaemonConnection.not_answering`): the daemon is stopped (SIGSTOP,
-a debugger), hung, or dead, and asking it about every other outstanding save would cost
-one call timeout each. The saves that wait on it read the mark and give up at once
-(:mod:`ckpt_client.transport.daemon_save`), and what they leave for the daemon (abort,
-forget) is sent without waiting for a reply. Any reply to a request sent after the
-unanswered one clears the mark: the daemon read past it, so it answers again (SIGCONT).
-A request older than one answered never marks it (the daemon was only slow on it). New
-requests still go out while it is set (a new save's STAGE, one save's short recheck,
-:meth:`DaemonConnection.claim_recheck`): the first one answered clears it.
+(:mod:`ckpt_client.transport.silence`, :attr:`DaemonConnection.not_answering`): the daemon
+is stopped (SIGSTOP, a debugger), hung, or dead, and asking it about every other
+outstanding save would cost one call timeout each. The saves that wait on it take one
+short recheck, then give up at once (:mod:`ckpt_client.transport.daemon_save`), and what
+they leave for the daemon (abort, forget) is sent without waiting for a reply. Any reply
+to the unanswered request or a later one clears the mark, late ones included: the channel
+reports every reply it reads, and the mark is read only after the replies already
+waiting on the socket (SIGCONT). New requests still go out while it is set (a new save's
+STAGE, the recheck): the first one answered clears it.
 The connection itself is kept, not re-established: the aborts and forgets the given-up
 saves left queued on it must reach a daemon that resumes, before the next request (a new
 socket drops what the old one had queued), and the daemon keeps per-connection state.
@@ -36,9 +36,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 import time
-from dataclasses import dataclass, replace
 from typing import Callable
 
 import zmq
@@ -49,6 +47,7 @@ from ckpt_client.collectives import initialized, rank_and_world
 from ckpt_client.errors import (DaemonNotAnsweringError, DaemonReplyError, DaemonRequestError,
                                DaemonUnavailableError)
 from ckpt_client.transport.autostart import start_local_daemon
+from ckpt_client.transport.silence import AnswerWatch, Silence
 
 log = logging.getLogger(__name__)
 
@@ -57,36 +56,6 @@ def _default_rank() -> tuple[int, int]:
     if initialized() is not None:
         return rank_and_world()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-@dataclass(frozen=True)
-class Silence:
-    """The request a connection's daemon did not answer: the connection's "not answering"
-    mark, which the other outstanding saves read instead of waiting again.
-
-    Attributes
-    ----------
-    msg_type : str
-        The unanswered request's type.
-    msg_id : int
-        Its id: a reply to any later request clears the mark.
-    timeout : float
-        Seconds it was waited for.
-    since : float
-        Monotonic time the wait ended.
-    error : DaemonUnavailableError
-        What that call raised (the daemon silent, or dead).
-    rechecked : bool
-        Whether a save took the one recheck of this mark
-        (:meth:`DaemonConnection.claim_recheck`).
-    """
-
-    msg_type: str
-    msg_id: int
-    timeout: float
-    since: float
-    error: DaemonUnavailableError
-    rechecked: bool = False
 
 
 class DaemonConnection:
@@ -136,9 +105,9 @@ class DaemonConnection:
         self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
         self._death_hooks: list[Callable[[DaemonConnection], None]] = []
-        self._silence: Silence | None = None
-        self._answered = 0  # the highest request id that got a reply
-        self._silence_lock = threading.Lock()  # a poll and a background staging race on it
+        self._answers = AnswerWatch(f"rank {rank}: the ckptd daemon (pid {self.daemon_pid}) "
+                                    f"at {socket_path}")
+        channel.on_reply = self._answers.heard  # late answers too: the daemon answers again
 
     # ------------------------------------------------------------------ calls
     def ensure_daemon_alive(self) -> None:
@@ -153,12 +122,13 @@ class DaemonConnection:
                               f"{self.socket_path} {what}")
 
     def call(self, msg_type: str, body: protocol.Body | None = None, frames=(),
-             timeout: float | None = None):
+             timeout: float | None = None, quiet_limit: float | None = None):
         """Send one request and return its reply, as the body type the protocol declares
         for ``msg_type`` (:data:`ckptd.protocol.REPLIES`).
 
         ``body`` is the request's typed body (``None``: an empty one), built by the
         sender, so a field the protocol does not declare fails here, not at the daemon.
+        ``quiet_limit``: see :meth:`reply_to`.
 
         Raises
         ------
@@ -170,7 +140,7 @@ class DaemonConnection:
         DaemonRequestError
             If the daemon refused the request.
         """
-        return self.reply_to(self.send(msg_type, body, frames), msg_type, timeout)
+        return self.reply_to(self.send(msg_type, body, frames), msg_type, timeout, quiet_limit)
 
     def send(self, msg_type: str, body: protocol.Body | None = None, frames=()) -> int:
         """Send one request without waiting for its reply; returns the id that
@@ -198,43 +168,57 @@ class DaemonConnection:
                 self.socket_path, f"talking to the ckptd daemon (pid {self.daemon_pid}) "
                                   f"failed: {exc}") from None
 
-    def reply_to(self, msg_id: int, msg_type: str, timeout: float | None = None):
+    def reply_to(self, msg_id: int, msg_type: str, timeout: float | None = None,
+                 quiet_limit: float | None = None):
         """The reply to the ``msg_type`` request :meth:`send` sent as ``msg_id``, as its
         typed body; raises as :meth:`call` does.
 
         A daemon found dead, or silent for at least ``CKPTD_CALL_TIMEOUT`` (the wait after
         which a save gives up on its daemon), marks the connection not answering
         (:attr:`not_answering`) unless a later request was answered; a reply clears that
-        mark if its request was sent after the unanswered one. A shorter wait (a forget, a
-        span report) that runs out fails only its own call: a busy daemon may answer late."""
+        mark, even a late one nobody waits for, if its request was not sent before the
+        unanswered one. A shorter wait (a forget, a span report) that runs out fails only
+        its own call: a busy daemon may answer late.
+
+        ``quiet_limit`` (the recheck of a marked connection): give up after that many
+        seconds while the mark stays; once a reply clears it (the daemon answers again,
+        only slowly: say, the unanswered request, late), wait the whole ``timeout``."""
         call_timeout = knobs.CALL_TIMEOUT.get()
         timeout = call_timeout if timeout is None else timeout
+        started = time.monotonic()
+
+        def still_worth_waiting() -> None:
+            self.ensure_daemon_alive()
+            if quiet_limit is not None and self._answers.mark is not None \
+                    and time.monotonic() - started >= quiet_limit:
+                raise _Quiet
+
         try:
-            reply = self.channel.wait(msg_id, timeout, self.ensure_daemon_alive)
+            reply = self.channel.wait(msg_id, timeout, still_worth_waiting)
         except protocol.ErrorReply as exc:
-            self._heard(msg_id)
             raise DaemonRequestError(exc.body) from None
-        except protocol.ReplyTimeout:
+        except (protocol.ReplyTimeout, _Quiet) as exc:
             try:
                 self.ensure_daemon_alive()  # a dead daemon raises here; past it, it is silent
-            except DaemonUnavailableError as exc:
-                self._went_silent(msg_id, msg_type, timeout, exc)
+            except DaemonUnavailableError as dead:
+                self._answers.went_silent(msg_id, msg_type, timeout, dead)
                 raise
+            waited = quiet_limit if isinstance(exc, _Quiet) else timeout
             silent = DaemonNotAnsweringError(
                 self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) did not answer "
-                                  f"a {msg_type} request within {timeout:.0f}s",
+                                  f"a {msg_type} request within "
+                                  f"{f'{waited:g}' if waited < 1 else f'{waited:.0f}'}s",
                 self.daemon_pid)
-            if timeout >= call_timeout:  # a shorter, best-effort wait proves nothing more
-                self._went_silent(msg_id, msg_type, timeout, silent)
+            if waited >= call_timeout:  # a shorter, best-effort wait proves nothing more
+                self._answers.went_silent(msg_id, msg_type, timeout, silent)
             raise silent from None
         except DaemonUnavailableError as exc:  # the daemon died while we waited
-            self._went_silent(msg_id, msg_type, timeout, exc)
+            self._answers.went_silent(msg_id, msg_type, timeout, exc)
             raise
         except (zmq.ZMQError, protocol.ProtocolError) as exc:
             raise DaemonUnavailableError(
                 self.socket_path, f"talking to the ckptd daemon (pid {self.daemon_pid}) "
                                   f"failed: {exc}") from None
-        self._heard(msg_id)
         return read_reply(self.socket_path, self.daemon_pid, msg_type, reply.body)
 
     def tell(self, msg_type: str, body: protocol.Body) -> None:
@@ -252,46 +236,27 @@ class DaemonConnection:
 
     @property
     def not_answering(self) -> Silence | None:
-        """The request this connection's daemon left unanswered, while no later request
-        was answered; ``None`` while the daemon answers."""
-        return self._silence
+        """The request this connection's daemon left unanswered, while no reply to it or
+        to a later request came (replies already waiting are read first, late ones
+        included); ``None`` while the daemon answers."""
+        self._collect_replies()
+        return self._answers.mark
 
     def claim_recheck(self) -> str | None:
         """How the caller may ask the daemon: ``None`` (not marked), ``"recheck"`` (the one
-        recheck of this mark, with a short wait: a reply clears the mark) or ``"silent"``
-        (another caller rechecked: give up without asking; a stopped daemon costs one
-        short wait more, not one call timeout per save)."""
-        with self._silence_lock:
-            silence = self._silence
-            if silence is None or silence.rechecked:
-                return None if silence is None else "silent"
-            self._silence = replace(silence, rechecked=True)
-            return "recheck"
+        recheck of this mark, with a short wait, :meth:`reply_to`'s ``quiet_limit``: a
+        reply clears the mark) or ``"silent"`` (another caller rechecked and the daemon
+        has sent nothing since, late answers included: give up without asking; a
+        stopped daemon costs one short wait more, not one call timeout per save)."""
+        self._collect_replies()
+        return self._answers.claim_recheck()
 
-    def _went_silent(self, msg_id: int, msg_type: str, timeout: float,
-                     error: DaemonUnavailableError) -> None:
-        with self._silence_lock:
-            if msg_id < self._answered:
-                return  # a later request was answered: the daemon only took long on this one
-            if self._silence is not None and self._silence.msg_id > msg_id:
-                return  # a later request went unanswered already
-            first = self._silence is None
-            self._silence = Silence(msg_type, msg_id, timeout, time.monotonic(), error,
-                                    rechecked=not first and self._silence.rechecked)  # unbroken
-        if first:
-            log.warning("rank %d: %s; the other saves outstanding on this connection are "
-                        "given up unless one short recheck is answered", self.rank, error)
-
-    def _heard(self, msg_id: int) -> None:
-        with self._silence_lock:
-            self._answered = max(self._answered, msg_id)
-            silence = self._silence
-            if silence is None or msg_id <= silence.msg_id:
-                return  # answered before the daemon went silent: says nothing about now
-            self._silence = None
-        log.info("rank %d: the ckptd daemon (pid %d) at %s answers again (its %s request "
-                 "went unanswered %.0fs before)", self.rank, self.daemon_pid, self.socket_path,
-                 silence.msg_type, time.monotonic() - silence.since)
+    def _collect_replies(self) -> None:
+        """Read the replies waiting on the socket (late answers nobody reads otherwise)."""
+        try:
+            self.channel.collect()
+        except (zmq.ZMQError, protocol.ProtocolError) as exc:  # the next call meets it too
+            log.debug("rank %d: reading late replies failed: %s", self.rank, exc)
 
     def when_daemon_dies(self, hook: Callable[[DaemonConnection], None]) -> None:
         """Call ``hook(self)`` once, when this connection closes and its daemon is dead.
@@ -338,6 +303,10 @@ class DaemonConnection:
         if hooks and not process_alive(self.daemon_pid):
             for hook in hooks:
                 hook(self)
+
+
+class _Quiet(Exception):
+    """A recheck's quiet limit passed with no reply at all from the daemon."""
 
 
 _connections: dict[str, DaemonConnection] = {}

@@ -7,8 +7,10 @@ phase (``poll``: a request of a daemon that died or was restarted reads as faile
 Once a call on its connection went unanswered (the connection's "not answering" mark,
 :attr:`~ckpt_client.transport.connection.DaemonConnection.not_answering`), one save still
 waiting for its outcome asks once more with a short wait (a daemon that was only slow
-answers, which clears the mark), and the others give up at once instead of waiting a call
-timeout each, and what it leaves for the daemon (abort, forget) is sent without waiting for a reply.
+answers, which clears the mark; if a late answer clears it meanwhile, the recheck waits
+on like any call), and the others give up at once, unless a late answer cleared the mark
+by then, instead of waiting a call timeout each; what a given-up save leaves for the
+daemon (abort, forget) is sent without waiting for a reply.
 :class:`RefusedSave` stands in for a save the daemon refused, so that the refusal reaches
 every rank through the queue's agreement. :func:`wait_until_finished` is the client's one
 loop that polls the daemon until saves end.
@@ -169,7 +171,7 @@ class DaemonSave:
             return self._give_up(not_waited_for(self.connection))
         try:
             reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]),
-                                         timeout=recheck_wait() if claim == "recheck" else None)
+                                         quiet_limit=recheck_wait() if claim else None)
             self._read_staged_reply()
             self.last = reply.requests[self.request_id]
             if self.last.stale_of:
@@ -182,7 +184,8 @@ class DaemonSave:
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
                 raise
             if isinstance(exc, DaemonUnavailableError):  # a recheck says what marked it
-                return self._give_up(not_waited_for(self.connection) if claim else exc)
+                marked = claim and self.connection.not_answering is not None
+                return self._give_up(not_waited_for(self.connection) if marked else exc)
             self.last = RequestState(phase="unknown", error=str(exc))
         if self.last.phase == "unknown":
             self.last = RequestState(phase=Phase.FAILED, error=(

@@ -5,7 +5,8 @@ background) when a call of its own goes unanswered, or when an earlier call on t
 connection did (the connection's "not answering" mark,
 :attr:`~ckpt_client.transport.connection.DaemonConnection.not_answering`): then asking
 again would only cost another call timeout per save, except for one recheck per mark with
-a short wait (:func:`recheck_wait`), which a daemon that was only slow answers. This module
+a short wait (:func:`recheck_wait`), which a daemon that was only slow answers (and which
+waits on like any call once a late answer shows the daemon answers again). This module
 says how long that recheck waits, builds the error that
 says which of the two happened, and sends what a resumed daemon must still read (the
 abort and the forget of a given-up save; the abort that names a STAGE whose reply did not

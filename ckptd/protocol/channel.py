@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from ckptd.protocol.errors import ErrorReply, ReplyTimeout
 from ckptd.protocol.framing import Message, decode, encode
@@ -25,7 +26,8 @@ class Channel:
     replies to requests. Safe to use from several threads at once (a trainer's main
     thread polls while a background thread stages a zero-stall save): one lock guards
     the socket, and a reply that arrives for another waiting thread is kept for it.
-    Replies to requests nobody waits for any more (they timed out) are discarded.
+    Replies to requests nobody waits for any more (they timed out) are discarded, but
+    :attr:`on_reply` still hears of them: a late answer says the peer answers again.
 
     Parameters
     ----------
@@ -47,6 +49,9 @@ class Channel:
         self._lock = threading.Lock()
         self._awaited: set[int] = set()       # ids some thread still waits for
         self._arrived: dict[int, Message] = {}  # their replies, when another thread read them
+        #: Called with the id of every reply read off the socket, kept or discarded (under
+        #: the channel's lock: it must not call the channel).
+        self.on_reply: Callable[[int], None] | None = None
 
     def send(self, msg_type: str, body: dict | None = None, frames=()) -> int:
         """Send a request without waiting; returns its id."""
@@ -101,14 +106,40 @@ class Channel:
                 # turn at the socket (and at the replies it delivers for them).
                 left = deadline - time.monotonic()
                 if self.socket.poll(max(1, int(min(left, 0.01) * 1000))):
-                    reply = decode(self.socket.recv_multipart())
+                    reply = self._read()
                     if reply.id == msg_id:
                         return reply
-                    if reply.id in self._awaited:
-                        self._arrived[reply.id] = reply
-                    continue  # else: a late answer to a request we gave up on
+                    self._keep(reply)
+                    continue
             if time.monotonic() >= deadline:
                 return None
+
+    def _read(self) -> Message:
+        """One reply off the socket (the caller holds the lock and saw it waiting)."""
+        reply = decode(self.socket.recv_multipart())
+        if self.on_reply is not None:
+            self.on_reply(reply.id)
+        return reply
+
+    def _keep(self, reply: Message) -> None:
+        """Keep a reply for the thread that waits for it; a late answer to a request
+        nobody waits for any more is dropped."""
+        if reply.id in self._awaited:
+            self._arrived[reply.id] = reply
+
+    def collect(self) -> None:
+        """Read the replies already waiting on the socket, without blocking: each is kept
+        for its waiter or dropped, and :attr:`on_reply` hears of it (when nobody waits
+        on the socket, a late answer would otherwise stay unread).
+
+        Raises
+        ------
+        ProtocolError
+            If a reply cannot be decoded.
+        """
+        with self._lock:
+            while self.socket.poll(0):
+                self._keep(self._read())
 
     def drop(self, msg_id: int) -> None:
         """Stop keeping the reply to ``msg_id`` (nobody will read it): discarded on arrival."""

@@ -90,14 +90,21 @@ def test_connecting_to_a_stopped_daemon_says_it_runs_but_is_silent(daemon):
     assert_names_a_silent_daemon(child.stdout, daemon.socket, daemon.pid)
 
 
-def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(daemon,
-                                                                               monkeypatch):
+@pytest.mark.parametrize("call_timeout, hello_timeout", [("1", None), ("1.5", "0.5")],
+                         ids=["recheck_as_long", "production"])
+def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(
+        daemon, monkeypatch, call_timeout, hello_timeout):
     """Three saves in flight when the daemon is SIGSTOPped: finalize asks about the first,
-    its POLL goes unanswered for the call timeout, and the other two are given up without
-    asking again (their errors say an earlier call went unanswered; before, each waited its
-    own call timeout). Resumed, the daemon drops all three (their aborts were queued) and a
-    new save on the same connection commits."""
-    monkeypatch.setenv("CKPTD_CALL_TIMEOUT", "1")
+    its POLL goes unanswered for the call timeout, the second's recheck for its short wait
+    (a hello timeout, shorter than a call's by default), and the third is given up without
+    asking (their errors say an earlier call went unanswered; before, each waited its own
+    call timeout). Resumed, the daemon answers the POLLs late, and those answers alone
+    clear the connection's mark (nobody waits for them; before, they were never read and
+    the mark stayed until a new request was answered); it drops all three saves (their
+    aborts were queued) and a new save on the same connection commits."""
+    monkeypatch.setenv("CKPTD_CALL_TIMEOUT", call_timeout)
+    if hello_timeout is not None:
+        monkeypatch.setenv("CKPTD_HELLO_TIMEOUT", hello_timeout)
     paths = [os.path.join(daemon.roots[0], f"s{i}.pt") for i in range(3)]
     checkpoint = TorchAsyncCheckpoint(socket=daemon.socket, failure_policy="warn")
     try:
@@ -110,13 +117,17 @@ def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(
                 checkpoint.finalize_async_save(blocking=True)
             finally:
                 os.kill(daemon.pid, signal.SIGCONT)
+            connection = connect(daemon.socket, auto_start=False)
+            wait_for(lambda: connection.not_answering is None, 15,
+                     "the resumed daemon's late answers to clear the mark")
             wait_for(lambda: not daemon.status()["saves"], 60, "the resumed daemon's aborts")
         errors = [exc.failures[0] for _, exc in checkpoint.failed_calls]
         assert len(errors) == 3, errors
-        assert "did not answer a poll request within 1s" in errors[0], errors[0]
+        waited = f"within {float(call_timeout):.0f}s"
+        assert f"did not answer a poll request {waited}" in errors[0], errors[0]
         for path, error in zip(paths[1:], errors[1:]):
             assert error.startswith(f"rank 0: gave up on the save of {path}"), error
-            assert "did not answer an earlier poll request on this connection within 1s" \
+            assert f"did not answer an earlier poll request on this connection {waited}" \
                 in error, error
         for error in errors:
             assert_names_a_silent_daemon(error, daemon.socket, daemon.pid)

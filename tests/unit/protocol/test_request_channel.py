@@ -6,6 +6,7 @@ import threading
 import pytest
 import zmq
 
+from conftest import wait_for
 from ckptd import protocol
 
 
@@ -80,6 +81,36 @@ def test_an_error_reply_raises_with_its_body_and_silence_times_out():
 
         with pytest.raises(DaemonGone):
             channel.call("ping", timeout=60, still_worth_waiting=give_up)
+    finally:
+        channel.close()
+        server.close(linger=0)
+        context.term()
+
+
+def test_a_late_reply_nobody_waits_for_is_still_reported_when_collected():
+    """A reply to a request whose wait ran out is dropped, but ``on_reply`` hears of it
+    (the peer answers again), when a wait reads it or when ``collect`` does; a reply some
+    thread still waits for is kept for it."""
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    server.bind("inproc://channel-late")
+    channel = protocol.Channel("inproc://channel-late", context)
+    heard = []
+    channel.on_reply = heard.append
+    try:
+        gave_up = channel.send("poll", {})
+        with pytest.raises(protocol.ReplyTimeout):
+            channel.wait(gave_up, timeout=0.1)
+        kept = channel.send("ping", {})
+        for _ in range(2):
+            assert server.poll(10_000)
+            routing_id, *frames = server.recv_multipart()
+            server.send_multipart([routing_id, *protocol.encode(
+                "reply", protocol.decode(frames).id, {})])
+        wait_for(lambda: channel.collect() or len(heard) == 2, 10, "both replies read")
+        assert heard == [gave_up, kept]
+        assert channel.wait(kept, timeout=1).id == kept  # kept for its waiter
+        assert heard == [gave_up, kept], "a kept reply is reported once"
     finally:
         channel.close()
         server.close(linger=0)
