@@ -74,6 +74,13 @@ def _take_late_skeleton(request: SaveRequest, skeleton: bytes | None,
         raise refused
 
 
+def _extent_reply(request: SaveRequest) -> StageReply:
+    """A STAGE's answer: the request and the extent it was leased."""
+    return StageReply(request_id=request.id, offset=request.extent.offset,
+                      length=request.extent.length, phase=request.phase,
+                      placements=request.placements)
+
+
 class SaveService:
     """Save requests from reservation to durable files (see the module docstring).
 
@@ -138,7 +145,7 @@ class SaveService:
         self.device.start(request)
         log.info("request %d (rank %d) staging %d bytes for %s (%s)", request.id, request.rank,
                  request.bytes_total, request.path, request.transport_summary())
-        return self._extent_reply(request)
+        return _extent_reply(request)
 
     def _admit(self, call: Call, body: Stage) -> SaveRequest:
         rank = self.ranks.of(call.routing_id)
@@ -161,12 +168,6 @@ class SaveService:
                                "file or local part must fit whole") from None
         self.daemon.note_busy()
         return request
-
-    @staticmethod
-    def _extent_reply(request: SaveRequest) -> StageReply:
-        return StageReply(request_id=request.id, offset=request.extent.offset,
-                          length=request.extent.length, phase=request.phase,
-                          placements=request.placements)
 
     def _own_request(self, routing_id: bytes, request_id) -> SaveRequest:
         request = self.table.find(request_id)  # forgotten, yet holding its extent for a copy
@@ -257,6 +258,8 @@ class SaveService:
             if named_by(body, request):
                 self.lifecycle.abort(request, f"dropped by the trainer: {body.reason}", body.copying)
                 aborted.append(request.id)
+        if body.stages and self.daemon.tier is not None:  # not requests yet: still waiting
+            self.daemon.tier.drop_waiting(call.routing_id, set(body.stages))
         return AbortReply(aborted=aborted)
 
     # ------------------------------------------------------------------ ranks that leave
@@ -297,7 +300,7 @@ class SaveService:
         call, request.pending_reply = request.pending_reply, None
         self.device.start(request)
         if call is not None:
-            call.reply(self._extent_reply(request))
+            call.reply(_extent_reply(request))
 
     def staged(self, request: SaveRequest) -> None:
         """Every byte is in the extent: answer a STAGED that waited for the device copy."""

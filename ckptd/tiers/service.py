@@ -114,6 +114,15 @@ class TierService:
             self.stage.release(key)
             raise
 
+    def drop_waiting(self, routing_id: bytes, messages: set) -> None:
+        """Refuse the STAGE messages of ``routing_id`` an ABORT named that still wait for the
+        budget: admitted later, each would hold space its trainer gave up on."""
+        for entry in [e for e in self.waiting
+                      if e[0].routing_id == routing_id and e[0].msg_id in messages]:
+            self.waiting.remove(entry)
+            entry[0].fail(ErrorCode.ABORTED, "the trainer gave up waiting for this save's "
+                          "room in the stage directory", "the save did not happen; save again")
+
     def expire_waiting(self, now: float, limit: float) -> None:
         """Refuse the saves that waited for the budget ``limit`` seconds (counted from
         their STAGE's arrival): the daemon, not the trainer's patience, ends the wait, so

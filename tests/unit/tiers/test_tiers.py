@@ -245,3 +245,37 @@ def test_a_resumed_commit_given_up_puts_back_the_previous_metadata(tmp_path):
     assert metadata.read_bytes() == b"previous metadata"
     assert present_at_target(str(metadata), True)
     assert sorted(os.listdir(directory)) == [".metadata", ".metadata.ckptd-sum"]
+
+
+class _Endpoint:
+    """Records what the daemon sends back on a call."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, routing_id, msg_type, msg_id, body):
+        self.sent.append((routing_id, msg_type, msg_id, body))
+
+
+def test_a_stage_waiting_for_the_budget_is_refused_once_its_trainer_gave_up_on_it(tmp_path):
+    """Two STAGEs wait for a full stage budget; an ABORT names one of them (its trainer
+    gave up waiting for the reply): that one is refused at once and never admitted, the
+    other (and another connection's STAGE with the same message id) waits on."""
+    from ckptd.protocol import ErrorCode, MessageType, Stage
+    from ckptd.server.endpoint import DEFERRED, Call
+    from ckptd.tiers.service import TierService
+
+    stage = StageDir(str(tmp_path / "stage"), budget=1 << 20)
+    stage.reserve("earlier", 1 << 20)  # a save still flushing holds the whole budget
+    tier = TierService(object(), stage, "wait")
+    endpoint = _Endpoint()
+    body = Stage(format="torch", path="/ckpt/x.pt", buffers=[["uint8", [4096], 4096]])
+    calls = [Call(endpoint, routing, msg_id) for routing, msg_id in
+             ((b"a", 7), (b"a", 8), (b"b", 7))]
+    for call in calls:
+        assert tier.admit(call, body, start=None) is DEFERRED
+    tier.drop_waiting(b"a", {7})
+    assert [entry[0] for entry in tier.waiting] == calls[1:]
+    [(routing, kind, msg_id, error)] = endpoint.sent
+    assert (routing, kind, msg_id, error["code"]) == (b"a", MessageType.ERROR, 7,
+                                                       ErrorCode.ABORTED)
