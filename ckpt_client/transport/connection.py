@@ -206,8 +206,7 @@ class DaemonConnection:
             waited = quiet_limit if isinstance(exc, _Quiet) else timeout
             silent = DaemonNotAnsweringError(
                 self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) did not answer "
-                                  f"a {msg_type} request within "
-                                  f"{f'{waited:g}' if waited < 1 else f'{waited:.0f}'}s",
+                                  f"a {msg_type} request within {_seconds(waited)}",
                 self.daemon_pid)
             if waited >= call_timeout:  # a shorter, best-effort wait proves nothing more
                 self._answers.went_silent(msg_id, msg_type, timeout, silent)
@@ -306,7 +305,13 @@ class DaemonConnection:
 
 
 class _Quiet(Exception):
-    """A recheck's quiet limit passed with no reply at all from the daemon."""
+    """A recheck's quiet limit passed while the mark stayed: nothing the daemon sent
+    answered the unanswered request or a later one."""
+
+
+def _seconds(value: float) -> str:
+    """A wait as an error message says it: whole seconds, or what a shorter one is."""
+    return f"{value:.0f}s" if value >= 1 else f"{value:g}s"
 
 
 _connections: dict[str, DaemonConnection] = {}
