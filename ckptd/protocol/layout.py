@@ -16,7 +16,7 @@ __all__ = ["TENSOR_ALIGNMENT", "PAGE_ALIGNMENT", "PAGE_ALIGNED_FROM", "EXTENT_AL
 #: place and keeps copies on cache-line boundaries.
 TENSOR_ALIGNMENT = 64
 #: Alignment of each large tensor: a page, so a writer can hand its bytes to an O_DIRECT
-#: write as they are (ckptd's files put every tensor on a 4 KiB boundary of the file too).
+#: write as they are (ckptd's files put such a tensor on a 4 KiB boundary of the file too).
 PAGE_ALIGNMENT = 4096
 #: Tensors of this many bytes and more are page-aligned; smaller ones travel through the
 #: writer's bounce buffer anyway, and aligning thousands of them would waste pool space.

@@ -130,7 +130,8 @@ class SaveService:
         tier = self.daemon.tier
         if tier is not None and tier.wants(body.format):
             self.ranks.of(call.routing_id)  # an unregistered caller is refused before it waits
-            return tier.admit(call, body, self._stage_now)
+            return tier.admit(call, body, self._stage_now, refused=lambda: (
+                self.device.release_unopened(body.cuda, call.routing_id)))
         return self._stage_now(call, body)
 
     def _stage_now(self, call: Call, body: Stage):

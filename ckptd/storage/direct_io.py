@@ -30,9 +30,9 @@ the file in flight (ext4 drains them under the inode's lock), so allocating step
 as the writes went emptied the disk's queue once a chunk.
 
 The file layouts cooperate: ckptd's torch files start every record's data on a 4 KiB
-boundary (torch's ``storage_alignment``), DCP items start on one, and the staging extent
-places large tensors on page boundaries (``ckptd.protocol.layout_extent``), so tensor
-bodies are never copied. Pattern: aligned bounce buffer + chunked positional writes.
+boundary (torch's ``storage_alignment``), a large DCP tensor item's bytes start on one
+(:mod:`ckptd.storage.layout`), and the staging extent places large tensors on page
+boundaries (``ckptd.protocol.layout_extent``), so large tensor bodies are never copied. Pattern: aligned bounce buffer + chunked positional writes.
 No torch; no sockets.
 """
 

@@ -5,8 +5,8 @@ Started by :class:`ckptd.storage.writer_pool.WriterPool` as
 is ready, then executes jobs (:mod:`ckptd.storage.jobs`) received over a ZeroMQ PAIR
 socket: tensors are read in place in the pool (no copy), written in torch's file format by
 :mod:`ckptd.storage.torch_format` into a :class:`ckptd.storage.durable.DurableFile` (with
-O_DIRECT straight from the pool where the filesystem allows it: every tensor's bytes start
-on a 4 KiB boundary of the file, as of the pool), and the result (size, checksum, item
+O_DIRECT straight from the pool where the filesystem allows it: every large tensor's bytes
+start on a 4 KiB boundary of the file, as they do in the pool), and the result (size, checksum, item
 offsets, or the errno of the failure) goes back. A bad job never
 kills the writer; the writer exits when its daemon is gone, since nobody wants its results
 any more. A job whose save the daemon stopped meanwhile (:class:`CancelJob`, read ahead

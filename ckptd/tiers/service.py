@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 from ckptd import knobs
 from ckptd.protocol import ErrorCode, HandoverReply, SaveFormat
@@ -62,7 +63,9 @@ class TierService:
         self.flusher: Flusher | None = None
         self.settlements: Settlements | None = None  # with the flusher
         self.commits = TierCommits(self)
-        self.waiting: list[tuple] = []  # (call, body, need, start) of saves waiting for the budget
+        # (call, body, need, start, refused) of saves waiting for the budget, first come first
+        # admitted; ``refused()`` gives back what a refused STAGE handed over (CUDA handles)
+        self.waiting: list[tuple] = []
         self.retention = None if keep_last is None else Retention(
             os.path.join(stage.path, "retention.json"), keep_last, self._in_flight)
 
@@ -77,20 +80,26 @@ class TierService:
         """Whether a save of this format is tiered."""
         return fmt in (SaveFormat.DCP, SaveFormat.TORCH)
 
-    def admit(self, call: Call, body, start) -> object:
+    def admit(self, call: Call, body, start,
+              refused: Callable[[], None] = lambda: None) -> object:
         """Reserve budget for a tiered STAGE, or park it (wait) or refuse it.
 
         ``start(call, body)`` runs the ordinary admission once the budget is reserved and
-        returns the handler's answer (a reply body or DEFERRED).
+        returns the handler's answer (a reply body or DEFERRED). ``refused()`` runs when this
+        service refuses the STAGE itself, now or after it waited (what ``start`` refuses it
+        gives back on its own): the trainer counts on the daemon to release what the STAGE
+        handed over (its CUDA handles).
         """
         need = StageDir.need(sum(b[2] for b in body.buffers), len(body.files), len(body.buffers))
         if need > self.stage.budget:
+            refused()
             raise RequestError(ErrorCode.STAGE_FULL, (
                 f"a save of {need} bytes can never fit the stage budget of "
                 f"{self.stage.budget} bytes in {self.stage.path}"),
                 "raise --stage-budget (or free the stage filesystem), or save less per rank")
         if self.waiting or not self.stage.fits(need):
             if self.policy == "refuse":
+                refused()
                 raise RequestError(ErrorCode.STAGE_FULL, (
                     f"the stage directory {self.stage.path} is full: {self.stage.used_bytes} "
                     f"of {self.stage.budget} bytes wait to reach their targets"),
@@ -99,7 +108,7 @@ class TierService:
                     "--stage-budget")
             log.info("a save of %d bytes waits for the stage budget (%d of %d bytes used)",
                      need, self.stage.used_bytes, self.stage.budget)
-            self.waiting.append((call, body, need, start))
+            self.waiting.append((call, body, need, start, refused))
             from ckptd.server.endpoint import DEFERRED
             return DEFERRED
         return self._start(call, body, need, start)
@@ -117,11 +126,14 @@ class TierService:
     def drop_waiting(self, routing_id: bytes, messages: set) -> None:
         """Refuse the STAGE messages of ``routing_id`` an ABORT named that still wait for the
         budget: admitted later, each would hold space its trainer gave up on."""
-        for entry in [e for e in self.waiting
-                      if e[0].routing_id == routing_id and e[0].msg_id in messages]:
-            self.waiting.remove(entry)
+        dropped = [e for e in self.waiting
+                   if e[0].routing_id == routing_id and e[0].msg_id in messages]
+        for entry in dropped:
+            self._unpark(entry)
             entry[0].fail(ErrorCode.ABORTED, "the trainer gave up waiting for this save's "
                           "room in the stage directory", "the save did not happen; save again")
+        if dropped:
+            self._budget_freed()  # first come, first admitted: those behind may fit now
 
     def expire_waiting(self, now: float, limit: float) -> None:
         """Refuse the saves that waited for the budget ``limit`` seconds (counted from
@@ -129,7 +141,7 @@ class TierService:
         a trainer never gives up on a STAGE the daemon may still start."""
         expired = [entry for entry in self.waiting if now - entry[0].received_at > limit]
         for entry in expired:
-            self.waiting.remove(entry)
+            self._unpark(entry)
             call = entry[0]
             log.warning("a save of %d bytes waited %.0fs for the stage budget; refused",
                         entry[2], now - call.received_at)
@@ -140,6 +152,13 @@ class TierService:
                 f"their targets"),
                 "the save was not started; the target is slower than the save cadence (see "
                 "ckptd status): save less often, raise --stage-budget, or check the target")
+        if expired:
+            self._budget_freed()  # first come, first admitted: those behind may fit now
+
+    def _unpark(self, entry: tuple) -> None:
+        """A waiting STAGE leaves the queue refused: what it handed over goes back."""
+        self.waiting.remove(entry)
+        entry[4]()
 
     def key_for(self, request_id: int) -> str:
         """The stage key of this daemon's request ``request_id``."""
@@ -147,7 +166,7 @@ class TierService:
 
     def _budget_freed(self) -> None:
         while self.waiting:
-            call, body, need, start = self.waiting[0]
+            call, body, need, start, _ = self.waiting[0]
             if not self.stage.fits(need):
                 return
             self.waiting.pop(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import types
 
 import pytest
 import torch
@@ -279,3 +280,39 @@ def test_a_stage_waiting_for_the_budget_is_refused_once_its_trainer_gave_up_on_i
     [(routing, kind, msg_id, error)] = endpoint.sent
     assert (routing, kind, msg_id, error["code"]) == (b"a", MessageType.ERROR, 7,
                                                        ErrorCode.ABORTED)
+
+
+def test_a_refused_waiting_stage_lets_those_behind_it_in_and_gives_back_its_handles(tmp_path):
+    """First come, first admitted: a STAGE that leaves the queue refused (its trainer gave
+    up, or it waited too long) must not keep a later one that fits parked behind it; and
+    each STAGE the service refuses hands back what it brought (``refused``: its CUDA
+    handles, which the trainer counts on the daemon to release), one that starts does not."""
+    from ckptd.protocol import ErrorCode, Stage
+    from ckptd.server.endpoint import DEFERRED, Call
+    from ckptd.tiers.service import TierService
+
+    stage = StageDir(str(tmp_path / "stage"), budget=1 << 20)
+    stage.reserve("earlier", 600 << 10)  # a save still flushing holds most of the budget
+    daemon = types.SimpleNamespace(incarnation="i", table=types.SimpleNamespace(next_id=1))
+    tier = TierService(daemon, stage, "wait")
+    endpoint = _Endpoint()
+    large = Stage(format="torch", path="/ckpt/a.pt", buffers=[["uint8", [800 << 10], 800 << 10]])
+    small = Stage(format="torch", path="/ckpt/b.pt", buffers=[["uint8", [4096], 4096]])
+    started, refused = [], []
+
+    def start(call, body):
+        started.append(call.msg_id)
+        return DEFERRED
+
+    for msg_id, body in ((7, large), (8, small), (9, large), (10, small)):
+        call = Call(endpoint, b"a", msg_id, received_at=100.0 if msg_id < 9 else 200.0)
+        assert tier.admit(call, body, start, refused=lambda m=msg_id: refused.append(m)) \
+            is DEFERRED
+    tier.drop_waiting(b"a", {7})
+    assert (started, refused) == ([8], [7]), "the small STAGE behind the dropped one fits"
+    tier.expire_waiting(now=150.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
+    assert [entry[0].msg_id for entry in tier.waiting] == [9, 10]
+    tier.expire_waiting(now=250.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
+    assert (started, refused, tier.waiting) == ([8], [7, 9, 10], [])
+    codes = [body["code"] for _, _, _, body in endpoint.sent]
+    assert codes == [ErrorCode.ABORTED, ErrorCode.STAGE_FULL, ErrorCode.STAGE_FULL]
