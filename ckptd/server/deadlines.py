@@ -82,7 +82,7 @@ class SaveDeadlines:
         self.writers.check_deadlines()  # a commit file's whole write
         now = time.time()
         if self.tier is not None:
-            self.tier.expire_waiting(now, knobs.STAGE_TIMEOUT.get())
+            self.tier.admission.expire(now, knobs.STAGE_TIMEOUT.get())
         if self.local is not None:
             self.local.expire_fetches(now, knobs.LOCAL_LOAD_TIMEOUT.get())
         for request in self.table.in_flight():

@@ -130,7 +130,7 @@ class SaveService:
         tier = self.daemon.tier
         if tier is not None and tier.wants(body.format):
             self.ranks.of(call.routing_id)  # an unregistered caller is refused before it waits
-            return tier.admit(call, body, self._stage_now, refused=lambda: (
+            return tier.admission.admit(call, body, self._stage_now, refused=lambda: (
                 self.device.release_unopened(body.cuda, call.routing_id)))
         return self._stage_now(call, body)
 
@@ -260,7 +260,7 @@ class SaveService:
                 self.lifecycle.abort(request, f"dropped by the trainer: {body.reason}", body.copying)
                 aborted.append(request.id)
         if body.stages and self.daemon.tier is not None:  # not requests yet: still waiting
-            self.daemon.tier.drop_waiting(call.routing_id, set(body.stages))
+            self.daemon.tier.admission.drop(call.routing_id, set(body.stages))
         return AbortReply(aborted=aborted)
 
     # ------------------------------------------------------------------ ranks that leave

@@ -16,6 +16,8 @@ Modules, one job each:
   stalls, deadlines, progress for ``ckptd status``;
 - :mod:`ckptd.tiers.service` -- the serve loop's side: which requests are tiered, their
   flushes, resuming from the journal, retention;
+- :mod:`ckptd.tiers.admission` -- the stage budget's gate: STAGEs reserved, parked in
+  arrival order, or refused (each refused one hands back what it brought);
 - :mod:`ckptd.tiers.commits` -- the commits of DCP checkpoints (each ``.metadata``),
   pending until every file they name is durable at the target;
 - :mod:`ckptd.tiers.settle` -- the files a save (or a commit's ``.metadata``) replaced at

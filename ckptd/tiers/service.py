@@ -5,7 +5,8 @@ Owns, per daemon with ``--stage-dir``:
 - the decision that a save is tiered (a DCP or torch-format save to a checkpoint root;
   local-checkpoint parts are local already) and where its files are written locally;
 - admission against the stage budget (``--stage-policy``: wait for flushes to free it,
-  or refuse at once with ``stage_full``);
+  or refuse at once with ``stage_full``), through its
+  :class:`ckptd.tiers.admission.StageAdmission`;
 - each tiered request's flush, from the moment its local copy is durable (journal entry
   first) to the moment every file is durable at the target; then the local copy goes;
 - the table of DCP commits (:class:`ckptd.tiers.commits.TierCommits`, which keeps them):
@@ -23,14 +24,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
 
 from ckptd import knobs
-from ckptd.protocol import ErrorCode, HandoverReply, SaveFormat
-from ckptd.server.endpoint import Call, RequestError
+from ckptd.protocol import HandoverReply, SaveFormat
+from ckptd.server.endpoint import Call
 from ckptd.storage.previous import previous_name
 from ckptd.tiers.copy import FlushFile
 from ckptd.tiers.flusher import Flusher, FlushFailure, FlushJob
+from ckptd.tiers.admission import StageAdmission
 from ckptd.tiers.commits import TierCommits
 from ckptd.tiers.retention import Retention
 from ckptd.tiers.settle import Settlements
@@ -63,9 +64,9 @@ class TierService:
         self.flusher: Flusher | None = None
         self.settlements: Settlements | None = None  # with the flusher
         self.commits = TierCommits(self)
-        # (call, body, need, start, refused) of saves waiting for the budget, first come first
-        # admitted; ``refused()`` gives back what a refused STAGE handed over (CUDA handles)
-        self.waiting: list[tuple] = []
+        # The request the admission creates takes the table's next id, hence its key.
+        self.admission = StageAdmission(stage, policy,
+                                        lambda: self.key_for(self.daemon.table.next_id))
         self.retention = None if keep_last is None else Retention(
             os.path.join(stage.path, "retention.json"), keep_last, self._in_flight)
 
@@ -80,104 +81,9 @@ class TierService:
         """Whether a save of this format is tiered."""
         return fmt in (SaveFormat.DCP, SaveFormat.TORCH)
 
-    def admit(self, call: Call, body, start,
-              refused: Callable[[], None] = lambda: None) -> object:
-        """Reserve budget for a tiered STAGE, or park it (wait) or refuse it.
-
-        ``start(call, body)`` runs the ordinary admission once the budget is reserved and
-        returns the handler's answer (a reply body or DEFERRED). ``refused()`` runs when this
-        service refuses the STAGE itself, now or after it waited (what ``start`` refuses it
-        gives back on its own): the trainer counts on the daemon to release what the STAGE
-        handed over (its CUDA handles).
-        """
-        need = StageDir.need(sum(b[2] for b in body.buffers), len(body.files), len(body.buffers))
-        if need > self.stage.budget:
-            refused()
-            raise RequestError(ErrorCode.STAGE_FULL, (
-                f"a save of {need} bytes can never fit the stage budget of "
-                f"{self.stage.budget} bytes in {self.stage.path}"),
-                "raise --stage-budget (or free the stage filesystem), or save less per rank")
-        if self.waiting or not self.stage.fits(need):
-            if self.policy == "refuse":
-                refused()
-                raise RequestError(ErrorCode.STAGE_FULL, (
-                    f"the stage directory {self.stage.path} is full: {self.stage.used_bytes} "
-                    f"of {self.stage.budget} bytes wait to reach their targets"),
-                    "the save was refused and training goes on; the target is slower than "
-                    "the save cadence (see ckptd status), so save less often, or raise "
-                    "--stage-budget")
-            log.info("a save of %d bytes waits for the stage budget (%d of %d bytes used)",
-                     need, self.stage.used_bytes, self.stage.budget)
-            self.waiting.append((call, body, need, start, refused))
-            from ckptd.server.endpoint import DEFERRED
-            return DEFERRED
-        return self._start(call, body, need, start)
-
-    def _start(self, call: Call, body, need: int, start):
-        # The request the admission creates takes the table's next id, hence this key.
-        key = self.key_for(self.daemon.table.next_id)
-        self.stage.reserve(key, need)
-        try:
-            return start(call, body)
-        except BaseException:
-            self.stage.release(key)
-            raise
-
-    def drop_waiting(self, routing_id: bytes, messages: set) -> None:
-        """Refuse the STAGE messages of ``routing_id`` an ABORT named that still wait for the
-        budget: admitted later, each would hold space its trainer gave up on."""
-        dropped = [e for e in self.waiting
-                   if e[0].routing_id == routing_id and e[0].msg_id in messages]
-        for entry in dropped:
-            self._unpark(entry)
-            entry[0].fail(ErrorCode.ABORTED, "the trainer gave up waiting for this save's "
-                          "room in the stage directory", "the save did not happen; save again")
-        if dropped:
-            self._budget_freed()  # first come, first admitted: those behind may fit now
-
-    def expire_waiting(self, now: float, limit: float) -> None:
-        """Refuse the saves that waited for the budget ``limit`` seconds (counted from
-        their STAGE's arrival): the daemon, not the trainer's patience, ends the wait, so
-        a trainer never gives up on a STAGE the daemon may still start."""
-        expired = [entry for entry in self.waiting if now - entry[0].received_at > limit]
-        for entry in expired:
-            self._unpark(entry)
-            call = entry[0]
-            log.warning("a save of %d bytes waited %.0fs for the stage budget; refused",
-                        entry[2], now - call.received_at)
-            call.fail(ErrorCode.STAGE_FULL, (
-                f"the save waited {now - call.received_at:.0f}s (CKPTD_STAGE_TIMEOUT "
-                f"{limit:g}s) for room in the stage directory {self.stage.path}: "
-                f"{self.stage.used_bytes} of {self.stage.budget} bytes still wait to reach "
-                f"their targets"),
-                "the save was not started; the target is slower than the save cadence (see "
-                "ckptd status): save less often, raise --stage-budget, or check the target")
-        if expired:
-            self._budget_freed()  # first come, first admitted: those behind may fit now
-
-    def _unpark(self, entry: tuple) -> None:
-        """A waiting STAGE leaves the queue refused: what it handed over goes back."""
-        self.waiting.remove(entry)
-        entry[4]()
-
     def key_for(self, request_id: int) -> str:
         """The stage key of this daemon's request ``request_id``."""
         return f"{self.daemon.incarnation}-{request_id}"
-
-    def _budget_freed(self) -> None:
-        while self.waiting:
-            call, body, need, start, _ = self.waiting[0]
-            if not self.stage.fits(need):
-                return
-            self.waiting.pop(0)
-            try:
-                answer = self._start(call, body, need, start)
-            except RequestError as exc:
-                call.fail(exc.code, exc.message, exc.hint, **exc.context)
-                continue
-            from ckptd.server.endpoint import DEFERRED
-            if answer is not DEFERRED:
-                call.reply(answer)
 
     def place(self, request):
         """``target path -> local path`` for a tiered request's writer jobs."""
@@ -244,7 +150,7 @@ class TierService:
 
     def _release(self, key: str) -> None:
         if self.stage.release(key):
-            self._budget_freed()
+            self.admission.budget_freed()
 
     def _in_flight(self, path: str) -> bool:
         """Whether a save or a commit to checkpoint ``path`` is still under way."""
@@ -290,7 +196,7 @@ class TierService:
         """The ``tier`` section of the status document."""
         return {"stage_dir": self.stage.path, "budget_bytes": self.stage.budget,
                 "used_bytes": self.stage.used_bytes, "policy": self.policy,
-                "waiting_saves": len(self.waiting),
+                "waiting_saves": len(self.admission.waiting),
                 "flushes": len(self.flusher.jobs) if self.flusher else 0,
                 "copies_running": self.flusher.running() if self.flusher else 0,
                 "retries": self.flusher.retries if self.flusher else 0,
@@ -301,9 +207,6 @@ class TierService:
 
     def close(self) -> None:
         """Stop copying (the journal keeps what is unfinished for the next daemon)."""
-        for call, *_ in self.waiting:
-            call.fail(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
-                      "the save was not started; retry once a daemon is running")
-        self.waiting = []
+        self.admission.close()
         if self.flusher is not None:
             self.flusher.close()

@@ -274,9 +274,9 @@ def test_a_stage_waiting_for_the_budget_is_refused_once_its_trainer_gave_up_on_i
     calls = [Call(endpoint, routing, msg_id) for routing, msg_id in
              ((b"a", 7), (b"a", 8), (b"b", 7))]
     for call in calls:
-        assert tier.admit(call, body, start=None) is DEFERRED
-    tier.drop_waiting(b"a", {7})
-    assert [entry[0] for entry in tier.waiting] == calls[1:]
+        assert tier.admission.admit(call, body, start=None) is DEFERRED
+    tier.admission.drop(b"a", {7})
+    assert [parked.call for parked in tier.admission.waiting] == calls[1:]
     [(routing, kind, msg_id, error)] = endpoint.sent
     assert (routing, kind, msg_id, error["code"]) == (b"a", MessageType.ERROR, 7,
                                                        ErrorCode.ABORTED)
@@ -306,13 +306,13 @@ def test_a_refused_waiting_stage_lets_those_behind_it_in_and_gives_back_its_hand
 
     for msg_id, body in ((7, large), (8, small), (9, large), (10, small)):
         call = Call(endpoint, b"a", msg_id, received_at=100.0 if msg_id < 9 else 200.0)
-        assert tier.admit(call, body, start, refused=lambda m=msg_id: refused.append(m)) \
+        assert tier.admission.admit(call, body, start, refused=lambda m=msg_id: refused.append(m)) \
             is DEFERRED
-    tier.drop_waiting(b"a", {7})
+    tier.admission.drop(b"a", {7})
     assert (started, refused) == ([8], [7]), "the small STAGE behind the dropped one fits"
-    tier.expire_waiting(now=150.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
-    assert [entry[0].msg_id for entry in tier.waiting] == [9, 10]
-    tier.expire_waiting(now=250.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
-    assert (started, refused, tier.waiting) == ([8], [7, 9, 10], [])
+    tier.admission.expire(now=150.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
+    assert [parked.call.msg_id for parked in tier.admission.waiting] == [9, 10]
+    tier.admission.expire(now=250.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
+    assert (started, refused, tier.admission.waiting) == ([8], [7, 9, 10], [])
     codes = [body["code"] for _, _, _, body in endpoint.sent]
     assert codes == [ErrorCode.ABORTED, ErrorCode.STAGE_FULL, ErrorCode.STAGE_FULL]
