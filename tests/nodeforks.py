@@ -3,12 +3,12 @@
 A rank started as a fresh ``python`` inside a node spent 2-3 s of CPU importing torch and
 the test module before doing anything; a four-node test starts sixteen of them on 2 cores.
 :class:`NodeForkServer` is started inside the node (``NetBed.popen``: its namespace, its
-environment), imports torch, ``torch.distributed`` and the module of the function the
-ranks run, and then only forks. Each forked rank gets a session of its own (the test
-kills its group on a timeout), its own log as stdout and stderr, and exactly the
-environment a rank started with ``NetBed.popen`` would have; the server ran nothing but
-those imports, so no rank inherits anything of another rank. The same pattern as the
-``forkserver`` that ``tests/multirank.py`` forks single-host ranks from.
+environment), imports torch, ``torch.distributed``, ``ckpt_client`` and the module of
+the function the ranks run, and then only forks. Each forked rank gets a session of its
+own (the test kills its group on a timeout), its own log as stdout and stderr, and
+exactly the environment a rank started with ``NetBed.popen`` would have; the server ran
+nothing but those imports, so no rank inherits anything of another rank. The same
+pattern as the ``forkserver`` that ``tests/multirank.py`` forks single-host ranks from.
 
 Wire (pipes to the test process, one line each): the test writes a JSON job
 ``{"job", "env", "log", "module"}``; the server answers ``started PID`` for it, and
@@ -120,6 +120,8 @@ def _serve() -> int:
     sys.path[:0] = RANK_PATH
     import torch  # noqa: F401  (the point of this process: imported once, before any fork)
     import torch.distributed  # noqa: F401
+
+    import ckpt_client  # noqa: F401  (every rank function uses it: 0.7 s of CPU a rank)
 
     # SIGCHLD wakes the select below through this pipe; ranks are reaped as they end.
     wake_r, wake_w = os.pipe()
