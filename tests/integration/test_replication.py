@@ -16,8 +16,8 @@ import zmq
 
 from conftest import wait_for
 from multirank import collect, run_ranks, start_ranks, values
-from test_local_checkpoints import (BIG, PEER_ENV, SESSION, find_and_load,  # noqa: F401
-                                    make_nodes, same, state_of)
+from test_local_checkpoints import (BIG, PEER_ENV, SESSION, SHORT_PEER_ENV,  # noqa: F401
+                                    find_and_load, make_nodes, same, state_of)
 
 import peerclient
 from peerclient import register_session
@@ -110,7 +110,9 @@ def save_once(rank, world_size, roots, jump, factor, iteration, size=None):
 # ---------------------------------------------------------------- tests
 
 def test_peer_killed_during_replication(make_nodes, tmp_path):
-    nodes = make_nodes(2)  # rank 0 on node 0, rank 1 on node 1
+    # rank 0 on node 0, rank 1 on node 1; rank 0's push to the frozen node ends at the
+    # no-progress deadline
+    nodes = make_nodes(2, env=SHORT_PEER_ENV)
     flags = {name: str(tmp_path / name) for name in ("rank1_done", "go", "rank0_staged")}
     processes, results = start_ranks(save_while_peer_dies, 2, nodes.sockets(1), tmp_path,
                                      args=(nodes.roots(1), flags))
