@@ -70,9 +70,12 @@ dist.destroy_process_group()
 STRAY = ["sh", "-c", "setsid sh -c 'echo $$; exec sleep 1000' & wait"]
 
 # Makes a bed, starts processes in it (in netns mode one of them like STRAY), prints the
-# bed and the pids, then waits for a signal.
+# bed and the pids, then waits for a signal. SIGINT gets Python's usual handler first: a
+# suite started as a shell's background job passes SIGINT on ignored, and an owner that
+# ignores it rightly keeps running (the SIGINT case then waited out its 30 s and failed).
 OWNER = r"""
 import json, signal, subprocess, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, sys.argv[1])
 from netbed import NetBed
 with NetBed(2, tmpfs_size="16m") as bed:
