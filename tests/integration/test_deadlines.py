@@ -461,6 +461,9 @@ def test_a_zero_stall_save_dropped_mid_copy_keeps_its_space_until_the_copy_is_ov
                 fs.clear()
         assert other.wait(timeout=120) == 0
         checkpoint.close()
+        # The source maps a file on the mount: while it lives the mount is busy, and the
+        # FUSE server cannot exit (stop() then waits 10 s for it before killing it).
+        del source
     assert torch.equal(torch.load(second, weights_only=True)["w"], torch.full((count,), 2.0)), \
         "the dropped save's late copy wrote into the second save's staging space"
     assert not os.path.exists(first)
