@@ -210,11 +210,17 @@ class BedNodes:
             codes.append(self.forks[placement[rank]].wait(
                 pid, max(1.0, deadline - time.monotonic())))
             if codes[-1] is None:
-                for other in pids:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(other, signal.SIGKILL)
-                raise AssertionError(f"{name}: ranks gave no result within {timeout:.0f}s; "
-                                     f"see {self.workdir}/{name}-rank*.log")
+                for other_rank, other in enumerate(pids):
+                    # a rank that ended was reaped: its pid may be another process's now
+                    if not self.forks[placement[other_rank]].exited(other):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(other, signal.SIGKILL)
+                server = self.forks[placement[rank]].gone()
+                raise AssertionError(f"{name}: " + (f"{server}; rank {rank} was not reported"
+                                                    if server else
+                                                    f"ranks gave no result within "
+                                                    f"{timeout:.0f}s") +
+                                     f"; see {self.workdir}/{name}-rank*.log")
         outcomes = []
         for rank, result in enumerate(results):
             try:

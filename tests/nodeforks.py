@@ -65,10 +65,10 @@ class NodeForkServer:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            kind, *fields = line.split()
-            if kind == b"started":
+            kind, *fields = line.split() or [b""]  # a stray line (a print at import) is skipped
+            if kind == b"started" and fields:
                 self._started.put(int(fields[0]))
-            elif kind == b"exited":
+            elif kind == b"exited" and len(fields) == 2:
                 with self._changed:
                     self._exits[int(fields[0])] = int(fields[1])
                     self._changed.notify_all()
@@ -99,6 +99,19 @@ class NodeForkServer:
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits or self._closed, timeout)
             return self._exits.get(pid)
+
+    def exited(self, pid: int) -> bool:
+        """Whether rank ``pid`` ended (and was reaped: its pid may belong to anyone now)."""
+        with self._changed:
+            return pid in self._exits
+
+    def gone(self) -> str | None:
+        """Why this node's server cannot report ranks any more (None while it runs)."""
+        with self._changed:
+            if not self._closed:
+                return None
+        return (f"node {self.node}'s fork server exited (code {self.proc.poll()}); see "
+                f"{self.log_path}")
 
     def close(self) -> None:
         """Stop the server (its end of input); the ranks it forked are not waited for."""
