@@ -41,6 +41,7 @@ import zmq
 from ckptd import protocol
 from ckptd.mailbox import Mailbox
 from ckptd.protocol import ErrorCode
+from ckptd.staging.copy_views import part_copies
 from ckptd.staging.exports import OpenExports, SaveMappings, export_id, stage_part
 
 log = logging.getLogger(__name__)
@@ -191,25 +192,20 @@ class _DeviceWorker:
         torch, job = self.torch, part.job
         ready_events = {}  # the opened events are destroyed with this frame
         for index in part.indices:
-            spec, offset, (_, _, expected) = job.specs[index], job.offsets[index], job.buffers[index]
-            if spec.get("dtype") not in protocol.BUFFER_DTYPES or spec["dtype"] == "bytes":
-                raise ValueError(f"unsupported dtype {spec.get('dtype')!r} in a CUDA IPC description")
-            handle = spec["ready_event"]
-            if handle not in ready_events:  # order the copy after the trainer's kernels
+            handle = job.specs[index]["ready_event"]
+            if handle not in ready_events:  # order the copies after the trainer's kernels
                 event = torch.cuda.Event.from_ipc_handle(self.device, handle)
                 self.stream.wait_event(event)
                 ready_events[handle] = event
-            dtype = getattr(torch, spec["dtype"])
-            source = torch.empty(0, dtype=dtype, device=f"cuda:{self.device}").set_(
-                mappings.storage(spec), spec["offset"], spec["size"], spec["stride"])
-            nbytes = source.numel() * source.element_size()
-            if nbytes != expected:
-                raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {expected} "
-                                 "bytes the request declared; refusing to write past its extent")
-            start = job.base + offset
-            destination = self.stager.pool_tensor[start:start + nbytes].view(dtype).view(source.shape)
-            with torch.cuda.stream(self.stream):
-                destination.copy_(source, non_blocking=self.stager.pool.registered_with_cuda)
+        # Every view built and checked before the first copy; then one call for the part.
+        destinations, sources = part_copies(
+            torch, [job.specs[i] for i in part.indices],
+            [job.base + job.offsets[i] for i in part.indices],
+            [job.buffers[i][2] for i in part.indices], self.stager.pool_tensor,
+            mappings.storage)
+        with torch.cuda.stream(self.stream):
+            torch._foreach_copy_(destinations, sources,
+                                 non_blocking=self.stager.pool.registered_with_cuda)
 
     def _open(self, spec: dict):
         """Open an export's storage through torch (which, finding the storage already
