@@ -11,6 +11,8 @@
             device-to-host into the pool, one stager thread per device;
 - ``exports`` which trainers' CUDA exports a stager holds open, and paying each
             export's IPC reference counter exactly once (pure, no torch).
+- ``copy_views`` one part of a CUDA save as (pool, storage) view pairs, checked against
+            the request and the storages' bounds, for one ``_foreach_copy_``.
 
 Runs in the daemon process; the stager thread hands results to the serve loop through a
 :class:`ckptd.mailbox.Mailbox`. Knows nothing of requests' phases or files.
