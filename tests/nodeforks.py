@@ -65,12 +65,16 @@ class NodeForkServer:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            kind, *fields = line.split() or [b""]  # a stray line (a print at import) is skipped
-            if kind == b"started" and fields:
-                self._started.put(int(fields[0]))
-            elif kind == b"exited" and len(fields) == 2:
+            kind, *fields = line.split() or [b""]
+            try:
+                numbers = [int(field) for field in fields]
+            except ValueError:
+                continue  # a stray line (a print at import) is not the server's
+            if kind == b"started" and len(numbers) == 1:
+                self._started.put(numbers[0])
+            elif kind == b"exited" and len(numbers) == 2:
                 with self._changed:
-                    self._exits[int(fields[0])] = int(fields[1])
+                    self._exits[numbers[0]] = numbers[1]
                     self._changed.notify_all()
         with self._changed:
             self._closed = True

@@ -90,8 +90,10 @@ class AnswerWatch:
         """The ``msg_type`` request ``msg_id`` went unanswered for ``timeout`` seconds (or
         the daemon died): mark the connection, unless a later request was answered."""
         with self._lock:
-            if msg_id < self._answered:
-                return  # a later request was answered: the daemon only took long on this one
+            if msg_id <= self._answered:
+                # this one or a later one was answered (its reply read by another thread
+                # while this one's wait was ending): the daemon only took long on it
+                return
             if self._silence is not None and self._silence.msg_id > msg_id:
                 return  # a later request went unanswered already
             first = self._silence is None

@@ -140,5 +140,11 @@ class StageAdmission:
             except RequestError as exc:
                 parked.call.fail(exc.code, exc.message, exc.hint, **exc.context)
                 continue
+            except Exception as exc:  # a daemon bug: this STAGE still gets its answer, and
+                # those behind it their turn (this runs from ABORTs and the serve loop's tick)
+                log.exception("admitting a save that waited for the stage budget failed")
+                parked.call.fail(ErrorCode.INTERNAL, f"admitting the save failed: {exc!r}",
+                                 "this is a ckptd bug; the daemon keeps serving")
+                continue
             if answer is not DEFERRED:
                 parked.call.reply(answer)

@@ -316,3 +316,47 @@ def test_a_refused_waiting_stage_lets_those_behind_it_in_and_gives_back_its_hand
     assert (started, refused, tier.admission.waiting) == ([8], [7, 9, 10], [])
     codes = [body["code"] for _, _, _, body in endpoint.sent]
     assert codes == [ErrorCode.ABORTED, ErrorCode.STAGE_FULL, ErrorCode.STAGE_FULL]
+
+
+def test_every_refusal_of_the_stage_budget_hands_back_what_the_stage_brought(tmp_path):
+    """Too large for the budget, refused by the ``refuse`` policy, parked when the daemon
+    stops: each refusal runs ``refused()`` once and answers its call once; a parked STAGE
+    whose admission fails with a daemon bug is answered (``internal``) and the queue goes on."""
+    from ckptd.protocol import ErrorCode, Stage
+    from ckptd.server.endpoint import DEFERRED, Call, RequestError
+    from ckptd.tiers.service import TierService
+
+    daemon = types.SimpleNamespace(incarnation="i", table=types.SimpleNamespace(next_id=1))
+    endpoint = _Endpoint()
+    small = Stage(format="torch", path="/ckpt/b.pt", buffers=[["uint8", [4096], 4096]])
+    huge = Stage(format="torch", path="/ckpt/c.pt", buffers=[["uint8", [2 << 20], 2 << 20]])
+    most = Stage(format="torch", path="/ckpt/d.pt", buffers=[["uint8", [900 << 10], 900 << 10]])
+    refused = []
+
+    def admit(tier, msg_id, body, start=None):
+        return tier.admission.admit(Call(endpoint, b"a", msg_id), body, start,
+                                    refused=lambda: refused.append(msg_id))
+
+    for policy in ("wait", "refuse"):
+        stage = StageDir(str(tmp_path / policy), budget=1 << 20)
+        stage.reserve("earlier", 1 << 20)
+        tier = TierService(daemon, stage, policy)
+        with pytest.raises(RequestError, match="can never fit"):
+            admit(tier, 1, huge)
+        if policy == "refuse":
+            with pytest.raises(RequestError, match="is full"):
+                admit(tier, 2, small)
+        else:
+            def broken(call, body):
+                raise KeyError("a daemon bug")
+            assert admit(tier, 2, small, broken) is DEFERRED
+            assert admit(tier, 3, small, lambda call, body: DEFERRED) is DEFERRED
+            assert admit(tier, 4, most) is DEFERRED
+            stage.release("earlier")
+            tier.admission.budget_freed()  # 2 fails inside, 3 starts, 4 no longer fits
+            assert [p.call.msg_id for p in tier.admission.waiting] == [4]
+            tier.admission.close()
+            assert tier.admission.waiting == []
+    assert refused == [1, 4, 1, 2]
+    codes = [body["code"] for _, _, _, body in endpoint.sent]
+    assert ErrorCode.INTERNAL in codes and codes.count(ErrorCode.INTERNAL) == 1
