@@ -270,6 +270,8 @@ class SaveService:
         A tiered save whose bytes are staged was handed over: the daemon finishes it and
         its target sees it whole, trainer or no trainer.
         """
+        if self.daemon.tier is not None:  # its STAGEs still waiting for the stage budget
+            self.daemon.tier.admission.drop_connection(routing_id, reason)
         for request in self.table.holding_space():
             if request.routing_id == routing_id and request.finished:  # a failed save may
                 # still hold its extent for the trainer's copy (a staging deadline)

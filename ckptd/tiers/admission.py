@@ -4,8 +4,8 @@ Owns the queue of STAGEs waiting for room in the stage directory (``--stage-poli
 wait``) and the order they get it in: first come, first admitted, so a large save is not
 starved by small ones behind it. Every way out of the queue is here: admitted once the
 budget frees (a flush ended, a STAGE ahead left), refused when its trainer gave up on it
-(an ABORT naming the STAGE message), when it waited ``CKPTD_STAGE_TIMEOUT``, or when the
-daemon stops. A STAGE refused here hands back what it brought (``refused()``: its CUDA
+(an ABORT naming the STAGE message) or went away (goodbye, exit), when it waited
+``CKPTD_STAGE_TIMEOUT``, or when the daemon stops. A STAGE refused here hands back what it brought (``refused()``: its CUDA
 handles, which the trainer leaves to the daemon once a save failed); one refused by the
 ordinary admission after it got budget gives them back there.
 
@@ -99,6 +99,14 @@ class StageAdmission:
                       if p.call.routing_id == routing_id and p.call.msg_id in messages],
                      lambda parked: (ErrorCode.ABORTED, "the trainer gave up waiting for this "
                                      "save's room in the stage directory",
+                                     "the save did not happen; save again"))
+
+    def drop_connection(self, routing_id: bytes, reason: str) -> None:
+        """Refuse every STAGE of ``routing_id`` still waiting: its trainer said goodbye or
+        exited, and a STAGE nobody will copy into would hold the head of the queue (and
+        every save behind it) until ``CKPTD_STAGE_TIMEOUT``."""
+        self._refuse([p for p in self.waiting if p.call.routing_id == routing_id],
+                     lambda parked: (ErrorCode.ABORTED, reason,
                                      "the save did not happen; save again"))
 
     def expire(self, now: float, limit: float) -> None:

@@ -310,12 +310,17 @@ def test_a_refused_waiting_stage_lets_those_behind_it_in_and_gives_back_its_hand
             is DEFERRED
     tier.admission.drop(b"a", {7})
     assert (started, refused) == ([8], [7]), "the small STAGE behind the dropped one fits"
+    gone = Call(endpoint, b"gone", 1, received_at=200.0)  # a trainer that exits while parked
+    tier.admission.admit(gone, large, start, refused=lambda: refused.append("gone"))
+    tier.admission.drop_connection(b"gone", "trainer process 4242 exited during the save")
+    assert refused == [7, "gone"] and gone not in [p.call for p in tier.admission.waiting]
     tier.admission.expire(now=150.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
     assert [parked.call.msg_id for parked in tier.admission.waiting] == [9, 10]
     tier.admission.expire(now=250.0 + knobs.STAGE_TIMEOUT.get(), limit=knobs.STAGE_TIMEOUT.get())
-    assert (started, refused, tier.admission.waiting) == ([8], [7, 9, 10], [])
+    assert (started, refused, tier.admission.waiting) == ([8], [7, "gone", 9, 10], [])
     codes = [body["code"] for _, _, _, body in endpoint.sent]
-    assert codes == [ErrorCode.ABORTED, ErrorCode.STAGE_FULL, ErrorCode.STAGE_FULL]
+    assert codes == [ErrorCode.ABORTED, ErrorCode.ABORTED, ErrorCode.STAGE_FULL,
+                     ErrorCode.STAGE_FULL]
 
 
 def test_every_refusal_of_the_stage_budget_hands_back_what_the_stage_brought(tmp_path):
