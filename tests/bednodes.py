@@ -28,10 +28,8 @@ import traceback
 from dataclasses import dataclass
 
 from ckptd.protocol import wait_until_ready
-from nodeforks import RANK_PATH, NodeForkServer
+from nodeforks import RANK_PATH, ROOT, TESTS_DIR, NodeForkServer
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS_DIR)
 READY_TIMEOUT = 120.0
 
 
@@ -197,7 +195,7 @@ class BedNodes:
             with open(job, "wb") as f:
                 pickle.dump({"module": fn.__module__, "function": fn.__name__, "rank": rank,
                              "world": world, "args": args, "result": result}, f)
-            env = {**os.environ, **self.bed.env(node),
+            env = {**os.environ,  # rank_env includes the node's own environment
                    **self.bed.rank_env(node, rank, world, port, master=placement[0]),
                    "CKPTD_SOCKET": self.socket(node), "PYTHONPATH": ROOT,
                    "CKPTD_AUTO_START": "0"}

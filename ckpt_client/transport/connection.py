@@ -238,7 +238,8 @@ class DaemonConnection:
         """The request this connection's daemon left unanswered, while no reply to it or
         to a later request came (replies already waiting are read first, late ones
         included); ``None`` while the daemon answers."""
-        self._collect_replies()
+        if self._answers.mark is not None:  # a late reply matters only to a mark
+            self._collect_replies()
         return self._answers.mark
 
     def claim_recheck(self) -> str | None:
@@ -247,7 +248,8 @@ class DaemonConnection:
         reply clears the mark) or ``"silent"`` (another caller rechecked and the daemon
         has sent nothing since, late answers included: give up without asking; a
         stopped daemon costs one short wait more, not one call timeout per save)."""
-        self._collect_replies()
+        if self._answers.mark is not None:  # a late reply matters only to a mark
+            self._collect_replies()
         return self._answers.claim_recheck()
 
     def _collect_replies(self) -> None:

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 import torch
 
 from ckptd import protocol
-from ckptd.protocol import TensorRef
 
 
 #: torch dtype -> protocol name, filled on first use (a save names each dtype ~1000 times).

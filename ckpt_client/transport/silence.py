@@ -1,8 +1,8 @@
 """A connection's "not answering" mark: whether its daemon answers, from what it replied.
 
 The mark (:class:`Silence`) is set when a call waited ``CKPTD_CALL_TIMEOUT`` in vain (the
-daemon is stopped: SIGSTOP, a debugger; hung; or dead): the other saves outstanding on the connection then read it instead of each waiting
-a call timeout of their own. Any reply to the unanswered request or to a later one clears
+daemon is stopped: SIGSTOP, a debugger; hung; or dead): the other saves outstanding on
+the connection then read it instead of each waiting a call timeout of their own. Any reply to the unanswered request or to a later one clears
 it, also a late one nobody waits for any more (the request channel reports every reply it
 reads): the daemon read that far and answers again. A request older than one answered
 never sets it (the daemon was only slow on it). :class:`AnswerWatch` owns the mark and the

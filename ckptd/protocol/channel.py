@@ -1,7 +1,8 @@
 """The request channel: a client's DEALER socket that matches replies to requests.
 
 Owns sending a request with a fresh id and waiting for the reply that carries it, from
-several threads at once. Used by the trainer library and by ``ckptd status``. It must
+several threads at once, and telling its owner of every reply it reads (``on_reply``,
+late ones nobody waits for included; :meth:`Channel.collect` reads those waiting). Used by the trainer library and by ``ckptd status``. It must
 not interpret bodies beyond turning an error reply into :class:`ErrorReply`; zmq is
 imported when a channel is made, so importing this module stays cheap.
 """

@@ -71,13 +71,8 @@ def _keep_layout(rank: RankInfo, request: SaveRequest) -> None:
         layouts.popitem(last=False)
 
 
-def request_from_stage(daemon, rank: RankInfo, body: Stage,
-                       stage_message: int | None = None) -> SaveRequest:
+def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
     """The request a trainer's STAGE asks for (its path checked, its extent laid out).
-
-    ``stage_message`` is the STAGE message's id on the trainer's connection: a trainer
-    that gave up waiting for the reply never learns the request id, and names the
-    request by that message in its ABORT instead (:func:`named_by`).
 
     A tiered save never names a kept layout (the stage budget is sized from the buffers
     before this runs): its layouts are not kept, so such a STAGE is refused here.
@@ -101,7 +96,7 @@ def request_from_stage(daemon, rank: RankInfo, body: Stage,
         skeleton=body.skeleton, files=body.files if body.format == SaveFormat.DCP else [],
         cuda_specs=body.cuda, session=body.session, iteration=body.iteration,
         stock_files=body.format == SaveFormat.DCP and body.stock_files,
-        trainer_pid=rank.pid, stage_message=stage_message,
+        trainer_pid=rank.pid,
         near=daemon.placement.near(body.cuda, rank.pid))
     if tiered and body.format == SaveFormat.DCP:
         # Known now, so the coordinator can hand its commit over at staging time.

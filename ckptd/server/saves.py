@@ -153,10 +153,11 @@ class SaveService:
         if self.daemon.stopping:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "ckptd is shutting down",
                                "the save was not started; retry once a daemon is running")
-        request = request_from_stage(self.daemon, rank, body, stage_message=call.msg_id)
+        request = request_from_stage(self.daemon, rank, body)
         # A save's deadlines count from its STAGE's arrival (a tiered one may have waited
         # for the stage budget before it became a request).
         request.created_at = call.received_at
+        request.stage_message = call.msg_id  # what an ABORT names if the reply never came
         copiers = copiers_of(request)
         if DEVICE_COPY in copiers:
             self.device.check(rank.rank)

@@ -190,17 +190,17 @@ class _DeviceWorker:
 
     def _copy_buffers(self, part: _Part, mappings: SaveMappings) -> None:
         torch, job = self.torch, part.job
+        specs = [job.specs[i] for i in part.indices]
         ready_events = {}  # the opened events are destroyed with this frame
-        for index in part.indices:
-            handle = job.specs[index]["ready_event"]
+        for spec in specs:
+            handle = spec["ready_event"]
             if handle not in ready_events:  # order the copies after the trainer's kernels
                 event = torch.cuda.Event.from_ipc_handle(self.device, handle)
                 self.stream.wait_event(event)
                 ready_events[handle] = event
         # Every view built and checked before the first copy; then one call for the part.
         destinations, sources = part_copies(
-            torch, [job.specs[i] for i in part.indices],
-            [job.base + job.offsets[i] for i in part.indices],
+            torch, specs, [job.base + job.offsets[i] for i in part.indices],
             [job.buffers[i][2] for i in part.indices], self.stager.pool_tensor,
             mappings.storage)
         with torch.cuda.stream(self.stream):

@@ -32,8 +32,8 @@ as the writes went emptied the disk's queue once a chunk.
 The file layouts cooperate: ckptd's torch files start every record's data on a 4 KiB
 boundary (torch's ``storage_alignment``), a large DCP tensor item's bytes start on one
 (:mod:`ckptd.storage.layout`), and the staging extent places large tensors on page
-boundaries (``ckptd.protocol.layout_extent``), so large tensor bodies are never copied. Pattern: aligned bounce buffer + chunked positional writes.
-No torch; no sockets.
+boundaries (``ckptd.protocol.layout_extent``), so large tensor bodies are never copied.
+Pattern: aligned bounce buffer + chunked positional writes. No torch; no sockets.
 """
 
 from __future__ import annotations

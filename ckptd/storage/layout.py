@@ -3,7 +3,7 @@
 A tiered DCP save is handed over at staging time: its coordinator gives the daemon the
 ``.metadata`` it will commit, and that names each item's offset and length in its file.
 Owns the one rule of where items go, which the writers follow (:func:`item_start`,
-:func:`tensor_item_alignments`): one after the other, each tensor as one ``torch.save``
+:func:`storage_alignment`): one after the other, each tensor as one ``torch.save``
 archive, each byte item raw. In ckptd's files a tensor the staging pool keeps on a page
 (``PAGE_ALIGNED_FROM`` bytes and more) starts its archive on a 4 KiB boundary of the file
 with its bytes on the next one, so they go to the disk with O_DIRECT straight from the
@@ -48,11 +48,10 @@ def item_start(cursor: int, nbytes: int | None, stock: bool) -> int:
     return cursor
 
 
-def tensor_item_alignments(nbytes: int, stock: bool) -> tuple[int, int]:
-    """``(storage alignment, other records' alignment)`` inside a tensor item's archive."""
-    if on_a_page(nbytes, stock):
-        return PAGE_ALIGNMENT, DEFAULT_ALIGNMENT
-    return DEFAULT_ALIGNMENT, DEFAULT_ALIGNMENT
+def storage_alignment(nbytes: int, stock: bool) -> int:
+    """Where a tensor item's storage record starts inside its archive (its other records
+    always use torch's default, :data:`DEFAULT_ALIGNMENT`)."""
+    return PAGE_ALIGNMENT if on_a_page(nbytes, stock) else DEFAULT_ALIGNMENT
 
 
 class _CountingSink:
@@ -69,16 +68,16 @@ class _CountingSink:
 
 @functools.lru_cache(maxsize=4096)
 def tensor_archive_size(dtype: str, shape: tuple, stock: bool = False) -> int:
-    """Bytes of ``torch.save(tensor)`` for a contiguous tensor of ``dtype`` and ``shape``
-    (with ckptd's page alignment, or torch's default one for ``stock`` files)."""
+    """Bytes of a ``.distcp`` file's archive of a contiguous tensor of ``dtype`` and
+    ``shape`` (ckptd's layout, or torch's default one for ``stock`` files)."""
     nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-    alignment, record_alignment = tensor_item_alignments(nbytes, stock)
     pages = mmap.mmap(-1, max(nbytes, 1))  # untouched anonymous pages cost nothing
     try:
         view = memoryview(pages)[:nbytes]
         sink = _CountingSink()
-        write_tensor_file(sink, raw_tensor(view, dtype, list(shape)), alignment=alignment,
-                          record_alignment=record_alignment)
+        write_tensor_file(sink, raw_tensor(view, dtype, list(shape)),
+                          alignment=storage_alignment(nbytes, stock),
+                          record_alignment=DEFAULT_ALIGNMENT)
         view.release()
         return sink.size
     finally:

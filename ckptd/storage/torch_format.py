@@ -25,7 +25,7 @@ Two promises, both held by the tests against torch itself:
 
 ckptd's DCP tensor items (:func:`write_tensor_file`) are one archive per tensor with its
 storage on the alignment the layout gives and the other records on ``record_alignment``
-(:func:`ckptd.storage.layout.tensor_item_alignments`): for a small tensor that is the
+(:func:`ckptd.storage.layout.storage_alignment`): for a small tensor that is the
 default ``torch.save`` without CRCs byte for byte; for a large one no single torch
 setting writes it (torch pads every record alike), but torch's loader finds each record
 from its own header, so ``torch.load`` and DCP read it all the same (tested).

@@ -38,8 +38,9 @@ from ckptd.storage.previous import keep_aside
 from ckptd.storage.priority import yield_to_trainers
 from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StopWriter, WriteBytes, WriteItems,
                                 WriteProgress, WriterReady, WriteResult, WriteTorch)
-from ckptd.storage.layout import file_size, item_start, tensor_item_alignments
-from ckptd.storage.torch_format import PAGE_ALIGNMENT, RawTensor, raw_tensor, write_tensor_file
+from ckptd.storage.layout import file_size, item_start, storage_alignment
+from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT, RawTensor, raw_tensor,
+                                        write_tensor_file)
 from ckptd.storage.torch_layout import write_torch_layout
 
 log = logging.getLogger(__name__)
@@ -205,9 +206,9 @@ class Writer:
                 if start > stream.tell():  # zeros up to the page; DCP reads by offset
                     stream.write(bytes(start - stream.tell()))
                 if tensor:
-                    alignment, record_alignment = tensor_item_alignments(nbytes, job.stock)
                     write_tensor_file(stream, item, crc32=job.stock, max_write=max_write,
-                                      alignment=alignment, record_alignment=record_alignment)
+                                      alignment=storage_alignment(nbytes, job.stock),
+                                      record_alignment=DEFAULT_ALIGNMENT)
                 else:  # in slices, so writeback starts while a large part is written
                     for offset in range(0, item.nbytes, max_write):
                         stream.write(item[offset:offset + max_write])

@@ -5,9 +5,10 @@ wait``) and the order they get it in: first come, first admitted, so a large sav
 starved by small ones behind it. Every way out of the queue is here: admitted once the
 budget frees (a flush ended, a STAGE ahead left), refused when its trainer gave up on it
 (an ABORT naming the STAGE message) or went away (goodbye, exit), when it waited
-``CKPTD_STAGE_TIMEOUT``, or when the daemon stops. A STAGE refused here hands back what it brought (``refused()``: its CUDA
-handles, which the trainer leaves to the daemon once a save failed); one refused by the
-ordinary admission after it got budget gives them back there.
+``CKPTD_STAGE_TIMEOUT``, or when the daemon stops. A STAGE refused here hands back what
+it brought (``refused()``: its CUDA handles, which the trainer leaves to the daemon once
+a save failed); one refused by the ordinary admission after it got budget gives them
+back there.
 
 Answers its calls (every parked STAGE gets exactly one reply); reserves and releases
 nothing but budget in the :class:`ckptd.tiers.stage.StageDir`.
@@ -151,6 +152,7 @@ class StageAdmission:
             except Exception as exc:  # a daemon bug: this STAGE still gets its answer, and
                 # those behind it their turn (this runs from ABORTs and the serve loop's tick)
                 log.exception("admitting a save that waited for the stage budget failed")
+                parked.refused()  # the ordinary admission gave back only on its refusals
                 parked.call.fail(ErrorCode.INTERNAL, f"admitting the save failed: {exc!r}",
                                  "this is a ckptd bug; the daemon keeps serving")
                 continue

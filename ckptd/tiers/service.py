@@ -60,7 +60,6 @@ class TierService:
             raise ValueError(f"--stage-policy must be wait or refuse, not {policy!r}")
         self.daemon = daemon
         self.stage = stage
-        self.policy = policy
         self.flusher: Flusher | None = None
         self.settlements: Settlements | None = None  # with the flusher
         self.commits = TierCommits(self)
@@ -195,7 +194,7 @@ class TierService:
     def describe(self) -> dict:
         """The ``tier`` section of the status document."""
         return {"stage_dir": self.stage.path, "budget_bytes": self.stage.budget,
-                "used_bytes": self.stage.used_bytes, "policy": self.policy,
+                "used_bytes": self.stage.used_bytes, "policy": self.admission.policy,
                 "waiting_saves": len(self.admission.waiting),
                 "flushes": len(self.flusher.jobs) if self.flusher else 0,
                 "copies_running": self.flusher.running() if self.flusher else 0,

@@ -98,8 +98,9 @@ def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(
     its POLL goes unanswered for the call timeout, the second's recheck for its short wait
     (a hello timeout, shorter than a call's by default), and the third is given up without
     asking (their errors say an earlier call went unanswered; before, each waited its own
-    call timeout). Resumed, the daemon answers the POLLs late, and those answers alone
-    clear the connection's mark (nobody waits for them; before, they were never read and
+    call timeout). Resumed, the daemon answers the POLLs late, and the replies read late
+    (to those POLLs or to the aborts the given-up saves queued) clear the connection's mark
+    with no new request answered (nobody waits for them; before, they were never read and
     the mark stayed until a new request was answered); it drops all three saves (their
     aborts were queued) and a new save on the same connection commits."""
     monkeypatch.setenv("CKPTD_CALL_TIMEOUT", call_timeout)

@@ -48,8 +48,14 @@ def test_each_tensor_lands_in_the_pool_in_row_major_order():
 
 def test_tensors_of_one_storage_share_its_byte_view():
     shared = torch.arange(100, dtype=torch.float32)
-    pool, starts = copy_part([shared[:10], shared[10:50], shared[50:]])
-    assert torch.equal(pool[starts[1]:starts[1] + 160].view(torch.float32), shared[10:50])
+    tensors = [shared[:10], shared[10:50], shared[50:]]
+    specs = [spec_of(t, 0) for t in tensors]
+    pool = torch.zeros(8192, dtype=torch.uint8)
+    _, sources = part_copies(torch, specs, [0, 64, 256], [40, 160, 200], pool,
+                             lambda _: shared.untyped_storage())
+    assert sources[0]._base is not None
+    assert sources[0]._base is sources[1]._base is sources[2]._base  # one view of the storage
+    assert torch.equal(sources[1].view(torch.float32), shared[10:50])
 
 
 @pytest.mark.parametrize("change, message", [

@@ -79,7 +79,8 @@ def test_the_stage_budget_and_journal(tmp_path):
                                          ("int64", ()), ("float32", (0, 3)), ("bool", (7,)),
                                          ("float16", (1 << 12, 300))])
 def test_the_predicted_archive_size_is_what_the_writer_writes(dtype, shape):
-    from ckptd.storage.layout import tensor_item_alignments
+    from ckptd.storage.layout import storage_alignment
+    from ckptd.storage.torch_format import DEFAULT_ALIGNMENT
     from ckptd.storage.torch_format import raw_tensor, write_tensor_file
 
     tensor = torch.zeros(shape, dtype=getattr(torch, dtype))
@@ -87,7 +88,7 @@ def test_the_predicted_archive_size_is_what_the_writer_writes(dtype, shape):
     torch.save(tensor, buffer)  # stock files are torch's bytes exactly
     assert tensor_archive_size(dtype, shape, stock=True) == len(buffer.getvalue())
     written = io.BytesIO()
-    alignment, record_alignment = tensor_item_alignments(tensor.nbytes, False)
+    alignment, record_alignment = storage_alignment(tensor.nbytes, False), DEFAULT_ALIGNMENT
     write_tensor_file(written, raw_tensor(tensor.numpy().tobytes() if dtype != "bfloat16"
                                           else tensor.view(torch.int16).numpy().tobytes(),
                                           dtype, list(shape)),
@@ -362,6 +363,6 @@ def test_every_refusal_of_the_stage_budget_hands_back_what_the_stage_brought(tmp
             assert [p.call.msg_id for p in tier.admission.waiting] == [4]
             tier.admission.close()
             assert tier.admission.waiting == []
-    assert refused == [1, 4, 1, 2]
+    assert refused == [1, 2, 4, 1, 2]
     codes = [body["code"] for _, _, _, body in endpoint.sent]
     assert ErrorCode.INTERNAL in codes and codes.count(ErrorCode.INTERNAL) == 1
