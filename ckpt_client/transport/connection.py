@@ -46,6 +46,7 @@ from ckptd.protocol import process_alive
 from ckpt_client.collectives import initialized, rank_and_world
 from ckpt_client.errors import (DaemonNotAnsweringError, DaemonReplyError, DaemonRequestError,
                                DaemonUnavailableError)
+from ckpt_client.transport import waits
 from ckpt_client.transport.autostart import start_local_daemon
 from ckpt_client.transport.silence import AnswerWatch, Silence
 
@@ -206,7 +207,7 @@ class DaemonConnection:
             waited = quiet_limit if isinstance(exc, _Quiet) else timeout
             silent = DaemonNotAnsweringError(
                 self.socket_path, f"the ckptd daemon (pid {self.daemon_pid}) did not answer "
-                                  f"a {msg_type} request within {_seconds(waited)}",
+                                  f"a {msg_type} request within {waits.as_text(waited)}",
                 self.daemon_pid)
             if waited >= call_timeout:  # a shorter, best-effort wait proves nothing more
                 self._answers.went_silent(msg_id, msg_type, timeout, silent)
@@ -309,11 +310,6 @@ class DaemonConnection:
 class _Quiet(Exception):
     """A recheck's quiet limit passed while the mark stayed: nothing the daemon sent
     answered the unanswered request or a later one."""
-
-
-def _seconds(value: float) -> str:
-    """A wait as an error message says it: whole seconds, or what a shorter one is."""
-    return f"{value:.0f}s" if value >= 1 else f"{value:g}s"
 
 
 _connections: dict[str, DaemonConnection] = {}

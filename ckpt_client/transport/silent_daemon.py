@@ -47,7 +47,7 @@ def not_waited_for(connection: DaemonConnection) -> DaemonUnavailableError:
         what = "stopped answering for a while"
     else:
         what = (f"did not answer an earlier {silence.msg_type} request on this connection "
-                f"within {silence.timeout:.0f}s ({time.monotonic() - silence.since:.0f}s ago)")
+                f"within {waits.as_text(silence.timeout)} ({time.monotonic() - silence.since:.0f}s ago)")
     return DaemonNotAnsweringError(
         connection.socket_path, f"the ckptd daemon (pid {connection.daemon_pid}) {what}, so "
                                 f"this save was not waited for again", connection.daemon_pid)

@@ -15,6 +15,7 @@ A wait that runs out here means the daemon itself is silent (stopped, hung) or d
 
 Every function takes the connection's ``deadlines`` (the hello's) first. Pure arithmetic
 over :mod:`ckptd.knobs` (read when asked, never cached) and that body: no I/O.
+:func:`as_text` is how a message says a wait, so every give-up message says it alike.
 """
 
 from __future__ import annotations
@@ -22,9 +23,18 @@ from __future__ import annotations
 from ckptd import knobs
 from ckptd.protocol import DaemonDeadlines
 
-__all__ = ["margin", "stage_reply", "staged_reply", "staging", "background_staging",
+__all__ = ["as_text", "margin", "stage_reply", "staged_reply", "staging", "background_staging",
            "save_outcome", "local_load", "daemon_deadline_of_save", "daemon_deadline_of_commit",
            "commit_file"]
+
+
+def as_text(seconds: float) -> str:
+    """A wait as a message says it: what was waited, to a hundredth of a second ("1.5s",
+    "60s", "0.25s"); rounded to whole seconds, a 1.5 s wait would read as 2 s and send the
+    reader after a setting nobody made."""
+    if seconds >= 1:
+        return f"{seconds:.2f}".rstrip("0").rstrip(".") + "s"
+    return f"{seconds:.2g}s"
 
 
 def _longer(knob: knobs.Knob, daemon: DaemonDeadlines | None, said: str) -> float:

@@ -124,7 +124,7 @@ def test_saves_in_flight_on_a_stopped_daemon_wait_one_call_timeout_not_one_each(
             wait_for(lambda: not daemon.status()["saves"], 60, "the resumed daemon's aborts")
         errors = [exc.failures[0] for _, exc in checkpoint.failed_calls]
         assert len(errors) == 3, errors
-        waited = f"within {float(call_timeout):.0f}s"
+        waited = f"within {call_timeout}s"  # as waited: "1.5s", not rounded
         assert f"did not answer a poll request {waited}" in errors[0], errors[0]
         for path, error in zip(paths[1:], errors[1:]):
             assert error.startswith(f"rank 0: gave up on the save of {path}"), error
@@ -181,7 +181,7 @@ def test_zero_stall_saves_queued_behind_an_unanswered_stage_fail_at_once(start_d
             checkpoint.finalize_async_save(blocking=True)
         errors = [exc.failures[0] for _, exc in checkpoint.failed_calls]
         assert len(errors) == 3, errors
-        assert "did not answer a stage request within 2s" in errors[0], errors[0]
+        assert "did not answer a stage request within 2.5s" in errors[0], errors[0]
         for path, error in zip(paths[1:], errors[1:]):
             assert error.startswith(f"rank 0: staging {path} failed"), error
             assert "did not answer an earlier stage request on this connection" in error, error
