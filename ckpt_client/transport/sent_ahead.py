@@ -7,7 +7,8 @@ structure holds, the STAGE goes out first with the previous save's layout, and t
 daemon reserves the extent while this process walks the state dict: its round trip
 overlaps the walk instead of adding to the blocking call. If the walk finds another
 layout (or fails), the request sent ahead is dropped, aborted and forgotten once its
-reply came, and the save stages the ordinary way. A layout is guessed only for a kind of
+reply came (on a connection marked not answering, without waiting: an abort naming the
+STAGE is left for the daemon), and the save stages the ordinary way. A layout is guessed only for a kind of
 state dict (its top-level keys) whose last two saves had it, so a trainer that saves
 several structures through one connection guesses each from its own kind, and
 structures that alternate within a kind are never guessed. The STAGE sent ahead names the
@@ -26,11 +27,11 @@ import weakref
 from typing import Any, Iterator
 
 from ckptd import knobs
-from ckptd.protocol import MessageType, SaveFormat, Stage
+from ckptd.protocol import Abort, MessageType, SaveFormat, Stage
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import DaemonSave
-from ckpt_client.transport.silent_daemon import stage_reply
+from ckpt_client.transport.silent_daemon import stage_reply, tell_quietly
 
 #: connection -> {kind: (buffers, whether the last two saves of that kind had them,
 #: layout, request id)}: the buffers a list of [dtype, shape, nbytes] per tensor, the
@@ -109,11 +110,21 @@ class SentAhead:
     def drop(self, reason: str) -> None:
         """The save will not use it: once the daemon answered, abort and forget the
         request (nothing was copied into it, nothing is written). Dropping twice is
-        dropping once."""
+        dropping once.
+
+        On a connection marked not answering it returns at once, like every other give-up
+        on such a connection: an abort naming the STAGE message is left queued, so a
+        daemon that resumes drops the request that STAGE makes, and its reply is
+        discarded on arrival (waiting for it would cost a whole STAGE reply's wait)."""
         if self._dropped:
             return
         self._dropped = True
         _layouts.get(self.connection, {}).pop(self.kind, None)
+        if self.connection.not_answering is not None:
+            self.connection.channel.drop(self.msg_id)
+            tell_quietly(self.connection, MessageType.ABORT, Abort(
+                request_ids=[], stages=[self.msg_id], reason=reason[:1000]))
+            return
         try:
             reply = stage_reply(self.connection, self.msg_id)
         except (DaemonRequestError, DaemonUnavailableError):

@@ -13,7 +13,8 @@ connection, and the other saves give up at once instead of each waiting a call t
 the daemon, resumed, drops them all and serves the next save. Zero-stall saves queued
 for staging behind a STAGE that goes unanswered likewise fail at once, and the request
 that STAGE makes once the daemon resumes is dropped at once (the trainer's abort names the
-STAGE message), so it holds no pool space.
+STAGE message), so it holds no pool space. A STAGE sent ahead that its save drops on a
+marked connection is given up the same way, without waiting for its reply.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -66,6 +68,7 @@ def test_a_call_to_a_stopped_daemon_says_it_runs_but_is_silent(daemon):
 
 CONNECT = """
 import sys
+import threading
 from ckpt_client import connect
 from ckpt_client.errors import DaemonNotAnsweringError
 try:
@@ -220,5 +223,61 @@ def test_a_stage_given_up_on_leaves_no_request_holding_the_pool(start_daemon, mo
         assert len(checkpoint.failed_calls) == 1, "the save after the resume failed"
         assert torch.load(paths[1], weights_only=True)["w"][0] == 7.0
         assert not os.path.exists(paths[0])
+    finally:
+        checkpoint.close()
+
+
+def test_a_save_sent_ahead_and_dropped_on_a_stopped_daemon_returns_at_once(daemon,
+                                                                             monkeypatch):
+    """The third save of a steady layout sends its STAGE ahead to a daemon stopped after a
+    call on the connection went unanswered (the connection is marked); the state dict
+    cannot be saved (a dtype ckptd cannot store), so the save drops what it sent ahead.
+    It raises while the daemon is still stopped, like every other give-up on a marked
+    connection (before, it waited for the STAGE's reply: the daemon's whole staging wait
+    plus a margin, ten minutes by default). Resumed, the daemon makes the request and
+    drops it at once (the abort the trainer left names the STAGE): nothing stays held,
+    and the next save on the same connection commits."""
+    monkeypatch.setenv("CKPTD_CALL_TIMEOUT", "1")  # marks the connection soon
+    monkeypatch.delenv("CKPTD_STAGE_TIMEOUT", raising=False)  # the STAGE reply's long wait
+    from test_torch_async import record_sends_ahead
+
+    sent = record_sends_ahead(monkeypatch)
+    paths = [os.path.join(daemon.roots[0], f"a{i}.pt") for i in range(4)]
+    checkpoint = TorchAsyncCheckpoint(socket=daemon.socket, failure_policy="warn")
+    outcome: list = []
+
+    def save_what_cannot_be_saved() -> None:
+        try:
+            checkpoint.async_save({"w": torch.zeros(1 << 12, dtype=torch.float8_e5m2fnuz)},
+                                  paths[2])
+        except BaseException as exc:  # reported to the test's thread
+            outcome.append(exc)
+
+    try:
+        for path in paths[:2]:
+            checkpoint.async_save({"w": torch.full((1 << 12,), 1.0)}, path)
+        checkpoint.finalize_async_save(blocking=True)
+        with stopped_after_hello(daemon):
+            connection = connect(daemon.socket, auto_start=False)
+            with pytest.raises(DaemonNotAnsweringError):
+                connection.call(MessageType.PING)
+            assert connection.not_answering is not None
+            saving = threading.Thread(target=save_what_cannot_be_saved, daemon=True)
+            saving.start()
+            wait_for(lambda: not saving.is_alive(), 30,
+                     "the save that dropped its STAGE sent ahead to return")
+            assert stopped(daemon.pid), "the save returned only once the daemon resumed"
+        assert sent == [False, False, True], sent
+        [error] = outcome
+        assert isinstance(error, TypeError) and "float8_e5m2fnuz" in str(error), error
+        wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30,
+                 "the resumed daemon to drop the request the STAGE sent ahead made")
+        requests = daemon.status()["requests"]
+        assert [r["phase"] for r in requests if r["path"] == paths[2]] == ["aborted"], requests
+        checkpoint.async_save({"w": torch.full((1 << 12,), 7.0)}, paths[3])
+        checkpoint.finalize_async_save(blocking=True)
+        assert not checkpoint.failed_calls, checkpoint.failed_calls
+        assert torch.load(paths[3], weights_only=True)["w"][0] == 7.0
+        assert not os.path.exists(paths[2])
     finally:
         checkpoint.close()
