@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 __all__ = [
     "Knob", "override", "all_knobs", "parse_bool", "parse_choice", "parse_size",
-    "POOL_SIZE", "POOL_DIR", "WRITERS", "DRAIN_TIMEOUT", "WRITER_START_TIMEOUT",
+    "POOL_SIZE", "POOL_DIR", "WRITERS", "DRAIN_TIMEOUT", "STOP_LINGER", "WRITER_START_TIMEOUT",
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
@@ -33,7 +33,8 @@ __all__ = [
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_RECEIVE_SLICE_BYTES",
     "PEER_RECEIVE_SLICE_WAIT", "PEER_BULK_PORT", "MEMORY_TIER",
     "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
-    "CALL_TIMEOUT", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT", "STUCK_AFTER",
+    "CALL_TIMEOUT", "POLL_HOLD", "POLL_HOLD_MAX", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT",
+    "STALL_TIMEOUT", "STUCK_AFTER",
     "LOAD_READ_MODE", "LOAD_THREADS", "LOAD_READ_BYTES", "LOAD_COPY_BYTES",
     "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
@@ -194,6 +195,8 @@ WRITERS = _knob(
     "WRITERS", 2, int, "Writer processes (serve's --writers default)")
 DRAIN_TIMEOUT = _knob(
     "DRAIN_TIMEOUT", 60.0, float, "Seconds SIGTERM lets in-flight saves finish (--drain-timeout)")
+STOP_LINGER = _knob("STOP_LINGER", 1.0, float, "Seconds a stopping daemon's last answers (held "
+                    "POLLs, parked STAGEs) get to reach trainers before its socket closes")
 WRITER_START_TIMEOUT = _knob(
     "WRITER_START_TIMEOUT", 120.0, float, "Seconds writer processes may take to start")
 SERVE_TICK = _knob(
@@ -392,6 +395,11 @@ HELLO_TIMEOUT = _knob(
     "HELLO_TIMEOUT", 5.0, float, "Seconds to wait for the daemon's hello")
 CALL_TIMEOUT = _knob(
     "CALL_TIMEOUT", 60.0, float, "Seconds to wait for an ordinary reply")
+POLL_HOLD = _knob("POLL_HOLD", 5.0, float, "Seconds a trainer blocked on a save asks the daemon "
+                  "to hold each POLL until the save changes phase (at most half "
+                  "CKPTD_CALL_TIMEOUT; 0: poll every 10 ms)")
+POLL_HOLD_MAX = _knob("POLL_HOLD_MAX", 30.0, float, "Longest the daemon holds a POLL that "
+                      "waits for a save to change phase (0: it answers every POLL at once)")
 # A torch save's STAGE goes out before its state dict is walked, with the layout the last
 # saves of its kind (top-level keys) had; a trainer saves a handful of kinds (model,
 # optimizer, scheduler, ...) through one connection.

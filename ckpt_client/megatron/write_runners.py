@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ckptd.protocol import Phase
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.megatron.results import WriteResultList, WriteResultsSlot
 from ckpt_client.queue.request import AsyncRequest
@@ -71,6 +72,12 @@ class DaemonWriteRunner(Runner):
                     DaemonStorageWriter.write_results(save, self.staged.plan),
                     {w.name: [w.crc32, w.size] for w in save.last.written}))
         return True, None
+
+    def wait(self, interval: float) -> tuple[bool, str | None]:
+        """Asked with a POLL the daemon holds until the save moves on."""
+        if not self._done and self.staged.save.poll(hold=True).phase not in Phase.FINISHED:
+            return False, None
+        return self.poll()
 
     def cleanup(self, failed: bool) -> None:
         self.staged.save.forget(delete_files=bool(self._error))

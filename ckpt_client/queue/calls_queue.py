@@ -60,7 +60,10 @@ class AsyncCallsQueue:
         Ignored (logged once when set): the staging transport is chosen per save, e.g.
         ``FileSystemWriterAsync(use_cpu_shm_for_gpu_tensors=True)``.
     poll_interval : float
-        Seconds between checks while ``blocking=True`` waits.
+        Seconds between checks while ``blocking=True`` waits for a hand-built Python
+        ``async_fn``. Saves that run in ckptd are not polled at intervals: the daemon
+        holds each question until the save changes phase, so a blocking finalize hears
+        of it at once and costs the daemon one answer per phase change.
     failure_policy : str
         ``"raise"`` (default): a failed save raises ``CheckpointException`` on every rank.
         ``"warn"``: it is logged on every rank, appended to :attr:`failed_calls` as
@@ -137,8 +140,7 @@ class AsyncCallsQueue:
             call = self._active[0]
             done, error = call.runner.poll()
             while blocking and not done:
-                time.sleep(self.poll_interval)  # waiting on the daemon/helper, polled
-                done, error = call.runner.poll()
+                done, error = call.runner.wait(self.poll_interval)
             all_done, failures = agree_on_completion(done, error, no_dist)
             if not all_done:
                 break

@@ -1,13 +1,15 @@
 """How a queued request's background part runs: the runner protocol and its implementations.
 
 A runner is what :class:`~ckpt_client.AsyncCallsQueue` holds for each call and asks
-(:class:`Runner`): ``poll() -> (done, error)``, ``cleanup(failed)`` once every rank is
-done, ``abort(reason)`` to drop the call. Requests made by our save functions are running in
-the daemon already (:class:`DaemonRunner`); a request built by hand with a Python
-``async_fn`` runs in a forked helper process of the trainer, as in the reference
-(:class:`ProcessRunner`); an ``async_fn`` that knows a better way to run provides
-``start_async(args, kwargs, options) -> Runner`` (``FileSystemWriterAsync``'s save
-function hands its files to the daemon, :mod:`ckpt_client.megatron.write_runners`).
+(:class:`Runner`): ``poll() -> (done, error)``, ``wait(interval) -> (done, error)`` (the
+same, once the call may have moved on: what a blocking finalize loops on),
+``cleanup(failed)`` once every rank is done, ``abort(reason)`` to drop the call. Requests
+made by our save functions are running in the daemon already (:class:`DaemonRunner`); a
+request built by hand with a Python ``async_fn`` runs in a forked helper process of the
+trainer, as in the reference (:class:`ProcessRunner`); an ``async_fn`` that knows a
+better way to run provides ``start_async(args, kwargs, options) -> Runner``
+(``FileSystemWriterAsync``'s save function hands its files to the daemon,
+:mod:`ckpt_client.megatron.write_runners`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 import traceback
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from ckptd.protocol import Phase
 from ckpt_client.queue.request import AsyncRequest, preloaded_args
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,15 @@ class Runner(ABC):
 
         Must not block; called again after it returned ``done``, it answers the same.
         """
+
+    def wait(self, interval: float) -> tuple[bool, str | None]:
+        """What :meth:`poll` answers, once the call may have moved on: a blocking
+        finalize's loop. This default waits ``interval`` seconds; a runner that hears of
+        progress (a daemon that holds a POLL until the save changes phase) waits for that
+        instead, for a bounded time.
+        """
+        time.sleep(interval)
+        return self.poll()
 
     @abstractmethod
     def cleanup(self, failed: bool) -> None:
@@ -56,6 +69,18 @@ class DaemonRunner(Runner):
         for save in self.saves:
             if not save.finished:
                 return False, None
+        return self._outcome()
+
+    def wait(self, interval: float) -> tuple[bool, str | None]:
+        """Ask about the first save not known to be finished with a POLL the daemon holds
+        until it moves on: one POLL per phase change (``interval`` is not needed)."""
+        for save in self.saves:
+            if save.last.phase not in Phase.FINISHED \
+                    and save.poll(hold=True).phase not in Phase.FINISHED:
+                return False, None
+        return self._outcome()
+
+    def _outcome(self) -> tuple[bool, str | None]:
         errors = [save.error for save in self.saves if save.error]
         return True, "; ".join(errors) if errors else None
 

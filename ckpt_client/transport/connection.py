@@ -103,6 +103,8 @@ class DaemonConnection:
         #: The deadlines the daemon enforces (``None``: an older daemon did not say); every
         #: wait on it is at least as long (:mod:`ckpt_client.transport.waits`).
         self.deadlines = hello.deadlines
+        #: The longest the daemon holds a POLL until a save moves on (0: it cannot).
+        self.poll_hold_s = hello.poll_hold_s
         self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
         self._death_hooks: list[Callable[[DaemonConnection], None]] = []

@@ -14,6 +14,9 @@ daemon (abort, forget) is sent without waiting for a reply.
 :class:`RefusedSave` stands in for a save the daemon refused, so that the refusal reaches
 every rank through the queue's agreement. :func:`wait_until_finished` is the client's one
 loop that polls the daemon until saves end.
+
+A caller that blocks on a save's outcome asks with ``poll(hold=True)``, a POLL the daemon
+holds until the save moves on (:mod:`ckpt_client.transport.phase_poll`).
 """
 
 from __future__ import annotations
@@ -23,19 +26,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ckptd.protocol import (Abort, ErrorCode, Forget, MessageType, Phase, Poll, RequestState,
-                            Staged)
+from ckptd.protocol import Abort, ErrorCode, Forget, MessageType, Phase, RequestState, Staged
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport import waits
+from ckpt_client.transport.phase_poll import POLL_INTERVAL, ask_phase, poll_hold
 from ckpt_client.transport.silent_daemon import (gave_up_message, leave_dropped, not_waited_for,
-                                                 recheck_wait, tell_quietly)
+                                                 tell_quietly)
 
 log = logging.getLogger(__name__)
-
-#: Seconds between two asks while a caller blocks on a save's outcome: a phase change is
-#: a few requests away, and a client thread asking more often only loads the daemon.
-POLL_INTERVAL = 0.01
 
 #: Phase of a zero-stall save whose staging has not finished yet.
 PENDING = "pending"
@@ -149,14 +148,17 @@ class DaemonSave:
                 pass  # refused (the save was dropped), or the daemon is gone: nothing held
 
     # ------------------------------------------------------------------ outcome
-    def poll(self) -> RequestState:
+    def poll(self, hold: bool = False) -> RequestState:
         """Ask the daemon for this request's phase.
 
         The request belongs to the daemon incarnation that accepted it (the connection
         names it in every call): if that daemon died or was restarted, or does not know
         the request, the save reads as failed ("lost"), never as somebody else's result.
+        ``hold``: block until it moves on (:func:`~ckpt_client.transport.phase_poll.ask_phase`).
         """
-        if self.last.phase in Phase.FINISHED:
+        if hold and self.last.phase not in Phase.FINISHED and not self._staged.is_set():
+            self._staged.wait(poll_hold(self.connection) or POLL_INTERVAL)  # in background
+        if self.last.phase in Phase.FINISHED:  # (staging may have failed meanwhile)
             return self.last
         if not self._staged.is_set():
             return RequestState(phase=PENDING)
@@ -170,15 +172,11 @@ class DaemonSave:
             self._drop_staged_reply()
             return self._give_up(not_waited_for(self.connection))
         try:
-            reply = self.connection.call(MessageType.POLL, Poll(request_ids=[self.request_id]),
-                                         quiet_limit=recheck_wait() if claim else None)
+            state = ask_phase(self.connection, self.request_id, self.last.phase, hold,
+                              recheck=bool(claim))
             self._read_staged_reply()
-            self.last = reply.requests[self.request_id]
-            if self.last.stale_of:
-                log.warning("rank %d: the save of %s has the very bytes of the previous save "
-                            "%s (every file's checksum repeats although the path moved on): "
-                            "are the tensors being saved stale (a cache never refreshed, the "
-                            "wrong buffers)?", self.rank, self.path, self.last.stale_of)
+            self.last = state
+            _warn_if_stale(self.rank, self.path, state)
         except (DaemonUnavailableError, DaemonRequestError) as exc:
             self._drop_staged_reply()
             if isinstance(exc, DaemonRequestError) and exc.code != ErrorCode.DAEMON_RESTARTED:
@@ -293,6 +291,14 @@ class DaemonSave:
         self.forget(delete_files=True)
 
 
+def _warn_if_stale(rank: int, path: str, state: RequestState) -> None:
+    if state.stale_of:
+        log.warning("rank %d: the save of %s has the very bytes of the previous save %s "
+                    "(every file's checksum repeats although the path moved on): are the "
+                    "tensors being saved stale (a cache never refreshed, the wrong "
+                    "buffers)?", rank, path, state.stale_of)
+
+
 class RefusedSave:
     """Stands in for a save the daemon refused (or could not take), so the refusal reaches
     every rank through the queue's agreement: raising on one rank alone would leave the
@@ -306,6 +312,10 @@ class RefusedSave:
         self.error = error if error.startswith(f"rank {rank}: ") else f"rank {rank}: {error}"
         self.rank = rank
         self.last = RequestState(phase=Phase.FAILED, error=self.error)
+
+    def poll(self, hold: bool = False) -> RequestState:
+        """The refusal, as a failed save (there is nothing to ask)."""
+        return self.last
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """The refusal, as a staging failure."""
@@ -321,8 +331,9 @@ class RefusedSave:
 def wait_until_finished(saves) -> None:
     """Block until the daemon is done with every save of ``saves`` (successfully or not).
 
-    Cannot hang: a dead or restarted daemon makes a save read as failed.
+    Cannot hang: a dead or restarted daemon makes a save read as failed. Each ask is
+    held by the daemon until the save moves on (:meth:`DaemonSave.poll`).
     """
     for save in saves:
-        while not save.finished:
-            time.sleep(POLL_INTERVAL)  # polling the daemon for a phase change
+        while save.poll(hold=True).phase not in Phase.FINISHED:
+            pass

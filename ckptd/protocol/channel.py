@@ -2,22 +2,74 @@
 
 Owns sending a request with a fresh id and waiting for the reply that carries it, from
 several threads at once, and telling its owner of every reply it reads (``on_reply``,
-late ones nobody waits for included; :meth:`Channel.collect` reads those waiting). Used by the trainer library and by ``ckptd status``. It must
-not interpret bodies beyond turning an error reply into :class:`ErrorReply`; zmq is
-imported when a channel is made, so importing this module stays cheap.
+late ones nobody waits for included; :meth:`Channel.collect` reads those waiting). Used
+by the trainer library and by ``ckptd status``. It must not interpret bodies beyond
+turning an error reply into :class:`ErrorReply`; zmq is imported when a channel is made,
+so importing this module stays cheap.
+
+Pattern: one socket, used by one thread at a time (ZeroMQ's rule), lent in turns
+(:class:`Turns`, first come, first served) for short slices, so a thread that waits a
+long time for its reply (a POLL the daemon holds until a save changes phase) never keeps
+another thread's request or reply waiting for more than one slice.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Callable
 
 from ckptd.protocol.errors import ErrorReply, ReplyTimeout
 from ckptd.protocol.framing import Message, decode, encode
 from ckptd.protocol.names import MessageType
 
-__all__ = ["Channel"]
+__all__ = ["Channel", "Turns"]
+
+#: Longest a thread keeps the socket while it waits for a reply: another thread that
+#: wants it (to send, or to read its own reply) waits at most this long.
+SLICE_SECONDS = 0.01
+
+
+class Turns:
+    """A lock that hands itself out in the order it was asked for (a FIFO ticket lock).
+
+    ``threading.Lock`` is not fair: a thread that releases it and asks again at once
+    (a waiter taking its next slice at the socket) gets it back before a blocked thread
+    has even woken, and can keep it for as long as its own wait lasts. Here a thread
+    that asks again queues behind every thread already waiting. Not reentrant.
+    """
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition(threading.Lock())
+        self._queue: deque = deque()  # one token per thread waiting, in arrival order
+        self._held = False
+
+    def __enter__(self) -> "Turns":
+        token = object()
+        with self._changed:
+            self._queue.append(token)
+            try:
+                while self._held or self._queue[0] is not token:
+                    self._changed.wait()
+            except BaseException:  # interrupted while queued: those behind must not wait on it
+                self._queue.remove(token)
+                self._changed.notify_all()
+                raise
+            self._queue.popleft()
+            self._held = True
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        with self._changed:
+            self._held = False
+            if self._queue:
+                self._changed.notify_all()  # the head of the queue goes next
+
+    @property
+    def waiting(self) -> int:
+        """How many threads wait for their turn."""
+        return len(self._queue)
 
 
 class Channel:
@@ -25,8 +77,9 @@ class Channel:
 
     Used by the trainer library and by ``ckptd status``: the one place that matches
     replies to requests. Safe to use from several threads at once (a trainer's main
-    thread polls while a background thread stages a zero-stall save): one lock guards
-    the socket, and a reply that arrives for another waiting thread is kept for it.
+    thread polls while a background thread stages a zero-stall save): the socket is
+    lent in turns (:class:`Turns`), one slice at a time, and a reply that arrives for
+    another waiting thread is kept for it.
     Replies to requests nobody waits for any more (they timed out) are discarded, but
     :attr:`on_reply` still hears of them: a late answer says the peer answers again.
 
@@ -47,11 +100,11 @@ class Channel:
         self.socket.linger = 0
         self.socket.connect(endpoint)
         self._next_id = 1
-        self._lock = threading.Lock()
+        self._lock = Turns()
         self._awaited: set[int] = set()       # ids some thread still waits for
         self._arrived: dict[int, Message] = {}  # their replies, when another thread read them
-        #: Called with the id of every reply read off the socket, kept or discarded (under
-        #: the channel's lock: it must not call the channel).
+        #: Called with the id of every reply read off the socket, kept or discarded (during
+        #: the caller's turn at the socket: it must not call the channel).
         self.on_reply: Callable[[int], None] | None = None
 
     def send(self, msg_type: str, body: dict | None = None, frames=()) -> int:
@@ -103,14 +156,14 @@ class Channel:
             with self._lock:
                 if msg_id in self._arrived:
                     return self._arrived.pop(msg_id)
-                # Short polls while holding the lock, so other waiting threads get their
-                # turn at the socket (and at the replies it delivers for them).
+                # Short polls during one turn at the socket, so other threads get theirs
+                # (to send, or to read the replies it delivers for them) between slices.
                 left = deadline - time.monotonic()
-                if self.socket.poll(max(1, int(min(left, 0.01) * 1000))):
+                if self.socket.poll(max(1, int(min(left, SLICE_SECONDS) * 1000))):
                     reply = self._read()
                     if reply.id == msg_id:
                         return reply
-                    self._keep(reply)
+                    self._keep(reply)  # its waiter reads it in its own turn
                     continue
             if time.monotonic() >= deadline:
                 return None
@@ -154,5 +207,6 @@ class Channel:
         return self.wait(self.send(msg_type, body, frames), timeout, still_worth_waiting)
 
     def close(self) -> None:
-        """Close the socket."""
-        self.socket.close(linger=0)
+        """Close the socket (in turn: no other thread is using it then)."""
+        with self._lock:
+            self.socket.close(linger=0)

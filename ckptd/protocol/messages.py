@@ -130,10 +130,33 @@ class Staged(Body, message="staged"):
     copied_at: float | None = None
 
 
+#: The longest a POLL may ask to be held, whatever the daemon's own cap (an hour: a
+#: bigger number is a client bug, not a wish).
+POLL_WAIT_LIMIT = 3600.0
+
+
 class Poll(Body, message="poll"):
-    """Phase and results of some of this connection's requests."""
+    """Phase and results of some of this connection's requests.
+
+    ``wait_seconds`` > 0 (a held poll): the trainer has seen each request in the phase
+    ``seen`` names for it and is willing to wait up to that long for news. The daemon
+    answers at once if any listed request is in another phase (or finished, or unknown,
+    or not in ``seen``), else when one of them changes phase, or when the wait (capped
+    by the daemon's ``CKPTD_POLL_HOLD_MAX``) runs out, or when the trainer says goodbye
+    or the daemon stops. Without it (an older client) the answer is immediate.
+    """
 
     request_ids: list[int] = field(default_factory=list)
+    wait_seconds: float = check(lambda v: 0 <= v <= POLL_WAIT_LIMIT,
+                                f"a number of seconds from 0 to {POLL_WAIT_LIMIT:g}", 0.0)
+    seen: dict[int, str] = field(default_factory=dict)
+
+    def check_together(self) -> None:
+        """``seen`` names only requests the poll asks about."""
+        extra = set(self.seen) - set(self.request_ids)
+        if extra:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"poll: 'seen' names request(s) "
+                                f"{sorted(extra)} that 'request_ids' does not list")
 
 
 class Forget(Body, message="forget"):

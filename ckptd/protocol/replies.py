@@ -63,6 +63,9 @@ class HelloReply(Body):
     cuda_devices: list[str] = field(default_factory=list)  # GPUs it opens IPC handles on
     tiered: bool = False  # saves are durable on node-local disk first (--stage-dir)
     deadlines: DaemonDeadlines | None = None
+    # The longest it holds a POLL until a save changes phase (``Poll.wait_seconds``); 0: it
+    # answers every POLL at once (an older daemon), so the trainer asks at intervals.
+    poll_hold_s: float = check(lambda s: s >= 0, "a number of seconds >= 0", 0.0)
 
 
 class StageReply(Body):

@@ -193,6 +193,7 @@ class Daemon:
             results = self.tier.flusher.results
             self.loop.watch(results.doorbell, lambda: results.drain(self.tier.flusher.on_result))
         self.loop.every(knobs.SERVE_TICK.get, self._tick)
+        self.loop.after_round(self.saves.polls.held.answer_changed)
 
     def request_stop(self, *_: object) -> None:
         """Begin a graceful stop: refuse new saves, drain in-flight ones."""
@@ -240,7 +241,8 @@ class Daemon:
             self.cuda.close()
         self.local.stop()
         if self.endpoint is not None:
-            self.endpoint.close()
+            self.saves.polls.held.close()  # every held poll answered before the socket goes
+            self.endpoint.close(linger=knobs.STOP_LINGER.get())
         if self.context is not None:
             self.context.term()
         if self.pool is not None:
@@ -263,6 +265,7 @@ class Daemon:
             self.writers.reap_dead()
             self.predecessors.tick()
         self.deadlines.check()
+        self.saves.polls.held.expire()
         self.local.note_push_progress()
         self.process.drop_gone_trainers()
         self.table.forget_unclaimed(time.time())

@@ -177,6 +177,6 @@ class ClientEndpoint:
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that client is gone
             log.info("could not reply to %s (message %d): %s", routing_id.hex(), msg_id, exc)
 
-    def close(self) -> None:
-        """Close the socket."""
-        self.socket.close(linger=0)
+    def close(self, linger: float = 0.0) -> None:
+        """Close the socket; answers already sent get ``linger`` seconds to leave."""
+        self.socket.close(linger=int(linger * 1000))

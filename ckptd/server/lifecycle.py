@@ -19,7 +19,9 @@ Two owners, one per piece of state:
   It reacts to events (space granted, bytes staged, a writer's result, a replica's
   outcome, a failure or an abort), decides the outcome, and asks its
   :class:`SaveEffects` to do the work that goes with each step (answer the client,
-  submit writer jobs, start or cancel pushes, remove outputs of a failed save).
+  submit writer jobs, start or cancel pushes, remove outputs of a failed save). Every
+  phase is set in one place, :meth:`SaveLifecycle._enter`, which also tells the effects
+  (``phase_changed``: a trainer's held POLL is waiting for exactly that).
 
 No sockets, files or threads here: the effects do I/O, so the whole state machine is
 testable on its own (``tests/unit/server/test_lifecycle.py``).
@@ -129,6 +131,10 @@ class SaveEffects(Protocol):
         """A tiered save is durable locally: copy it to its target (reports
         :meth:`SaveLifecycle.flush_done`)."""
 
+    def phase_changed(self, request: SaveRequest) -> None:
+        """``request.phase`` changed (the step that changed it may still be under way:
+        act on it once the step is over)."""
+
 
 class SaveLifecycle:
     """Moves save requests through their phases (see the module docstring).
@@ -144,9 +150,7 @@ class SaveLifecycle:
     """
 
     def __init__(self, pool: StagingPool, table: RequestTable, effects: SaveEffects) -> None:
-        self.pool = pool
-        self.table = table
-        self.effects = effects
+        self.pool, self.table, self.effects = pool, table, effects
         #: Optional hooks of the memory tier: ``on_done(request)`` runs when a save is done,
         #: while its extent is still held (it may add a :data:`RESIDENT` hold);
         #: ``reclaim(length) -> bool`` gives back one resident extent, if any, so that a
@@ -183,7 +187,7 @@ class SaveLifecycle:
         if extent is not None:
             self._lease(request, extent)
             return True
-        request.phase = Phase.WAITING_FOR_POOL
+        self._enter(request, Phase.WAITING_FOR_POOL)
         self.pool.wait_for(request.extent_length, request, request.near)
         log.info("request %d (rank %d) waits for %d bytes of staging space", request.id,
                  request.rank, request.extent_length)
@@ -192,7 +196,7 @@ class SaveLifecycle:
     def _lease(self, request: SaveRequest, extent: Extent) -> None:
         request.lease = ExtentLease(extent, lambda e: self._give_back(request, e),
                                     request.copiers)
-        request.phase = Phase.STAGING
+        self._enter(request, Phase.STAGING)
         request.staging_since = time.time()
         request.moved()
 
@@ -212,9 +216,7 @@ class SaveLifecycle:
                code: str | None = None, ended_at: float | None = None) -> None:
         """``copier`` finished filling the extent (at ``ended_at``, default now) or failed:
         ``error``, with the protocol error ``code`` the trainer's STAGED gets, if specific.
-
-        When the last copier is done, the request starts writing (and replicating).
-        """
+        When the last copier is done, the request starts writing (and replicating)."""
         lease = request.lease
         request.moved()
         if request.finished or error is not None:
@@ -226,7 +228,7 @@ class SaveLifecycle:
             lease.drop(copier)
             return
         request.staged_at = time.time() if ended_at is None else ended_at
-        request.phase = Phase.WRITING
+        self._enter(request, Phase.WRITING)
         lease.hold(WRITERS)
         lease.drop(copier)
         request.jobs_pending = self.effects.write(request)
@@ -280,11 +282,11 @@ class SaveLifecycle:
         if request.finished:  # stopped while writing: only now is every file renamed
             self.effects.remove_outputs(request)
         elif request.tiered and not request.errors:
-            request.phase = Phase.FLUSHING
+            self._enter(request, Phase.FLUSHING)
             request.local_durable_at = time.time()
             self.effects.flush(request)
         elif request.replicas is not None and request.replicas.sending:
-            request.phase = Phase.REPLICATING
+            self._enter(request, Phase.REPLICATING)
             log.info("request %d (rank %d) written locally; replicating to %s", request.id,
                      request.rank, ", ".join(request.replicas.holders))
         else:
@@ -369,8 +371,12 @@ class SaveLifecycle:
             # copy and writer jobs still run and drop their holds when they answer.
             lease.drop(CLIENT_COPY)
 
-    def _finish(self, request: SaveRequest, phase: str) -> None:
+    def _enter(self, request: SaveRequest, phase: str) -> None:  # the one phase setter
         request.phase = phase
+        self.effects.phase_changed(request)
+
+    def _finish(self, request: SaveRequest, phase: str) -> None:
+        self._enter(request, phase)
         request.finished_at = time.time()
         self.table.record_outcome(request)
         if phase == Phase.DONE and self.on_done is not None:

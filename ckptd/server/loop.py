@@ -1,9 +1,11 @@
 """The serve loop: one thread waits on every socket of the daemon and runs what is ready.
 
 Owns the poller. Components register the sockets they read (:meth:`EventLoop.watch`:
-the client endpoint, each writer, the CUDA stagers' and the replicator's mailboxes) and
-periodic housekeeping (:meth:`EventLoop.every`). A step that raises is logged and the
-loop keeps serving: a bug in one handler must not take the node's checkpoints down.
+the client endpoint, each writer, the CUDA stagers' and the replicator's mailboxes),
+periodic housekeeping (:meth:`EventLoop.every`) and what runs once a round's events are
+all handled (:meth:`EventLoop.after_round`: answers that must not show a step half
+done). A step that raises is logged and the loop keeps serving: a bug in one handler
+must not take the node's checkpoints down.
 
 Pattern: a single-threaded reactor over ``zmq.Poller``; all daemon state is touched
 from this thread only.
@@ -27,6 +29,7 @@ class EventLoop:
         self._poller = zmq.Poller()
         self._readers: dict[zmq.Socket, Callable[[], None]] = {}
         self._timers: list[list] = []  # [period_fn, next_due, step]
+        self._after: list[Callable[[], None]] = []
 
     def watch(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
         """Call ``on_readable()`` whenever ``sock`` has a message."""
@@ -42,6 +45,11 @@ class EventLoop:
         """Run ``step()`` every ``period()`` seconds (read each time: a knob)."""
         self._timers.append([period, time.monotonic(), step])
 
+    def after_round(self, step: Callable[[], None]) -> None:
+        """Run ``step()`` after every round, once the ready sockets and due timers are
+        served (it must be cheap when it has nothing to do)."""
+        self._after.append(step)
+
     def run(self, finished: Callable[[], bool]) -> None:
         """Serve until ``finished()`` returns True (checked between rounds)."""
         while not finished():
@@ -54,6 +62,8 @@ class EventLoop:
                 if now >= timer[1]:
                     keep_serving(timer[2])
                     timer[1] = time.monotonic() + timer[0]()
+            for step in self._after:
+                keep_serving(step)
 
 
 def keep_serving(step: Callable, *args) -> None:

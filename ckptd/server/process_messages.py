@@ -56,7 +56,8 @@ class ProcessMessages:
                           host=host_name(), cuda=daemon.cuda is not None,
                           cuda_devices=sorted(daemon.cuda.devices) if daemon.cuda is not None
                           else [], tiered=daemon.tier is not None,
-                          deadlines=daemon.deadlines.enforced())
+                          deadlines=daemon.deadlines.enforced(),
+                          poll_hold_s=max(0.0, knobs.POLL_HOLD_MAX.get()))
 
     def on_goodbye(self, call: Call, body: Empty) -> Empty:
         """A trainer disconnects: space reserved for copies that will never come is freed;
@@ -66,6 +67,8 @@ class ProcessMessages:
             log.info("rank %d said goodbye", rank.rank)
             self._abandon(rank, "the trainer disconnected before staging finished",
                           only_unstaged=True)
+        # A thread of this trainer may still wait on a held poll: it hears first.
+        self.daemon.saves.polls.held.release_connection(call.routing_id)
         return Empty()
 
     def drop_gone_trainers(self) -> None:
@@ -75,6 +78,7 @@ class ProcessMessages:
                         rank.pid)
             self.daemon.ranks.remove(rank.routing_id)
             self._abandon(rank, f"trainer process {rank.pid} exited during the save")
+            self.daemon.saves.polls.held.drop_connection(rank.routing_id)  # nobody reads them
 
     def _abandon(self, rank: RankInfo, reason: str, only_unstaged: bool = False) -> None:
         """Abort a forgotten trainer's saves (``only_unstaged``: those still waiting for

@@ -2,7 +2,8 @@
 
 Handlers (registered on the client endpoint): ``stage`` (build a request, reserve or queue
 for staging space, or hand CUDA handles to the stager), ``staged`` (the trainer's copy is
-in), ``poll``, ``forget``, ``abort``, and ``commit_file`` / ``handover`` (a checkpoint's
+in), ``poll`` (:class:`ckptd.server.held_polls.PollAnswers`: at once, or once a request
+it names changes phase), ``forget``, ``abort``, and ``commit_file`` / ``handover`` (a checkpoint's
 commit, by :class:`ckptd.server.file_commits.FileCommits`). It also implements
 :class:`ckptd.server.lifecycle.SaveEffects`: answering a queued STAGE, handing a staged
 request to :class:`ckptd.server.save_writes.SaveWrites` (its writer jobs, their results,
@@ -18,15 +19,15 @@ to trainers.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from ckptd.protocol import (Abort, AbortReply, CommitFile, ErrorCode, Forget, ForgetReply,
-                            Handover, Phase, Poll, PollReply, RequestState, SaveFormat, Stage,
-                            Staged, StagedReply, StageReply)
+                            Handover, Phase, Poll, SaveFormat, Stage, Staged, StagedReply,
+                            StageReply)
 from ckptd.server.device_copies import DeviceCopies
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.file_commits import FileCommits
+from ckptd.server.held_polls import PollAnswers
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY, SaveLifecycle
 from ckptd.server.new_requests import (copiers_of, named_by, request_from_journal,
                                        request_from_stage)
@@ -99,6 +100,7 @@ class SaveService:
         self.device: DeviceCopies | None = None
         self.writes: SaveWrites | None = None
         self.commits = FileCommits(daemon)
+        self.polls = PollAnswers(self.table)
 
     def start(self) -> None:
         """Bind to the staging pool and the CUDA stager (created at daemon start)."""
@@ -114,7 +116,7 @@ class SaveService:
 
     def routes(self) -> dict:
         """Message body type -> handler, for the client endpoint."""
-        return {Stage: self.on_stage, Staged: self.on_staged, Poll: self.on_poll,
+        return {Stage: self.on_stage, Staged: self.on_staged, Poll: self.polls.on_poll,
                 Forget: self.on_forget, Abort: self.on_abort,
                 CommitFile: self.commits.on_commit_file, Handover: self.commits.on_handover}
 
@@ -223,18 +225,6 @@ class SaveService:
         return StagedReply(request_id=request.id, phase=request.phase,
                            ipc_kept=list(request.ipc_kept))
 
-    def on_poll(self, call: Call, body: Poll) -> PollReply:
-        """Phase and results of this connection's requests."""
-        return PollReply(requests={rid: self._poll_entry(call.routing_id, rid)
-                                   for rid in body.request_ids})
-
-    def _poll_entry(self, routing_id: bytes, request_id: int) -> RequestState:
-        request = self.table.get(request_id)
-        if request is None or request.routing_id != routing_id:  # never another client's
-            return RequestState(phase="unknown", error=f"ckptd (pid {os.getpid()}) has no "
-                                f"request {request_id}; the daemon that took it is gone")
-        return request.poll_entry()
-
     def on_forget(self, call: Call, body: Forget) -> ForgetReply:
         """Drop finished requests (and the files of failed ones, when asked)."""
         forgotten = []
@@ -327,6 +317,10 @@ class SaveService:
     def flush(self, request: SaveRequest) -> None:
         """A tiered save is durable locally: hand it to the flusher."""
         self.daemon.tier.flush(request)
+
+    def phase_changed(self, request: SaveRequest) -> None:
+        """The polls held on ``request`` are answered once this round's steps are over."""
+        self.polls.held.changed(request.id)
 
     def resumed_request(self, key: str, entry: dict, files: list) -> SaveRequest:
         """A tiered save a previous daemon left in the journal, flushing again."""

@@ -115,3 +115,27 @@ def test_a_late_reply_nobody_waits_for_is_still_reported_when_collected():
         channel.close()
         server.close(linger=0)
         context.term()
+
+
+def test_the_socket_is_lent_in_the_order_threads_asked_for_it():
+    """A thread that gives its turn back and asks again at once (a waiter between two
+    slices of a long wait) queues behind the threads already waiting: a plain lock would
+    hand it straight back and keep the others waiting for as long as its wait lasts."""
+    turns = protocol.Turns()
+    order = []
+
+    def take(name):
+        with turns:
+            order.append(name)
+
+    turns.__enter__()  # this thread is at the socket
+    others = []
+    for name in ("b", "c"):
+        others.append(threading.Thread(target=take, args=(name,)))
+        others[-1].start()
+        wait_for(lambda: turns.waiting == len(others), 10, f"{name} queued for its turn")
+    turns.__exit__(None, None, None)
+    take("a, asking again")
+    for thread in others:
+        thread.join(10)
+    assert order == ["b", "c", "a, asking again"]

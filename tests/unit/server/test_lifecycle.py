@@ -54,6 +54,10 @@ class Effects:
         self.jobs, self.holders = jobs, list(holders)
         self.granted, self.removed, self.cancelled, self.staged_ids = [], [], [], []
         self.device_cancelled, self.writes_cancelled = [], []
+        self.phases: list = []  # (request id, phase) of every phase change, in order
+
+    def phase_changed(self, request):
+        self.phases.append((request.id, request.phase))
 
     def space_granted(self, request):
         self.granted.append(request.id)

@@ -106,4 +106,5 @@ def test_a_request_is_its_typed_body():
     with pytest.raises(DaemonUnavailableError, match="did not answer a poll request"):
         connection.call(protocol.MessageType.POLL, protocol.Poll(request_ids=[3]), timeout=0.01)
     msg_type, body = channel.sent[-1]
-    assert msg_type == "poll" and body == {"request_ids": [3], "incarnation": "test"}
+    assert msg_type == "poll" and body == {"request_ids": [3], "wait_seconds": 0.0, "seen": {},
+                                           "incarnation": "test"}

@@ -1,0 +1,217 @@
+"""A POLL the real daemon holds until a save changes phase, and a channel shared fairly.
+
+One torch save is made by hand (STAGE, then STAGED when the test says so), so the request
+stays in ``staging`` exactly as long as a test needs: a held POLL about it must not be
+answered before the STAGED, and must be answered once the save moves on, at its bound,
+at a goodbye, or when the daemon stops. Every assertion is on what was answered and in
+which order, never on how long anything took.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from conftest import wait_for
+from ckptd.protocol import MessageType, Phase, Poll, SaveFormat, Stage, Staged
+from ckpt_client import TorchAsyncCheckpoint
+from ckpt_client.transport.connection import DaemonConnection, connect
+from ckpt_client.transport.flatten import buffers_of, flatten_state_dict
+
+
+#: Polls the daemon may hold longer than any test step takes, so a poll answered early
+#: can only have been answered for a reason, never because its wait ran out.
+LONG_HOLDS = {"CKPTD_POLL_HOLD_MAX": "600"}
+
+
+def stage_by_hand(connection: DaemonConnection, path: str) -> int:
+    """A torch save whose STAGE is answered and whose STAGED is not sent yet: its request
+    stays in phase ``staging`` until the test sends it."""
+    flat = flatten_state_dict({"w": torch.arange(1024, dtype=torch.float32)})
+    reply = connection.call(MessageType.STAGE, Stage(
+        format=SaveFormat.TORCH, path=path, buffers=buffers_of(flat.layout),
+        skeleton=flat.skeleton), timeout=30)
+    assert reply.phase == Phase.STAGING
+    return reply.request_id
+
+
+class HeldPoll(threading.Thread):
+    """A thread that asks about ``request_id`` with a POLL the daemon may hold."""
+
+    def __init__(self, connection: DaemonConnection, request_id: int, seen: str,
+                 wait_seconds: float = 600.0) -> None:
+        super().__init__(daemon=True)
+        self.connection, self.request_id = connection, request_id
+        self.body = Poll(request_ids=[request_id], wait_seconds=wait_seconds,
+                         seen={request_id: seen})
+        self.sent = threading.Event()
+        self.state = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            msg_id = self.connection.send(MessageType.POLL, self.body)
+            self.sent.set()
+            self.state = self.connection.reply_to(msg_id, MessageType.POLL,
+                                                  timeout=700).requests[self.request_id]
+        except Exception as exc:  # the test reads it
+            self.error = exc
+        finally:
+            self.sent.set()
+
+    @property
+    def answered(self) -> bool:
+        return self.state is not None or self.error is not None
+
+
+def test_a_held_poll_waits_for_the_phase_change_while_other_calls_go_through(start_daemon):
+    """Thread A's POLL is held while the save stays in ``staging``; meanwhile thread B's
+    calls on the same connection (its socket lent in turns) are all answered, and A is
+    still waiting after them. B's STAGED moves the save on and A hears of it; held POLLs
+    follow the save to ``done``, the last one with its file."""
+    daemon = start_daemon(env=LONG_HOLDS)
+    connection = connect(daemon.socket)
+    path = os.path.join(daemon.roots[0], "held.pt")
+    request_id = stage_by_hand(connection, path)
+    poll = HeldPoll(connection, request_id, seen=Phase.STAGING)
+    poll.start()
+    assert poll.sent.wait(30)
+    for _ in range(20):  # each one is answered after the POLL was read by the daemon
+        assert connection.call(MessageType.PING, timeout=30).pid == daemon.pid
+    assert connection.call(MessageType.POLL, Poll(request_ids=[request_id]),
+                           timeout=30).requests[request_id].phase == Phase.STAGING
+    assert not poll.answered, "the POLL was answered while its save stayed in staging"
+    connection.call(MessageType.STAGED, Staged(request_id=request_id), timeout=30)
+    poll.join(60)
+    assert poll.error is None and poll.state.phase != Phase.STAGING
+    while poll.state.phase not in Phase.FINISHED:  # writing -> done
+        poll = HeldPoll(connection, request_id, seen=poll.state.phase)
+        poll.run()
+        assert poll.error is None
+    assert poll.state.phase == Phase.DONE and [w.path for w in poll.state.written] == [path]
+    assert torch.load(path, weights_only=True)["w"].shape == (1024,)  # bytes: never copied
+
+
+def test_a_held_poll_is_answered_unchanged_at_its_bound_and_at_once_without_a_wait(
+        start_daemon):
+    """The daemon caps the wait (``CKPTD_POLL_HOLD_MAX``): a POLL asking for an hour is
+    answered, the save still staging; an old client's POLL (no wait) and one whose
+    trainer saw another phase are answered at once, in the order they were sent."""
+    daemon = start_daemon(env={"CKPTD_POLL_HOLD_MAX": "1"})
+    connection = connect(daemon.socket)
+    request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "bound.pt"))
+    held = HeldPoll(connection, request_id, seen=Phase.STAGING, wait_seconds=3600)
+    held.run()  # within the call timeout: the daemon's cap ended the wait
+    assert held.error is None and held.state.phase == Phase.STAGING
+    first = connection.send(MessageType.POLL, Poll(request_ids=[request_id], wait_seconds=60,
+                                                   seen={request_id: Phase.WRITING}))
+    second = connection.send(MessageType.POLL, Poll(request_ids=[request_id]))
+    ping = connection.send(MessageType.PING)
+    heard, watch = [], connection.channel.on_reply
+    connection.channel.on_reply = lambda msg_id: (heard.append(msg_id), watch(msg_id))
+    assert connection.reply_to(ping, MessageType.PING, timeout=30).pid == daemon.pid
+    assert heard[:3] == [first, second, ping], "a POLL with news to give was held"
+    for msg_id in (first, second):
+        assert connection.reply_to(msg_id, MessageType.POLL, timeout=5) \
+            .requests[request_id].phase == Phase.STAGING
+
+
+def test_a_held_poll_is_answered_when_its_trainer_says_goodbye(start_daemon):
+    """A thread still waits on a held POLL when the trainer closes its connection: the
+    daemon answers it before the goodbye (the save, never staged, is aborted)."""
+    daemon = start_daemon(env=LONG_HOLDS)
+    connection = connect(daemon.socket)
+    request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "bye.pt"))
+    poll = HeldPoll(connection, request_id, seen=Phase.STAGING)
+    poll.start()
+    assert poll.sent.wait(30)
+    assert connection.call(MessageType.PING, timeout=30).pid == daemon.pid  # POLL is read
+    assert not poll.answered
+    connection.close()
+    poll.join(60)
+    assert poll.error is None, poll.error
+    assert poll.state.phase in (Phase.STAGING, Phase.ABORTED)
+
+
+def test_a_held_poll_is_answered_when_the_daemon_stops(start_daemon):
+    """SIGTERM: the drain gives up on the save that is never staged, and the held POLL
+    gets the save's end as its answer before the daemon's socket closes."""
+    daemon = start_daemon(extra_args=["--drain-timeout", "1"], env=LONG_HOLDS)
+    connection = connect(daemon.socket)
+    request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "stop.pt"))
+    poll = HeldPoll(connection, request_id, seen=Phase.STAGING, wait_seconds=3600)
+    poll.start()
+    assert poll.sent.wait(30)
+    assert connection.call(MessageType.PING, timeout=30).pid == daemon.pid
+    assert not poll.answered
+    daemon.process.send_signal(signal.SIGTERM)
+    poll.join(90)
+    assert poll.error is None, poll.error
+    assert poll.state.phase == Phase.FAILED and "shut down" in poll.state.error
+    assert daemon.process.wait(60) == 0
+
+
+def test_a_blocking_finalize_asks_with_held_polls(daemon, monkeypatch):
+    """``finalize_async_save(blocking=True)`` asks the daemon with POLLs it may hold, each
+    saying the phase last seen: a handful for a save, not one every 10 ms."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    monkeypatch.setenv("CKPTD_POLL_HOLD", "30")  # no expiry within the save
+    polls = []
+    real_send = DaemonConnection.send
+
+    def spy(self, msg_type, body=None, frames=()):
+        if msg_type == MessageType.POLL:
+            polls.append(body)
+        return real_send(self, msg_type, body, frames)
+
+    monkeypatch.setattr(DaemonConnection, "send", spy)
+    checkpoint = TorchAsyncCheckpoint()
+    path = os.path.join(daemon.roots[0], "finalize.pt")
+    state = {"w": torch.randn(256, 256)}
+    checkpoint.async_save(state, path)
+    checkpoint.finalize_async_save(blocking=True)
+    assert torch.equal(torch.load(path, weights_only=True)["w"], state["w"])
+    held = [p for p in polls if p.wait_seconds > 0]
+    assert held and all(p.seen for p in held)
+    # staging/writing/done: at most one immediate ask and one held ask per phase change
+    assert len(polls) <= 4, [(p.wait_seconds, p.seen) for p in polls]
+    checkpoint.close()
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "the extent freed")
+
+
+@pytest.mark.parametrize("threads", [3])
+def test_threads_waiting_on_one_channel_take_the_socket_in_turns(start_daemon, threads):
+    """Several threads each keep a held POLL outstanding on one connection while another
+    thread's calls run; every call completes while all the POLLs are still held."""
+    daemon = start_daemon(env=LONG_HOLDS)
+    connection = connect(daemon.socket)
+    request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "turns.pt"))
+    polls = [HeldPoll(connection, request_id, seen=Phase.STAGING) for _ in range(threads)]
+    for poll in polls:
+        poll.start()
+    assert all(poll.sent.wait(30) for poll in polls)
+    done = []
+
+    def caller():
+        for _ in range(10):
+            done.append(connection.call(MessageType.STATUS, timeout=30)["pid"])
+
+    worker = threading.Thread(target=caller, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done == [daemon.pid] * 10
+    assert not any(poll.answered for poll in polls)
+    connection.call(MessageType.ABORT, _abort(request_id), timeout=30)
+    for poll in polls:
+        poll.join(60)
+        assert poll.error is None and poll.state.phase == Phase.ABORTED
+
+
+def _abort(request_id: int):
+    from ckptd.protocol import Abort
+
+    return Abort(request_ids=[request_id], reason="the test is over")
