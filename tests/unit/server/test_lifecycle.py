@@ -423,3 +423,18 @@ def test_staging_ends_when_the_trainer_says_its_copy_ended_not_when_staged_arriv
     assert _copy_ended(request, None) is None
     assert _copy_ended(request, 0.0) == (request.granted_at or request.created_at)
     assert _copy_ended(request, time.time() + 3600) <= time.time()
+
+
+def test_every_phase_change_is_reported_once_in_order(pool):
+    """The one phase setter tells the effects of each change (held POLLs wait on it),
+    whichever path the save takes: queued for space, staged, written, or aborted."""
+    table, fx, life = setup(pool)
+    first, second = make(table, 6 * UNIT), make(table, 4 * UNIT)
+    life.admit(first)
+    life.admit(second)
+    life.copied(first, CLIENT_COPY)
+    ok(life, first)
+    life.abort(second, "dropped")
+    assert fx.phases == [(first.id, Phase.STAGING), (second.id, Phase.WAITING_FOR_POOL),
+                         (first.id, Phase.WRITING), (first.id, Phase.DONE),
+                         (second.id, Phase.STAGING), (second.id, Phase.ABORTED)]
