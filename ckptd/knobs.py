@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterator
 
 __all__ = [
     "Knob", "override", "all_knobs", "parse_bool", "parse_choice", "parse_size",
-    "POOL_SIZE", "POOL_DIR", "WRITERS", "DRAIN_TIMEOUT", "STOP_LINGER", "WRITER_START_TIMEOUT",
+    "POOL_SIZE", "POOL_DIR", "POOL_COLLAPSE", "WRITERS", "DRAIN_TIMEOUT", "STOP_LINGER",
+    "WRITER_START_TIMEOUT",
     "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
@@ -191,6 +192,12 @@ POOL_DIR = _knob(
     "POOL_DIR", "/dev/shm", str,
     "Directory (tmpfs or hugetlbfs) the staging pool is made in (serve's --pool-dir default; "
     "auto-start's)")
+# A pool on a tmpfs without huge pages (/dev/shm, where shmem_enabled is never) gets 2 MiB
+# pages all the same (MADV_COLLAPSE, at its creation): the writers' direct writes then reach
+# the disk in full-size requests with 512x fewer pages to pin, as from a huge= tmpfs.
+POOL_COLLAPSE = _knob(
+    "POOL_COLLAPSE", True, parse_bool,
+    "Give a staging pool on a tmpfs without huge pages 2 MiB pages (MADV_COLLAPSE)")
 WRITERS = _knob(
     "WRITERS", 2, int, "Writer processes (serve's --writers default)")
 DRAIN_TIMEOUT = _knob(

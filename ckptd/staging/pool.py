@@ -155,7 +155,7 @@ class StagingPool:
     nodes: list | None = None
     regions: list = field(default_factory=list)
     directory: PoolDirectory | None = None
-    huge_page_bytes: int = 0  # of the pool, as mapped here right after allocation
+    huge_page_bytes: int = 0  # of the pool, right after allocation
     _free: list = field(default_factory=list)
     _waiters: deque = field(default_factory=deque)
     _map: mmap.mmap | None = None
@@ -166,10 +166,10 @@ class StagingPool:
     def __post_init__(self) -> None:
         self.directory = check_pool_directory(os.path.dirname(self.path))
         self.size = align_up(self.size, max(EXTENT_ALIGNMENT, self.directory.page_size))
-        self._map, self.regions, self._lock_fd = segment.create(self.path, self.size,
-                                                                self.directory, self.nodes)
+        self._map, self.regions, self._lock_fd, folded = segment.create(
+            self.path, self.size, self.directory, self.nodes)
         self._free = [Extent(0, self.size)]
-        self.huge_page_bytes = huge_page_bytes(segment.address(self._map))
+        self.huge_page_bytes = max(huge_page_bytes(segment.address(self._map)), folded)
         self._log_pages()
 
     def _log_pages(self) -> None:

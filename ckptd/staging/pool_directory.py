@@ -9,10 +9,11 @@ the fix.
 Huge pages matter for the writers: an O_DIRECT write pins every page of its buffer, and a
 pool on 4 KiB pages costs one pin per 4 KiB and a request cut short wherever pages are
 scattered; on 2 MiB pages both nearly vanish. ``/dev/shm`` usually has 4 KiB pages
-(``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` does not apply to it), but a tmpfs
+(wherever ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is ``never``), but a tmpfs
 *mounted* with ``huge=always`` or ``huge=within_size`` allocates huge pages whatever that
 setting says, and one with ``huge=advise`` does for mappings that ask with
-``MADV_HUGEPAGE`` (which :class:`ckptd.staging.pool.StagingPool` does).
+``MADV_HUGEPAGE`` (which :class:`ckptd.staging.pool.StagingPool` does); on any other tmpfs
+the pool is given them by :mod:`ckptd.staging.collapse`.
 
 Owns the checks (``statfs`` magic for the decision, the mount table for the option's
 name) and reading how much of a mapping the kernel maps with huge pages; it must not

@@ -5,8 +5,10 @@ fails here with a clear error instead of a SIGBUS in the middle of a save. Pages
 faulted in through the daemon's mapping after ``MADV_HUGEPAGE``, so a tmpfs mounted with
 ``huge=advise`` allocates huge pages too (``fallocate`` allocates without a mapping, and
 there without one it takes 4 KiB pages); mounts with ``huge=always``/``within_size`` and
-hugetlbfs give them anyway. Processes that map the file later (writers, trainers) then
-get the huge pages mapped as such, with no advice of their own.
+hugetlbfs give them anyway; a tmpfs without huge pages (``/dev/shm`` as most systems set
+it up) gets them from :mod:`ckptd.staging.collapse` before its pages are faulted in.
+Processes that map the file later (writers, trainers) then get the huge pages mapped as
+such, with no advice of their own.
 
 Owns the file's creation and its pages; it must not know about extents or requests
 (:mod:`ckptd.staging.pool`).
@@ -23,8 +25,10 @@ import mmap
 import os
 from dataclasses import dataclass
 
+from ckptd import knobs
 from ckptd.protocol import EXTENT_ALIGNMENT, align_up
 from ckptd.staging import numa
+from ckptd.staging.collapse import fold_into_huge_pages
 from ckptd.staging.pool_directory import PoolDirectory
 
 log = logging.getLogger(__name__)
@@ -44,16 +48,18 @@ class Region:
 
 
 def create(path: str, size: int, directory: PoolDirectory,
-           nodes: list | None) -> tuple[mmap.mmap, list[Region], int]:
+           nodes: list | None) -> tuple[mmap.mmap, list[Region], int, int]:
     """Create the pool file ``path`` of ``size`` bytes, reserve its pages and map it.
 
     Returns
     -------
-    (mmap.mmap, list of Region, int)
-        The populated shared mapping, the NUMA regions (empty: one unbound region), and
-        the file's descriptor, holding an exclusive ``flock`` for as long as the caller
-        keeps it open: a sweeper that cannot see this daemon's pid (another pid
-        namespace sharing the directory) finds the lock taken and leaves the pool alone.
+    (mmap.mmap, list of Region, int, int)
+        The populated shared mapping, the NUMA regions (empty: one unbound region), the
+        file's descriptor, holding an exclusive ``flock`` for as long as the caller
+        keeps it open (a sweeper that cannot see this daemon's pid, from another pid
+        namespace sharing the directory, finds the lock taken and leaves the pool alone),
+        and the bytes given huge pages by folding (0 where the mount gives them itself:
+        the mapping's own count says; this mapping maps folded pages 4 KiB at a time).
 
     Raises
     ------
@@ -66,7 +72,9 @@ def create(path: str, size: int, directory: PoolDirectory,
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: nobody else holds it
         os.ftruncate(fd, size)
         regions = _bind_regions(fd, size, nodes) if nodes and len(nodes) > 1 else []
-        return _allocate(fd, size, directory), regions, fd
+        folded = (fold_into_huge_pages(fd, size) if directory.filesystem == "tmpfs"
+                  and not directory.may_have_huge_pages and knobs.POOL_COLLAPSE.get() else 0)
+        return _allocate(fd, size, directory), regions, fd, folded
     except OSError as exc:
         os.close(fd)
         os.unlink(path)

@@ -23,7 +23,6 @@ import argparse
 import ctypes
 import errno as errno_mod
 import logging
-import mmap
 import os
 import signal
 import time
@@ -32,6 +31,7 @@ from collections import deque
 import zmq
 
 from ckptd import knobs, protocol
+from ckptd.aligned_mapping import AlignedMapping
 from ckptd.checksum import ChecksumWriter
 from ckptd.storage.durable import write_file_atomically
 from ckptd.storage.previous import keep_aside
@@ -149,9 +149,13 @@ class Writer:
         self.inbox = Inbox(sock)
         fd = os.open(pool_path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            self.pool = mmap.mmap(fd, pool_size, flags=mmap.MAP_SHARED)
+            # 2 MiB-aligned: where the pool's pages are (or get folded into) huge pages,
+            # a direct write pins each as one, not as 512 small ones
+            self._mapping = AlignedMapping(fd, pool_size)
         finally:
             os.close(fd)
+        #: The pool's bytes (the writer lives as long as its process: never unmapped).
+        self.pool = self._mapping.view
         #: The writer channel's handler table: job type -> what writes its file.
         self.handlers = {WriteTorch: self.write_torch, WriteItems: self.write_items,
                          WriteBytes: self.write_bytes}

@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as DCP
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import wait_for
+from hugepages import kernel_folds_tmpfs_pages
 from multirank import run_ranks, values
 from ckpt_client import AsyncCallsQueue, TorchAsyncCheckpoint, connect, dcp
 from ckptd.staging.pool_directory import check_pool_directory, huge_page_bytes
@@ -98,9 +99,10 @@ def status_table(daemon) -> str:
     return done.stdout
 
 
-def test_a_pool_on_small_pages_says_so_and_how_to_get_huge_ones(daemon):
+def test_a_pool_on_small_pages_says_so_and_how_to_get_huge_ones(start_daemon):
     if check_pool_directory("/dev/shm").may_have_huge_pages:
         pytest.skip("/dev/shm is mounted with huge pages here")
+    daemon = start_daemon(env={"CKPTD_POOL_COLLAPSE": "0"})
     pool = daemon.status()["pool"]
     assert (pool["directory"], pool["huge"], pool["huge_page_bytes"]) == ("/dev/shm", "never", 0)
     advice = [line for line in daemon.log().splitlines() if "4 KiB pages" in line]
@@ -135,3 +137,22 @@ def test_an_auto_started_daemon_takes_its_pool_directory_from_the_environment(
         connection.close()
         os.kill(pid, signal.SIGTERM)
         wait_for(lambda: not os.path.exists(socket_path), 60, "the auto-started daemon to stop")
+
+
+def test_a_pool_in_dev_shm_gets_huge_pages_by_folding_and_the_writers_map_them(start_daemon,
+                                                                              tmp_path):
+    if check_pool_directory("/dev/shm").may_have_huge_pages:
+        pytest.skip("/dev/shm is mounted with huge pages here: nothing to fold")
+    reason = kernel_folds_tmpfs_pages()
+    if reason:
+        pytest.skip(reason)
+    daemon = start_daemon(pool_size="64M")
+    pool = daemon.status()["pool"]
+    assert (pool["directory"], pool["huge"], pool["huge_page_bytes"]) == ("/dev/shm", "never", 64 << 20)
+    assert "given 64 MiB of huge pages" in daemon.log() and "4 KiB pages:" not in daemon.log()
+    values(run_ranks(save_both_formats_and_load, 1, daemon.socket, tmp_path,
+                     args=(daemon.roots[0], "/dev/shm")))
+    writers = [w["pid"] for w in daemon.status()["writers"]]
+    # the writers map the pool 2 MiB-aligned: the one that wrote the 12 MiB tensor pinned
+    # huge pages, not 4 KiB ones
+    assert max(pool_huge_bytes(pid, "/dev/shm") for pid in writers) > 0

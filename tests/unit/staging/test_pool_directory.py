@@ -1,6 +1,7 @@
 """The pool directory: refused unless tmpfs or hugetlbfs; huge pages where the mount gives them.
 
-Real mounts (root only, skipped elsewhere): a tmpfs per ``huge=`` option, a hugetlbfs.
+Real mounts (root only, skipped elsewhere): a tmpfs per ``huge=`` option, a hugetlbfs, and a
+tmpfs without huge pages whose pool gets them by folding (``MADV_COLLAPSE``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 from ckptd import knobs
 from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
 from ckptd.staging.pool_directory import (PoolDirectoryError, check_pool_directory, mount_of)
+from hugepages import file_huge_bytes, kernel_folds_tmpfs_pages
 
 POOL = 8 << 20  # four huge pages
 
@@ -95,13 +97,47 @@ def test_a_directory_the_daemon_cannot_write_is_refused_naming_the_fix(mounted):
         check_pool_directory(directory)
 
 
-def test_a_tmpfs_without_huge_pages_reports_none(mounted):
+def test_a_tmpfs_without_huge_pages_reports_none_when_not_folded(mounted):
     directory = mounted("tmpfs", "size=16m")
-    pool = StagingPool(os.path.join(directory, "pool"), POOL)
+    with knobs.override(POOL_COLLAPSE=False):
+        pool = StagingPool(os.path.join(directory, "pool"), POOL)
     try:
         assert pool.huge_page_bytes == 0 and pool.describe()["huge"] == "never"
+        assert file_huge_bytes(pool.path, POOL) == 0
     finally:
         pool.close()
+
+
+def test_a_tmpfs_without_huge_pages_gets_them_by_folding_with_the_bytes_intact(mounted):
+    reason = kernel_folds_tmpfs_pages()
+    if reason:
+        pytest.skip(reason)
+    directory = mounted("tmpfs", "size=16m")
+    pool = StagingPool(os.path.join(directory, "pool"), POOL + 4096)  # a last partial page
+    try:
+        assert pool.huge_page_bytes == POOL and pool.describe()["huge_page_bytes"] == POOL
+        view = pool.view(pool.try_allocate(pool.size))
+        pattern = os.urandom(12289)
+        for offset in range(0, pool.size - len(pattern), 1 << 20):
+            view[offset:offset + len(pattern)] = pattern
+        assert file_huge_bytes(pool.path, POOL) == POOL
+        with open(pool.path, "rb") as f:
+            data = f.read()
+        assert len(data) == pool.size
+        for offset in range(0, pool.size - len(pattern), 1 << 20):
+            assert data[offset:offset + len(pattern)] == pattern, offset
+            assert data[offset + len(pattern):offset + (1 << 20)].count(0) == (1 << 20) - len(pattern)
+        del view
+    finally:
+        pool.close()
+
+
+def test_folding_a_pool_too_large_for_its_tmpfs_fails_with_the_fix_not_a_crash(mounted):
+    directory = mounted("tmpfs", "size=4m")
+    with pytest.raises(OSError, match=f"cannot reserve a {POOL}-byte staging pool.*"
+                                      f"lower --pool-size or free space in {directory}"):
+        StagingPool(os.path.join(directory, "pool"), POOL)
+    assert os.listdir(directory) == []
 
 
 def test_a_hugetlbfs_pool_is_rounded_to_its_page_size_or_refused_without_free_pages(mounted):

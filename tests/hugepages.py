@@ -1,0 +1,42 @@
+"""Test helpers: whether this kernel can give tmpfs files huge pages, and how many a file has.
+
+No mocks: the answers come from the kernel's version and settings and from a real mapping's
+``smaps``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckptd.aligned_mapping import HUGE_PAGE, AlignedMapping
+from ckptd.staging.pool_directory import huge_page_bytes
+
+
+def kernel_folds_tmpfs_pages() -> str | None:
+    """Why this kernel cannot give tmpfs files huge pages with MADV_COLLAPSE, or None."""
+    release = tuple(int(part) for part in os.uname().release.split(".")[:2])
+    if release < (6, 1):
+        return f"MADV_COLLAPSE needs Linux 6.1; this is {os.uname().release}"
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            setting = f.read()
+    except OSError:
+        return "this kernel has no transparent huge pages"
+    if "[deny]" in setting:
+        return f"shmem_enabled is {setting.strip()}: tmpfs huge pages are denied"
+    return None
+
+
+def file_huge_bytes(path: str, size: int) -> int:
+    """Bytes of the file on huge pages, as a fresh 2 MiB-aligned mapping of it maps them."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mapping = AlignedMapping(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        assert mapping.address % HUGE_PAGE == 0
+        sum(mapping.view[offset] for offset in range(0, size, 4096))  # fault every page in
+        return huge_page_bytes(mapping.address)
+    finally:
+        mapping.close()
