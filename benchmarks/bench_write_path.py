@@ -95,6 +95,19 @@ def page_cache_bytes() -> int:
     return values["Cached"] - values["Shmem"]
 
 
+def disk_of(path: str) -> str:
+    """``/sys/dev/block/M:m/stat`` of the block device ``path`` is on (a partition has one too)."""
+    device = os.stat(path).st_dev
+    return f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat"
+
+
+def disk_writes(stat_path: str) -> tuple[int, int]:
+    """Write requests completed and 512-byte sectors written so far on that device."""
+    with open(stat_path) as f:
+        fields = f.read().split()
+    return int(fields[4]), int(fields[6])
+
+
 def staged_to_durable(log: str) -> float | None:
     """The slowest request's time from staged to durable in a piece of ckptd's log."""
     times = [float(t) for t in _AFTER_STAGING.findall(log)]
@@ -157,7 +170,7 @@ def measure(method: m.Method, bounds: dict, step: workload.TrainingStep, outdir:
     method.wait_durable()
     m.remove_tree(path)
     runs = {"durable": [], "staged_durable": [], "staging": [], "cpu_per_gb": [],
-            "cache_growth": [], "step": [], "normal_step": [],
+            "cache_growth": [], "step": [], "normal_step": [], "request_kib": [],
             **{f"bound_{name}": [] for name in bounds}}
     order = list(bounds)
     for repeat in range(repeats):
@@ -168,10 +181,13 @@ def measure(method: m.Method, bounds: dict, step: workload.TrainingStep, outdir:
         helpers = method.helper_pids()
         cache, cpu = page_cache_bytes(), cpu_seconds(helpers)
         log_at = daemon.log_offset() if daemon is not None else 0
+        requests, sectors = disk_writes(disk_of(outdir))
         started = time.perf_counter()
         method.start(path)
         method.wait_durable()
         runs["durable"].append(time.perf_counter() - started)
+        requests_after, sectors_after = disk_writes(disk_of(outdir))
+        runs["request_kib"].append((sectors_after - sectors) / 2 / max(requests_after - requests, 1))
         if daemon is not None:
             log = daemon.log_since(log_at)
             after_staging, staging = staged_to_durable(log), staging_seconds(log)
@@ -192,7 +208,7 @@ def measure(method: m.Method, bounds: dict, step: workload.TrainingStep, outdir:
 
 
 #: The bounds, in the table's order: name -> what its raw write reads from.
-BOUNDS = {"anon": "private anonymous memory", "shm": "/dev/shm (4 KiB pages)",
+BOUNDS = {"anon": "private anonymous memory (huge pages)", "shm": "/dev/shm (4 KiB pages)",
           "huge": "a huge=within_size tmpfs (2 MiB pages)"}
 
 
@@ -215,18 +231,53 @@ def summary(name: str, runs: dict) -> str:
         if key != "anon":
             cells.append(_spread(other) if other else "–")
         cells.append(f"{med(staged) / med(other):.2f}×" if other and staged else "–")
-    cells += [f"{100 * med(runs['cache_growth']):.1f}%",
+    cells += [f"{med(runs['request_kib']):.0f}", f"{100 * med(runs['cache_growth']):.1f}%",
               f"{med(runs['step']) / med(runs['normal_step']):.2f}× "
               f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f})"]
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| method | helpers' CPU-s per GB durable | raw O_DIRECT write + fsync from anonymous "
-          "memory s (min–max) | save call → durable s | ÷ raw | save call → staged s | "
-          "staged → durable s | ÷ raw from anonymous memory | the raw write from /dev/shm s "
-          "(min–max) | staged → durable ÷ it | the raw write from the huge-page tmpfs s "
-          "(min–max) | staged → durable ÷ it | page-cache growth ÷ checkpoint | step "
-          "overlapping the write ÷ normal step (s / s) |\n" + "|---" * 14 + "|")
+HEADER = ("| method | helpers' CPU-s per GB durable | raw O_DIRECT write + fsync from private "
+          "anonymous memory (huge pages) s (min–max) | save call → durable s | ÷ raw | save "
+          "call → staged s | staged → durable s | ÷ raw from anonymous memory | the raw write "
+          "from /dev/shm s (min–max) | staged → durable ÷ it | the raw write from the "
+          "huge-page tmpfs s (min–max) | staged → durable ÷ it | disk write request KiB (mean) "
+          "| page-cache growth ÷ checkpoint | step overlapping the write ÷ normal step "
+          "(s / s) |\n" + "|---" * 15 + "|")
+
+
+def bound_pages(raw: m.RawWrite) -> str:
+    """How much of the anonymous bound's buffer the kernel gave huge pages (its mapping's
+    ``AnonHugePages`` in smaps)."""
+    import ctypes
+
+    address = ctypes.addressof(ctypes.c_char.from_buffer(raw._aligned))
+    huge, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "AnonHugePages:":
+                huge += int(line.split()[1]) << 10
+    return (f"the bound's private anonymous buffer: {huge >> 20} of {raw.source.size >> 20} "
+            "MiB on huge pages")
+
+
+def bound_requests(bounds: dict, workdir: str) -> str:
+    """The disk's mean write request of one more run of each bound (scattered 4 KiB pages
+    cut requests short of the disk's limit)."""
+    stat_path = disk_of(workdir)
+    outdir = tempfile.mkdtemp(prefix="ckpt-writepath-req-", dir=workdir)
+    sizes = []
+    for name, raw in bounds.items():
+        before = disk_writes(stat_path)
+        timed_bound(raw, outdir)
+        after = disk_writes(stat_path)
+        sizes.append(f"{BOUNDS[name]} {(after[1] - before[1]) / 2 / max(after[0] - before[0], 1):.0f}")
+    m.remove_tree(outdir)
+    return "disk write request KiB (mean) of one more run of each bound: " + "; ".join(sizes)
 
 
 def memcpy_note(copies: dict, repeats: int) -> str:
@@ -381,9 +432,10 @@ def main(argv: list[str] | None = None) -> int:
                   **{name: m.RawWrite(copy, direct=True, from_shared=True)
                      for name, copy in copies.items()}}
         bounds["anon"].prepare()
+        notes = [bound_pages(bounds["anon"])]
         try:
-            rows, notes = run_methods(args, state, tensors, total, pool_size, bounds, huge_dir)
-            notes.append(memcpy_note(copies, args.repeats))
+            rows, more = run_methods(args, state, tensors, total, pool_size, bounds, huge_dir)
+            notes += more + [memcpy_note(copies, args.repeats), bound_requests(bounds, args.workdir)]
         finally:
             bounds["anon"].close()
             for copy in copies.values():
