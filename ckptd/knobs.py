@@ -21,13 +21,10 @@ from typing import Any, Callable, Iterator
 __all__ = [
     "Knob", "override", "all_knobs", "parse_bool", "parse_choice", "parse_size",
     "POOL_SIZE", "POOL_DIR", "POOL_COLLAPSE", "WRITERS", "DRAIN_TIMEOUT", "STOP_LINGER",
-    "WRITER_START_TIMEOUT",
-    "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
+    "WRITER_START_TIMEOUT", "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
-    "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
-    "DIRECT_ALLOCATE_BYTES",
-    "CHECKSUM",
+    "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES", "DIRECT_ALLOCATE_BYTES", "CHECKSUM",
     "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL",
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
     "PEER_IO_THREADS", "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
@@ -185,19 +182,15 @@ def markdown_table() -> str:
 # ---------------------------------------------------------------- the daemon (ckptd serve)
 POOL_SIZE = _knob(
     "POOL_SIZE", "1G", str, "Staging pool size (serve's --pool-size default; auto-start's)")
-# The pool must be memory that is never written back (tmpfs or hugetlbfs). On a tmpfs
-# mounted with huge pages (huge=within_size or always) the writers' direct writes pin 512x
-# fewer pages and reach the disk in larger requests: ~5x less system CPU per GB.
+# The pool must be memory that is never written back (tmpfs or hugetlbfs). On huge pages
+# (a huge= tmpfs, or POOL_COLLAPSE) the writers' direct writes pin 512x fewer pages and
+# reach the disk in full-size requests: ~5x less system CPU per GB.
 POOL_DIR = _knob(
     "POOL_DIR", "/dev/shm", str,
     "Directory (tmpfs or hugetlbfs) the staging pool is made in (serve's --pool-dir default; "
     "auto-start's)")
-# A pool on a tmpfs without huge pages (/dev/shm, where shmem_enabled is never) gets 2 MiB
-# pages all the same (MADV_COLLAPSE, at its creation): the writers' direct writes then reach
-# the disk in full-size requests with 512x fewer pages to pin, as from a huge= tmpfs.
-POOL_COLLAPSE = _knob(
-    "POOL_COLLAPSE", True, parse_bool,
-    "Give a staging pool on a tmpfs without huge pages 2 MiB pages (MADV_COLLAPSE)")
+POOL_COLLAPSE = _knob("POOL_COLLAPSE", True, parse_bool,
+                      "Give a staging pool on a tmpfs without huge pages 2 MiB pages (MADV_COLLAPSE)")
 WRITERS = _knob(
     "WRITERS", 2, int, "Writer processes (serve's --writers default)")
 DRAIN_TIMEOUT = _knob(
