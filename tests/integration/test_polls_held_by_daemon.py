@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import wait_for
+from ckptd import protocol
 from ckptd.protocol import MessageType, Phase, Poll, SaveFormat, Stage, Staged
 from ckpt_client import TorchAsyncCheckpoint
 from ckpt_client.transport.connection import DaemonConnection, connect
@@ -183,13 +184,47 @@ def test_a_blocking_finalize_asks_with_held_polls(daemon, monkeypatch):
     wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "the extent freed")
 
 
+class RecordedTurns(protocol.Turns):
+    """The channel's turns, with who asked for the socket and who got it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list = []
+        self._log_lock = threading.Lock()
+
+    def __enter__(self):
+        with self._log_lock:
+            self.log.append(("ask", threading.current_thread().name))
+        super().__enter__()
+        with self._log_lock:
+            self.log.append(("got", threading.current_thread().name))
+        return self
+
+    def turns_taken_while_waiting(self, name: str) -> list:
+        """For each time ``name`` asked: how many turns others got before its own."""
+        counts, waiting = [], None
+        for event, who in list(self.log):
+            if who == name:
+                if event == "ask":
+                    waiting = 0
+                elif waiting is not None:
+                    counts.append(waiting)
+                    waiting = None
+            elif event == "got" and waiting is not None:
+                waiting += 1
+        return counts
+
+
 @pytest.mark.parametrize("threads", [3])
 def test_threads_waiting_on_one_channel_take_the_socket_in_turns(start_daemon, threads):
-    """Several threads each keep a held POLL outstanding on one connection while another
-    thread's calls run; every call completes while all the POLLs are still held."""
+    """Several threads each keep a held POLL outstanding on one connection (each taking
+    the socket for short slices, over and over) while another thread's calls run: every
+    call completes while all the POLLs are still held, and each time the caller asks for
+    the socket it gets it before any poller has a second turn."""
     daemon = start_daemon(env=LONG_HOLDS)
     connection = connect(daemon.socket)
     request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "turns.pt"))
+    turns = connection.channel._lock = RecordedTurns()  # nobody uses the socket now
     polls = [HeldPoll(connection, request_id, seen=Phase.STAGING) for _ in range(threads)]
     for poll in polls:
         poll.start()
@@ -200,11 +235,13 @@ def test_threads_waiting_on_one_channel_take_the_socket_in_turns(start_daemon, t
         for _ in range(10):
             done.append(connection.call(MessageType.STATUS, timeout=30)["pid"])
 
-    worker = threading.Thread(target=caller, daemon=True)
+    worker = threading.Thread(target=caller, name="caller", daemon=True)
     worker.start()
     worker.join(60)
     assert done == [daemon.pid] * 10
     assert not any(poll.answered for poll in polls)
+    waited = turns.turns_taken_while_waiting("caller")
+    assert waited and max(waited) <= threads, waited
     connection.call(MessageType.ABORT, _abort(request_id), timeout=30)
     for poll in polls:
         poll.join(60)
