@@ -5,13 +5,19 @@ Owns the byte layout of the bulk path (parts' bytes never travel over ZeroMQ):
 - **handshake** (client = the daemon that dialed)::
 
       client -> server   MAGIC | protection | client public key | server public key | salt_c
-      server -> client   salt_s | proof_s
+      server -> client   ACCEPTED | salt_s | proof_s
       client -> server   proof_c
 
   The server answers only a client whose public key is in the trainers' table and that
   dialed this daemon's current key; each proof is a tag under the new connection keys
   (:mod:`.sealing`), so both ends know the other holds the secret of its public key.
-  Anyone else is disconnected without a byte of answer.
+  A client that dialed another key (the daemon it means was here before this one: it
+  restarted) is told so in one byte, ``REPLACED``, whoever it is: what it had sent that
+  daemon is lost, and waiting for it to come back would only cost the stream's whole
+  no-progress deadline. Anyone else is disconnected without a byte of answer.
+  :meth:`BulkConnection.dial` raises :class:`PeerGoneError` for that answer, and for a
+  refused connection (nothing listens at the peer's bulk address any more: its daemon
+  exited, or restarted on another port).
 - **frames**: a 32-byte header in clear (kind, payload length, transfer id, offset, one
   more integer), authenticated together with the payload, then the sealed payload. A
   ``CHUNK`` carries part bytes; the other kinds carry a small msgpack map.
@@ -34,7 +40,10 @@ from ckptd.protocol import PART_FRAME_BYTES
 from ckptd.replication.sealing import (PROTECTIONS, SALT_BYTES, TAG_BYTES, AuthenticationError,
                                        Sealer, connection_keys, new_salt, shared_secret)
 
-MAGIC = b"CKPTDBK1"
+MAGIC = b"CKPTDBK2"
+#: The server's first answer byte: the handshake goes on, or the key the client dialed is
+#: not this daemon's (the daemon it meant is gone).
+ACCEPTED, REPLACED = b"\x00", b"\x01"
 _HELLO = struct.Struct(f"<8sB32s32s{SALT_BYTES}s")
 _HEADER = struct.Struct("<BBHIQQQ")
 HEADER_BYTES = _HEADER.size
@@ -59,6 +68,12 @@ class Kind:
 
 class BulkConnectionError(Exception):
     """The connection broke, or the other end sent something this end refuses."""
+
+
+class PeerGoneError(BulkConnectionError):
+    """The daemon a dial meant is no longer there: nothing listens at its bulk address, or
+    another daemon (another key) does. What it held of a transfer went with it, so a
+    transfer to it cannot resume: redialing would only wait out its deadline."""
 
 
 @dataclass(frozen=True)
@@ -226,31 +241,44 @@ class BulkConnection:
         BulkConnectionError
             If the peer cannot be reached or the handshake fails.
         """
+        where = f"{address[0]}:{address[1]}"
         try:
             sock = socket.create_connection(address, timeout=timeout)
+        except ConnectionRefusedError as exc:  # its listener closes only when it exits
+            raise PeerGoneError(f"nothing listens at {where} any more ({exc.strerror}): the "
+                                f"daemon there exited or was restarted") from None
         except OSError as exc:
-            raise BulkConnectionError(f"cannot reach {address[0]}:{address[1]}: {exc}") from None
+            raise BulkConnectionError(f"cannot reach {where}: {exc}") from None
         try:
             salt_c = new_salt()
             hello = _HELLO.pack(MAGIC, PROTECTIONS.index(protection), own_public, peer_public,
                                 salt_c)
             sock.sendall(hello)
+            status = memoryview(bytearray(1))
+            _recv_exact(sock, status)
+            if bytes(status) == REPLACED:
+                raise PeerGoneError(f"the daemon at {where} has another key: the one dialed "
+                                    f"was restarted")
+            if bytes(status) != ACCEPTED:
+                raise BulkConnectionError(f"answered the handshake with {bytes(status)!r}")
             answer = memoryview(bytearray(SALT_BYTES + TAG_BYTES))
             _recv_exact(sock, answer)
             salt_s, proof_s = bytes(answer[:SALT_BYTES]), bytes(answer[SALT_BYTES:])
             c2s, s2c = connection_keys(shared_secret(own_secret, peer_public), salt_c + salt_s,
                                        own_public, peer_public, protection)
             channel = cls(sock, c2s, s2c, protection, peer_public)
-            transcript = hello + salt_s
+            transcript = hello + ACCEPTED + salt_s
             channel._in.check_proof(transcript, proof_s)
             sock.sendall(channel._out.proof(transcript + proof_s))
             _tune(sock, io_timeout)
             sock.settimeout(None)
             return channel
+        except PeerGoneError:
+            sock.close()
+            raise
         except (OSError, BulkConnectionError, AuthenticationError) as exc:
             sock.close()
-            raise BulkConnectionError(f"bulk handshake with {address[0]}:{address[1]} failed: "
-                               f"{exc}") from None
+            raise BulkConnectionError(f"bulk handshake with {where} failed: {exc}") from None
 
     @classmethod
     def accept(cls, sock: socket.socket, own_secret: bytes, own_public: bytes,
@@ -280,17 +308,19 @@ class BulkConnection:
                 raise BulkConnectionError(f"the peer protects bulk bytes with {theirs!r}, this "
                                           f"daemon with {protection!r}: start every daemon of "
                                           "the job with the same --peer-encryption")
-            if server_public != own_public:
-                raise BulkConnectionError("the peer dialed another key (an earlier daemon here)")
+            if server_public != own_public:  # said, so the dialer stops waiting for that one
+                sock.sendall(REPLACED)
+                raise BulkConnectionError("the peer dialed another key (an earlier daemon "
+                                          "here); told it that daemon is gone")
             if not allowed(client_public):
                 raise BulkConnectionError("unknown key: not one of this job's daemons")
             salt_s = new_salt()
             c2s, s2c = connection_keys(shared_secret(own_secret, client_public),
                                        salt_c + salt_s, client_public, own_public, protection)
             channel = cls(sock, s2c, c2s, protection, client_public)
-            transcript = bytes(hello) + salt_s
+            transcript = bytes(hello) + ACCEPTED + salt_s
             proof_s = channel._out.proof(transcript)
-            sock.sendall(salt_s + proof_s)
+            sock.sendall(ACCEPTED + salt_s + proof_s)
             proof_c = memoryview(bytearray(TAG_BYTES))
             _recv_exact(sock, proof_c)
             channel._in.check_proof(transcript + proof_s, bytes(proof_c))

@@ -18,7 +18,11 @@ served to a fetcher): the :class:`~ckptd.replication.send_job.SendJob` s on a
   this daemon's copy no longer matches its record: a corrupted copy is never completed;
 - every outcome is posted as a :class:`~ckptd.replication.commands.Sent`; a job without
   progress for :data:`ckptd.knobs.PEER_TIMEOUT` is failed by :meth:`BulkSender.expire`
-  (called on the replicator's tick): a slow link is not a dead one, a cut one is reported.
+  (called on the replicator's tick): a slow link is not a dead one, a cut one is reported;
+- a dial that finds the peer's daemon gone (:class:`~.bulk_connection.PeerGoneError`:
+  nothing listens at its bulk address, or a restarted daemon with another key answers
+  there) ends every job of that lane at once: what the receiver held went with it, so no
+  job there can resume, and a restarted peer would otherwise cost each its whole deadline.
 
 Liveness is not judged here: heartbeats travel on the ZeroMQ control link, never behind
 part bytes.
@@ -34,7 +38,8 @@ from typing import Callable
 
 from ckptd import knobs
 from ckptd.checksum import algorithm_named
-from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError, Frame, Kind
+from ckptd.replication.bulk_connection import (BulkConnection, BulkConnectionError, Frame, Kind,
+                                              PeerGoneError)
 from ckptd.replication.bulk_wire import Abort, Done, End, Ready, control_body, send_control
 from ckptd.replication.commands import Sent
 from ckptd.replication.send_job import SendJob, io_timeout
@@ -156,6 +161,8 @@ class Lane:
             except BulkConnectionError as exc:
                 with self.lock:
                     self.last_error = str(exc)
+                    if isinstance(exc, PeerGoneError):
+                        end_lost_jobs(self, exc)
                     # telling an unreachable peer that a transfer ended is best effort
                     self.queue = deque(w for w in self.queue if w[1] != ABORT)
                     self.lock.wait_for(lambda: self.stopped, timeout=backoff)
@@ -303,6 +310,21 @@ class Lane:
         self.queue.append((job, END))
 
 
+def end_lost_jobs(lane: Lane, exc: PeerGoneError) -> None:
+    """The daemon ``lane`` streams to is gone (its lock held): end every job now; none can
+    resume, and waiting would cost each its whole no-progress deadline."""
+    for job in list(lane.jobs.values()):
+        reason = (f"{_what(job)}: rank {job.owner}'s part of iteration {job.iteration} to "
+                  f"{lane.peer} was lost: {exc}")
+        BulkSender.log_end(job, reason)
+        lane.end_job(job, False, reason)
+
+
+def _what(job: SendJob) -> str:
+    """How a failure names what the job was doing."""
+    return "phase 'replicating'" if job.kind == "push" else "serving a fetch"
+
+
 class BulkSender:
     """Every lane of this daemon (one per peer and key), and the jobs on them.
 
@@ -328,6 +350,10 @@ class BulkSender:
             for (other, key), old in list(self._lanes.items()):
                 if other == address and key != peer_key:  # the peer restarted: new key
                     old.stop()
+                    with old.lock:  # its jobs are lost with that daemon: they end now
+                        end_lost_jobs(old, PeerGoneError(
+                            f"the daemon at {bulk_address} has another key now: the one "
+                            "streamed to was restarted"))
                     del self._lanes[(other, key)]
             lane = self._lanes[(address, peer_key)] = Lane(address, peer_key, peer,
                                                            self._credentials, self._post)
@@ -355,8 +381,7 @@ class BulkSender:
         progress; a cut link is not)."""
         for lane, job in self.jobs():
             if now - max(job.last_progress, lane.last_activity()) > timeout:
-                what = "phase 'replicating'" if job.kind == "push" else "serving a fetch"
-                reason = (f"{what}: rank {job.owner}'s part of iteration {job.iteration} to "
+                reason = (f"{_what(job)}: rank {job.owner}'s part of iteration {job.iteration} to "
                           f"{job.peer} made no progress for {timeout:.0f}s (link down or peer "
                           f"stuck; last connection error: {lane.last_error or 'none'})")
                 with lane.lock:

@@ -22,7 +22,7 @@ from multirank import collect, run_ranks, start_ranks, values
 
 SESSION = "job1"
 PEER_ENV = {"CKPTD_PEER_TIMEOUT": "8", "CKPTD_PEER_PING_INTERVAL": "0.5"}
-#: For tests where a push must fail without progress (a frozen or restarted peer): that
+#: For tests where a push must fail without progress (a frozen peer): that
 #: deadline is waited out on purpose, and a small part on loopback moves far within 3 s.
 SHORT_PEER_ENV = {**PEER_ENV, "CKPTD_PEER_TIMEOUT": "3"}
 
@@ -293,7 +293,8 @@ def test_root_outside_local_dir_is_refused_on_every_rank(make_nodes, tmp_path):
 
 def test_daemon_restart_refuses_saves_until_find_latest(make_nodes, tmp_path):
     # Rank 0's second save pushes to the restarted node, which no longer knows the
-    # session: that push ends at the no-progress deadline.
+    # session: that push fails at its first dial (nothing listens at the bulk address the
+    # key table names).
     nodes = make_nodes(2, env=SHORT_PEER_ENV)
     flags = {name: str(tmp_path / name) for name in ("saved", "restarted")}
     processes, results = start_ranks(save_across_daemon_restart, 2, nodes.sockets(1), tmp_path,

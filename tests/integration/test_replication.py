@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from conftest import wait_for
+from conftest import free_port, wait_for
 from multirank import collect, run_ranks, start_ranks, values
 from test_local_checkpoints import (BIG, PEER_ENV, SESSION, SHORT_PEER_ENV,  # noqa: F401
                                     find_and_load, make_nodes, same, state_of)
@@ -72,6 +72,34 @@ def save_while_peer_dies(rank, world_size, roots, flags):
     return manager.last_save_report
 
 
+def push_while_peer_restarts(rank, world_size, roots, flags):
+    """Both ranks register (the key exchange); on "go" rank 0 saves iteration 3 (its push
+    to node 1 is in flight when the test kills and restarts node 1), and once node 1 is
+    back, iteration 4 (pushed to the daemon the key table still names); rank 1 waits."""
+    from ckpt_client import (BasicTensorAwareStateDict, CliqueReplicationStrategy,
+                             LocalCheckpointManager)
+
+    strategy = CliqueReplicationStrategy.from_replication_params(1, 2)
+    manager = LocalCheckpointManager(roots[rank], session_id=SESSION, repl_strategy=strategy)
+    assert manager.find_latest() == -1  # registers the session (the key exchange)
+    if rank == 1:
+        wait_for_file(flags["done"])
+        return None
+    replications = []
+    for iteration, flag in ((3, "go"), (4, "restarted")):
+        wait_for_file(flags[flag])
+        request = manager.save(BasicTensorAwareStateDict(state_of(rank, iteration, **BIG)),
+                               iteration, is_async=True)
+        save = request.daemon_saves[0]
+        while not save.finished:  # polls the daemon
+            time.sleep(0.01)
+        assert save.error is None, save.error
+        replications.append(save.last.replication)
+        open(flags[f"saved{iteration}"], "w").close()
+    open(flags["done"], "w").close()
+    return replications
+
+
 def load_with_corrupted_replica(rank, world_size, roots, corrupt, jump, factor, size=None):
     """find_latest, then rank 0 flips a byte in a replica before everybody loads."""
     import torch.distributed as dist
@@ -110,8 +138,9 @@ def save_once(rank, world_size, roots, jump, factor, iteration, size=None):
 # ---------------------------------------------------------------- tests
 
 def test_peer_killed_during_replication(make_nodes, tmp_path):
-    # rank 0 on node 0, rank 1 on node 1; rank 0's push to the frozen node ends at the
-    # no-progress deadline
+    # rank 0 on node 0, rank 1 on node 1; rank 0's push to the frozen node ends when it is
+    # killed (nothing listens at its bulk address any more), or at the no-progress deadline
+    # if that comes first (3 s while frozen)
     nodes = make_nodes(2, env=SHORT_PEER_ENV)
     flags = {name: str(tmp_path / name) for name in ("rank1_done", "go", "rank0_staged")}
     processes, results = start_ranks(save_while_peer_dies, 2, nodes.sockets(1), tmp_path,
@@ -129,7 +158,8 @@ def test_peer_killed_during_replication(make_nodes, tmp_path):
     peer.process.send_signal(signal.SIGKILL)
     reports = values(collect(processes, results, timeout=240))
     assert reports[0]["reduced_redundancy"] and reports[0]["replicated_to"] == []
-    assert "no progress" in reports[0]["failed"][nodes.addresses[1]]
+    failed = reports[0]["failed"][nodes.addresses[1]]
+    assert "nothing listens at" in failed or "no progress" in failed, failed
     assert reports[1] == {"iteration": 3, "replicated_to": [nodes.addresses[0]], "failed": {},
                           "reduced_redundancy": False, "wanted_copies": 2,
                           "copies": [nodes.addresses[1], nodes.addresses[0]]}
@@ -149,6 +179,60 @@ def test_peer_killed_during_replication(make_nodes, tmp_path):
                if latest == 3]
     # node 0's daemon still holds rank 0's part in memory; node 1's restarted: its disk
     assert sources == ["daemon_memory", "local_disk"]
+
+
+@pytest.mark.parametrize("bulk_port", ["any", "fixed"])
+def test_a_push_to_a_peer_killed_and_restarted_mid_push_ends_at_once(make_nodes, tmp_path,
+                                                                      bulk_port):
+    """Rank 0's push to node 1 is in flight (node 1 frozen) when node 1 is killed -9 and
+    started again: the new daemon does not know the transfer, nor the session, and has
+    another key. The push fails as soon as a dial meets that (nothing listens at the bulk
+    address any more, or, on a fixed bulk port, the new daemon says it has another key),
+    and the save is done with reduced redundancy while the no-progress deadline, 120 s,
+    is far off (before, it waited all of it). The next save, pushed to the key the table
+    still names, fails its push at the first dial. Both saves are durable locally."""
+    env = {**PEER_ENV, "CKPTD_PEER_TIMEOUT": "120"}
+    if bulk_port == "fixed":  # every node on its own loopback address, the same port
+        env["CKPTD_PEER_BULK_PORT"] = str(free_port())
+    nodes = make_nodes(2, env=env)
+    flags = {name: str(tmp_path / name)
+             for name in ("go", "saved3", "restarted", "saved4", "done")}
+    processes, results = start_ranks(push_while_peer_restarts, 2, nodes.sockets(1), tmp_path,
+                                     args=(nodes.roots(1), flags))
+    peer, address = nodes.daemons[1], nodes.addresses[1]
+
+    def push_of(iteration: int) -> dict | None:
+        doc = nodes.daemons[0].status()
+        mine = [r for r in doc["requests"] if r["rank"] == 0 and r["format"] == "local"
+                and r["path"].endswith(f"iter_{iteration:07d}/rank_0.part")]
+        replication = (mine[-1].get("replication") or {}) if mine else {}
+        return replication.get("holders", {}).get(address)
+
+    wait_for(lambda: (nodes.daemons[0].status()["peers"] or [{}])[0].get("health") == "up", 60,
+             "node 0 to hear node 1")
+    peer.process.send_signal(signal.SIGSTOP)  # frozen: rank 0's push cannot finish
+    open(flags["go"], "w").close()
+    wait_for(lambda: (push_of(3) or {}).get("state") == "sending", 120,
+             "rank 0's part streaming to node 1")
+    nodes.restart(1)  # SIGKILL, then a new daemon: same addresses, new key, no session
+    # Well within the push's 120 s deadline: ended by the peer's answer, not by waiting.
+    ended = wait_for(lambda: (push_of(3) or {}).get("state") == "failed" and push_of(3), 90,
+                     "rank 0's push to end once node 1 was restarted")
+    gone = ("nothing listens at", "has another key")
+    assert "was lost" in ended["error"] and any(g in ended["error"] for g in gone), ended
+    assert "no progress" not in ended["error"], ended
+    wait_for(lambda: os.path.exists(flags["saved3"]), 60, "rank 0's save 3 to be done")
+    open(flags["restarted"], "w").close()
+    wait_for(lambda: os.path.exists(flags["done"]), 90, "rank 0's save 4 to be done")
+    [third, fourth], none = values(collect(processes, results, timeout=120))
+    assert none is None
+    for replication in (third, fourth):
+        assert replication["reduced_redundancy"], replication
+        assert replication["holders"][address]["state"] == "failed", replication
+    said = "has another key" if bulk_port == "fixed" else "nothing listens at"
+    assert said in fourth["holders"][address]["error"], fourth
+    for iteration in (3, 4):
+        assert os.path.exists(nodes.part(0, iteration, 0)), "rank 0's own part is durable"
 
 
 def test_corrupted_replica_is_skipped_for_the_next_holder(make_nodes, tmp_path):

@@ -19,7 +19,8 @@ import zmq
 from ckptd import knobs
 from ckptd.checksum import read_sidecar
 from ckptd.protocol import PART_FRAME_BYTES
-from ckptd.replication.bulk_connection import BulkConnection, BulkConnectionError
+from ckptd.replication.bulk_connection import (ACCEPTED, MAGIC, BulkConnection,
+                                              BulkConnectionError, PeerGoneError)
 from ckptd.replication.bulk_receive import BulkListener, Target, Targets
 from ckptd.replication.bulk_send import BulkSender
 from ckptd.replication.send_job import SendJob
@@ -170,9 +171,12 @@ def test_unknown_keys_and_impostors_get_no_answer(pair):
     import struct
 
     with socket.create_connection(address, timeout=10) as raw:
-        raw.sendall(struct.pack("<8sB32s32s32s", b"CKPTDBK1", ("aes-256-gcm", "none").index(a[2]),
+        raw.sendall(struct.pack("<8sB32s32s32s", MAGIC, ("aes-256-gcm", "none").index(a[2]),
                                 a[1], b[1], os.urandom(32)))
-        assert len(raw.recv(48)) == 48  # salt and proof of B
+        answer = b""
+        while len(answer) < 49:
+            answer += raw.recv(49 - len(answer)) or pytest.fail(f"closed after {answer!r}")
+        assert answer[:1] == ACCEPTED  # then salt and proof of B
         raw.sendall(os.urandom(16) + os.urandom(100))  # a forged proof, then a "frame"
         try:  # closed with our "frame" unread: a reset, or an orderly end
             assert raw.recv(1) == b"", "the impostor must be disconnected"
@@ -182,6 +186,50 @@ def test_unknown_keys_and_impostors_get_no_answer(pair):
     with pytest.raises(BulkConnectionError):  # the job's key, but another protection choice
         BulkConnection.dial(address, a[0], a[1], b[1], other, 10.0)
     BulkConnection.dial(address, a[0], a[1], b[1], a[2], 10.0).close()
+
+
+def test_a_daemon_that_restarted_tells_a_dialer_of_its_predecessor_so(pair):
+    """A dial naming a key that is not the listener's (the daemon it meant was here before:
+    it restarted) is answered, and fails as gone, not as a handshake to retry; a stranger
+    naming the right key still hears nothing."""
+    a, b, session, events, targets, listener, sender = pair
+    earlier = credentials(a[2])
+    address = ("127.0.0.1", listener.port)
+    with pytest.raises(PeerGoneError, match="has another key: the one dialed was restarted"):
+        BulkConnection.dial(address, a[0], a[1], earlier[1], a[2], 10.0)
+    stranger = credentials(a[2])
+    with pytest.raises(BulkConnectionError, match="closed after 0") as silent:
+        BulkConnection.dial(address, stranger[0], stranger[1], b[1], a[2], 10.0)
+    assert not isinstance(silent.value, PeerGoneError)
+
+
+@pytest.mark.parametrize("where", ["restarted", "exited"])
+def test_a_push_to_a_daemon_that_is_gone_ends_at_once_not_at_its_deadline(pair, where):
+    """Pushes stream to a daemon whose listener is now another daemon's (it restarted on
+    the same port: another key) or is closed (it exited, or restarted elsewhere): each
+    ends with the reason as soon as a dial meets that, while the no-progress deadline (its
+    only end before) is far off and never checked here (nothing calls ``expire``)."""
+    a, b, session, events, targets, listener, sender = pair
+    if where == "restarted":
+        bulk, key = f"127.0.0.1:{listener.port}", credentials(a[2])[1]
+        said = "has another key: the one dialed was restarted"
+    else:
+        closed = BulkListener("127.0.0.1", b, lambda k: True, targets)
+        bulk, key = f"127.0.0.1:{closed.port}", b[1]
+        closed.close()
+        said = "nothing listens at"
+    with knobs.override(PEER_TIMEOUT=3600.0):
+        for xfer in (21, 22):
+            job = SendJob(xfer, "push", "node-b", BytesSource(os.urandom(PART_FRAME_BYTES + 1)),
+                          Begin("s", 0, 7), PeerStats(), owner=0, iteration=7)
+            sender.send(bulk, key, "node-b", job)
+        ended = [events.next(Sent), events.next(Sent)]
+    assert sorted(sent.xfer for sent in ended) == [21, 22]
+    for sent in ended:
+        assert not sent.ok and sent.error.startswith(
+            "phase 'replicating': rank 0's part of iteration 7 to node-b was lost: "), sent
+        assert said in sent.error, sent.error
+    assert not sender.jobs()
 
 
 def test_a_receiver_without_progress_gives_up_but_a_slow_sender_is_progress(pair):
