@@ -11,9 +11,12 @@ nothing but those imports, so no rank inherits anything of another rank. The sam
 pattern as the ``forkserver`` that ``tests/multirank.py`` forks single-host ranks from.
 
 Wire (pipes to the test process, one line each): the test writes a JSON job
-``{"job", "env", "log", "module"}``; the server answers ``started PID`` for it, and
-``exited PID CODE`` when that rank ends (``CODE`` as ``Popen.returncode``: negative for a
-signal). End of input stops the server; ranks still running are the bed's to kill.
+``{"id", "job", "env", "log", "module"}``; the server answers ``started ID PID`` for it,
+and ``exited PID CODE`` when that rank ends (``CODE`` as ``Popen.returncode``: negative
+for a signal). End of input stops the server; ranks still running are the bed's to kill.
+A fork whose ``started`` line did not come in time fails; the line carries its job's id,
+so when it comes late it is never taken for a later job's rank: that rank, which nobody
+waits for, is killed instead (:attr:`NodeForkServer.discarded`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import queue
 import select
 import signal
 import subprocess
@@ -56,7 +58,11 @@ class NodeForkServer:
             self.proc = bed.popen(node, [sys.executable, os.path.abspath(__file__)],
                                   env={"PYTHONPATH": ROOT}, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=log)
-        self._started: queue.Queue = queue.Queue()
+        self._started: dict[int, int] = {}  # job id -> pid, for the forks still waiting
+        self._waiting: set[int] = set()       # ids of the jobs whose fork waits for them
+        self._next_id = 0
+        #: Ranks whose ``started`` line came after their fork gave up: killed on arrival.
+        self.discarded: list[int] = []
         self._exits: dict[int, int] = {}
         self._closed = False
         self._changed = threading.Condition()
@@ -70,8 +76,8 @@ class NodeForkServer:
                 numbers = [int(field) for field in fields]
             except ValueError:
                 continue  # a stray line (a print at import) is not the server's
-            if kind == b"started" and len(numbers) == 1:
-                self._started.put(numbers[0])
+            if kind == b"started" and len(numbers) == 2:
+                self._on_started(*numbers)
             elif kind == b"exited" and len(numbers) == 2:
                 with self._changed:
                     self._exits[numbers[0]] = numbers[1]
@@ -79,22 +85,48 @@ class NodeForkServer:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        self._started.put(None)
+
+    def _on_started(self, job_id: int, pid: int) -> None:
+        with self._changed:
+            if job_id in self._waiting:
+                self._started[job_id] = pid
+                self._changed.notify_all()
+                return
+            self.discarded.append(pid)
+        # Its fork already failed: nobody would wait for this rank, collect its result or
+        # kill it, and it would run its job beside the next one (a rank in its own session).
+        print(f"node {self.node}'s fork server started rank {pid} for job {job_id} after "
+              f"its fork gave up; killed it", file=sys.stderr)
+        for kill in (os.kill, os.killpg):  # it may not have its own session yet
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def fork(self, job_path: str, module: str, env: dict, log_path: str) -> int:
         """Fork a rank that runs ``bednodes`` job ``job_path`` (its function in ``module``)
         with environment ``env`` and output to ``log_path``; returns its pid."""
-        line = json.dumps({"job": job_path, "module": module, "env": env, "log": log_path})
-        with self._one_job:
-            try:
+        with self._changed:
+            self._next_id += 1
+            job_id = self._next_id
+            self._waiting.add(job_id)
+        line = json.dumps({"id": job_id, "job": job_path, "module": module, "env": env,
+                           "log": log_path})
+        try:
+            with self._one_job:
                 self.proc.stdin.write(line.encode() + b"\n")
                 self.proc.stdin.flush()
-                pid = self._started.get(timeout=START_TIMEOUT)
-            except (BrokenPipeError, queue.Empty):
-                pid = None
+        except BrokenPipeError:
+            pass  # the server is gone: its reader says so
+        with self._changed:
+            self._changed.wait_for(lambda: job_id in self._started or self._closed,
+                                   START_TIMEOUT)
+            self._waiting.discard(job_id)  # from now on, its line is a late one
+            pid = self._started.pop(job_id, None)
         if pid is None:
-            raise RuntimeError(f"node {self.node}'s fork server forked no rank (exit code "
-                               f"{self.proc.poll()}); see {self.log_path}")
+            raise RuntimeError(f"node {self.node}'s fork server forked no rank within "
+                               f"{START_TIMEOUT:.0f}s (exit code {self.proc.poll()}); see "
+                               f"{self.log_path}")
         return pid
 
     def wait(self, pid: int, timeout: float) -> int | None:
@@ -169,7 +201,7 @@ def _serve() -> int:
                 pid = os.fork()
                 if pid == 0:
                     _rank(job, (wake_r, wake_w))
-                os.write(1, f"started {pid}\n".encode())
+                os.write(1, f"started {job['id']} {pid}\n".encode())
 
 
 def _preload(module: str) -> None:
