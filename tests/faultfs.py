@@ -34,6 +34,7 @@ How to drive it from a test::
             fs.set(error="ENOSPC", ops=["write"])   # every write fails with ENOSPC
             fs.set(delay_per_mib=0.5)               # slow, but progressing
         # on exit: faults cleared, held operations released, unmounted, server stopped
+        # (a mount that a process still holds is detached and the holders named: an error)
 
 ``fs.kill_server()`` makes every operation fail at once with ``ENOTCONN`` (a crashed
 storage server), which also frees writers killed while stalled. The backing directory
@@ -101,8 +102,13 @@ class FaultFS:
         self.start()
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            self.stop()
+        except RuntimeError as busy:
+            if exc is None:
+                raise
+            exc.add_note(str(busy))  # the test's own failure comes first
 
     def start(self) -> None:
         """Start the server and wait until the mount answers."""
@@ -189,19 +195,32 @@ class FaultFS:
             self.process.wait()
 
     def stop(self) -> None:
-        """Lift every fault, unmount (lazily if busy) and stop the server."""
+        """Lift every fault, unmount and stop the server.
+
+        Raises
+        ------
+        RuntimeError
+            If something still held the mount (a file open on it, a working directory or
+            a mapping in it: a process the test left running), naming each holder. The
+            mount is detached lazily and the server killed first, so nothing is left
+            mounted and a holder's next operation on it fails with ``ENOTCONN`` instead of
+            hanging; the error says what the test leaked instead of a silent wait.
+        """
         if self.process is not None and self.process.poll() is None:
             try:
                 self.clear()
             except (OSError, ValueError):
                 pass
+        busy = None
         if os.path.ismount(self.mount):
-            done = subprocess.run(["fusermount3", "-u", self.mount], capture_output=True)
+            done = subprocess.run(["fusermount3", "-u", self.mount], capture_output=True,
+                                  text=True)
             if done.returncode != 0:
+                busy = (done.stderr.strip(), holders_of(self.mount))
                 subprocess.run(["fusermount3", "-u", "-z", self.mount], capture_output=True)
         if self.process is not None:
-            try:
-                self.process.wait(10)
+            try:  # unmounted, it exits; detached while held, it would wait for the holders
+                self.process.wait(0 if busy else 10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
@@ -211,6 +230,41 @@ class FaultFS:
             os.unlink(self.control)
         except FileNotFoundError:
             pass
+        if busy is not None:
+            why, holders = busy
+            raise RuntimeError(
+                f"faultfs: {self.mount} was still in use when the test stopped it "
+                f"(fusermount3: {why or 'failed'}); held by: "
+                f"{'; '.join(holders) or 'no process this user can see'}. It was detached "
+                f"and its server killed: stop or reap those processes inside the test")
+
+
+def holders_of(mount: str) -> list[str]:
+    """What keeps ``mount`` busy: each process with a file, its working or root directory,
+    or a mapping under it, as ``pid N (command): what -> path``."""
+    inside = mount.rstrip("/")
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        links = []
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            for name in ("cwd", "root"):
+                links.append((name, os.readlink(f"/proc/{entry}/{name}")))
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                links.append((f"fd {fd}", os.readlink(f"/proc/{entry}/fd/{fd}")))
+            with open(f"/proc/{entry}/maps") as f:
+                links += [("mapping", line.split(None, 5)[5].strip()) for line in f
+                          if len(line.split(None, 5)) == 6]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        held = sorted({f"{what} -> {path}" for what, path in links
+                       if path == inside or path.startswith(inside + "/")})
+        if held:
+            found.append(f"pid {entry} ({command[:120]}): {', '.join(held)}")
+    return found
 
 
 def _read_line(sock: socket.socket) -> bytes:

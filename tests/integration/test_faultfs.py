@@ -1,11 +1,15 @@
 """The FUSE fault bed itself (tests/faultfs.py): a healthy passthrough, a stall that holds
-a real ``write()`` until lifted, and errors on command.
+a real ``write()`` until lifted, errors on command, and a stop that names what still
+holds the mount instead of waiting on it in silence.
 
 Other fault tests build on these guarantees, so they are checked on their own here.
 """
 
 import errno
 import os
+import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -75,3 +79,35 @@ def test_errors_on_command_and_only_where_matched(faultfs):
         f.write(b"z" * 4096)
     with pytest.raises(ValueError, match="not an errno name"):
         faultfs.set(error="ENOTANERRNO")
+
+
+def test_stopping_a_mount_a_process_still_holds_names_it_and_leaves_nothing_mounted(tmp_path):
+    """A process the test left with a file open on the mount (and its working directory
+    in it): stopping says which process holds what (before, it waited 10 s for the server,
+    which cannot exit while the mount is held, then killed it without a word). The mount
+    is gone afterwards, and the holder's next operation on it fails instead of hanging."""
+    fs = FaultFS(tmp_path / "backing", tmp_path / "mnt")
+    fs.start()
+    held = os.path.join(fs.mount, "held")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nf = open('held', 'wb')\nprint('open', flush=True)"
+                               "\nsys.stdin.read()\nf.write(b'x')\nf.flush()"],
+        cwd=fs.mount, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"open\n"
+        with pytest.raises(RuntimeError) as caught:
+            fs.stop()
+        message = str(caught.value)
+        assert f"{fs.mount} was still in use" in message, message
+        assert f"pid {holder.pid} (" in message, message
+        assert re.search(rf"fd \d+ -> {re.escape(held)}", message), message
+        assert f"cwd -> {fs.mount}" in message, message
+        assert not os.path.ismount(fs.mount)
+        assert fs.process.poll() is not None, "the server must be stopped"
+        _, errors = holder.communicate(b"", timeout=60)  # writes to the mount, gone now
+        assert holder.returncode != 0 and b"Transport endpoint is not connected" in errors, \
+            errors
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
