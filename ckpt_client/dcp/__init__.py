@@ -9,6 +9,8 @@ commits ``.metadata`` last), :class:`StorageWriter` for stock ``dcp.save``,
 - :mod:`~ckpt_client.dcp.save` — ``async_save`` and its finalize step
 - :mod:`~ckpt_client.dcp.planning` — local and global plans, their caches, early staging
 - :mod:`~ckpt_client.dcp.plan_reuse` — reusing a local plan while the structure is unchanged
+- :mod:`~ckpt_client.dcp.fast_plan` — the default planner's plans (and item data), made
+  without its per-item overhead, equal to what it makes
 - :mod:`~ckpt_client.dcp.writer` — the ``StorageWriter`` (stage, write results, finish)
 - :mod:`~ckpt_client.dcp.commit` — the one ``.metadata`` commit, on the coordinator, last
 - :mod:`~ckpt_client.dcp.commit_handover` — a tiered save's commit, given to the

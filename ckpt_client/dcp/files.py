@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckptd import protocol
+from ckpt_client.dcp import fast_plan
 
 #: The file DCP reads first; written last, by the coordinator, so a checkpoint is
 #: either complete or invisible.
@@ -78,6 +79,8 @@ def chunk_sizes(sizes: tuple, count: int, pool_size: int) -> list[list[list[int]
 def resolve_items(plan: SavePlan, planner: SavePlanner) -> list:
     """The data of each of ``plan``'s items: tensors (not detached: the copy into the
     pool runs without autograd) and ``io.BytesIO``."""
+    if fast_plan.resolves(planner):
+        return fast_plan.sources(plan, planner)
     sources = []
     for item in plan.items:
         data = planner.resolve_data(item)

@@ -1,6 +1,8 @@
 """Planning a DCP save through the daemon, with the shortcuts that keep it cheap.
 
-Owns the caches that make a save of an unchanged structure cheap: with ``enable_cache``
+Plans with the default planner take :mod:`ckpt_client.dcp.fast_plan`'s short route (the
+same plans, without DCP's per-item overhead); other planners plan their own way. Owns
+the caches that make a save of an unchanged structure cheap: with ``enable_cache``
 the local plan is reused (:mod:`ckpt_client.dcp.plan_reuse`) and the global plan and
 metadata of the previous save are reused once one small all-reduce confirms every rank's
 local plan is unchanged (no gather, no scatter). :class:`EarlyStaging` starts the copy
@@ -19,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckpt_client.collectives import Group
+from ckpt_client.dcp import fast_plan
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.errors import CheckpointException
@@ -45,10 +48,15 @@ def _cache_key(group: Group, planner: SavePlanner) -> tuple:
 
 def local_plan_of(state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
                 group: Group) -> SavePlan:
-    planner.set_up_planner(state_dict=state_dict, storage_meta=writer.storage_meta(),
-                           is_coordinator=group.is_coordinator)
+    storage_meta = writer.storage_meta()
+    plan = None
+    if fast_plan.plans_locally(planner):
+        plan = fast_plan.local_plan(planner, state_dict, group.is_coordinator)
+    if plan is None:
+        planner.set_up_planner(state_dict=state_dict, storage_meta=storage_meta,
+                               is_coordinator=group.is_coordinator)
     writer.set_up_storage_writer(group.is_coordinator, rank=group.rank)
-    return writer.prepare_local_plan(planner.create_local_plan())
+    return writer.prepare_local_plan(plan if plan is not None else planner.create_local_plan())
 
 
 def plan_or_reuse(state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
@@ -83,7 +91,7 @@ def global_plan(local_plan: SavePlan, writer: DaemonStorageWriter, planner: Save
     metadata = None
     plans = None
     if group.is_coordinator:
-        plans, metadata = planner.create_global_plan(gathered)
+        plans, metadata = fast_plan.create_global_plan(planner, gathered)
         plans = writer.prepare_global_plan(plans)
     central_plan = group.scatter_from_coordinator(plans)
     if enable_cache:

@@ -1,6 +1,7 @@
 """DCP through the daemon: stock dcp.load reads what async_save and StorageWriter wrote."""
 
 import os
+import pickle
 from collections import Counter
 
 import pytest
@@ -326,3 +327,40 @@ def test_the_plan_signature_sees_every_change_that_changes_the_plan():
     assert planner_allows_reuse(DefaultSavePlanner()) and planner_allows_reuse(CountingGlobal())
     assert not planner_allows_reuse(CustomResolve())
     assert not planner_allows_reuse(DefaultSavePlanner(flatten_state_dict=False))
+
+
+def _described(directory: str) -> tuple:
+    """What a ``.metadata`` says apart from file names and offsets: the metadata of every
+    key (as pickled), the planner's mappings, and which rank wrote which item (with its
+    index hint)."""
+    md = FileSystemReader(directory).read_metadata()
+    writers = {(k.fqn, tuple(k.offset or ()), k.index): info.relative_path.split("_")[2]
+               for k, info in md.storage_data.items()}
+    return (pickle.dumps(md.state_dict_metadata), md.state_dict_metadata, md.planner_data,
+            writers)
+
+
+def uncached_and_stock_saves(rank, world_size, root):
+    queue = AsyncCallsQueue()
+    steps = {1: 8, 2: 8, 3: 12}  # step 2 repeats step 1's structure, step 3 changes it
+    for step, rows in steps.items():
+        state = training_like_state(rank, step, rows)
+        DCP.save(state, storage_writer=DCP.FileSystemWriter(os.path.join(root, f"stock{step}")))
+        queue.schedule_async_request(dcp.async_save(state, os.path.join(root, f"ours{step}")))
+        queue.maybe_finalize_async_calls(blocking=True)
+    for step, rows in steps.items():
+        loaded = training_like_state(rank, 99, rows)
+        DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, f"ours{step}")))
+        assert_same(loaded, training_like_state(rank, step, rows))
+    return [_described(os.path.join(root, f"ours{s}")) == _described(os.path.join(root, f"stock{s}"))
+            for s in steps]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_default_save_writes_the_metadata_stock_dcp_save_writes(daemon, tmp_path, world_size):
+    # The default planner takes a short route (and reuses what the previous save made for
+    # an unchanged key): the metadata, each key's writer after deduplication and the index
+    # hints must stay stock DCP's, save after save and when the structure changes.
+    same = values(run_ranks(uncached_and_stock_saves, world_size, daemon.socket, tmp_path,
+                            args=(daemon.roots[0],)))
+    assert same == [[True, True, True]] * world_size

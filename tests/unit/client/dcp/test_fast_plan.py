@@ -1,0 +1,257 @@
+"""The default planner's short route makes exactly DCP's plans, metadata and item data.
+
+Every case plans the same state dict twice, once with stock ``DefaultSavePlanner`` and
+once through :mod:`ckpt_client.dcp.fast_plan`, and compares the results as objects and
+as pickled bytes (what ``.metadata`` and the plan collectives carry). Each case runs
+three times in a row, the later ones with what the previous save left to reuse, the last
+on a rebuilt state dict whose key strings are new objects.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
+
+from ckpt_client.dcp import fast_plan
+
+
+class Opaque:
+    """A leaf DCP pickles as a whole."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, Opaque) and other.value == self.value
+
+
+def _fresh(text: str) -> str:
+    return "".join(list(text))  # an equal string, a new object
+
+
+def training(step: int, fresh: bool = False) -> dict:
+    k = _fresh if fresh else (lambda text: text)
+    g = torch.Generator().manual_seed(step)
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=g))
+    return {
+        k("model"): {k("layers"): [{k("w"): torch.randn(4, 4, generator=g),
+                                    k("b"): torch.randn(4, generator=g).to(torch.bfloat16)}
+                                   for _ in range(3)],
+                     k("weight"): weight, k("scalar"): torch.tensor(float(step)),
+                     k("empty"): torch.empty(0, 3), k("long"): torch.arange(5)},
+        k("optim"): {k("state"): {0: {k("exp_avg"): torch.randn(6, 4, generator=g),
+                                      k("step"): torch.tensor(step)}},
+                     k("param_groups"): [{k("lr"): 0.1 * step, k("betas"): (0.9, 0.999),
+                                          k("params"): [0, 1, 2], k("name"): f"g{step}",
+                                          k("zero"): -0.0 if step % 2 else 0.0,
+                                          k("nan"): float("nan"), k("flag"): step % 2 == 0}]},
+        k("step"): step, k("blob"): b"\x00\x01" * step, k("none"): None, k("z"): 1 + 2j,
+        k("tuple_of_tensors"): (torch.ones(2), 3), k("strs"): ["a", "a", "b"],
+        k("nested_lists"): [[torch.zeros(2)], [1, 2], []], k("empty_dict"): {},
+        k("list_of_empty"): [{}], k("ordered"): OrderedDict([(k("x"), torch.ones(1))]),
+        k("opaque"): Opaque(step), 7: torch.full((2,), 7.0),
+    }
+
+
+def flat_model(step: int, fresh: bool = False) -> dict:
+    k = _fresh if fresh else (lambda text: text)
+    g = torch.Generator().manual_seed(step)
+    return {k(f"layer.{i}.weight"): torch.randn(3, 3, generator=g) for i in range(4)}
+
+
+def _stock_local(state: dict) -> tuple[DefaultSavePlanner, SavePlan]:
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, None, True)
+    return planner, planner.create_local_plan()
+
+
+def _fast_local(state: dict) -> tuple[DefaultSavePlanner, SavePlan]:
+    planner = DefaultSavePlanner()
+    assert fast_plan.plans_locally(planner)
+    plan = fast_plan.local_plan(planner, state, True)
+    assert plan is not None
+    return planner, plan
+
+
+def _same(a, b) -> None:
+    assert a == b
+    assert pickle.dumps(a) == pickle.dumps(b)
+
+
+def _same_data(stock: list, fast: list) -> None:
+    assert len(stock) == len(fast)
+    for s, f in zip(stock, fast):
+        if isinstance(s, torch.Tensor):
+            assert f is s or (torch.equal(f, s) and f.data_ptr() == s.data_ptr())
+        else:
+            assert isinstance(f, io.BytesIO) and f.getvalue() == s.getvalue()
+
+
+@pytest.mark.parametrize("build", [training, flat_model])
+def test_one_rank_plans_metadata_and_data_equal_stock_dcp_save_after_save(build):
+    for step, fresh in ((1, False), (2, False), (3, True)):
+        state = build(step, fresh)
+        stock, stock_plan = _stock_local(state)
+        fast, fast_plan_ = _fast_local(state)
+        _same(fast_plan_, stock_plan)
+        assert fast.mappings == stock.mappings
+        assert list(fast.state_dict) == list(stock.state_dict)
+        assert all(fast.state_dict[k] is v for k, v in stock.state_dict.items())
+
+        stock_global, stock_md = stock.create_global_plan([stock_plan])
+        made = fast_plan.global_plan(fast, [fast_plan_])
+        assert made is not None
+        _same(made[0], stock_global)
+        _same(made[1], stock_md)
+        assert fast.metadata is made[1] and fast.global_plan is made[0]
+
+        final = stock.finish_plan(stock_global[0])
+        _same_data([stock.resolve_data(i) for i in final.items],
+                   fast_plan.sources(fast.finish_plan(made[0][0]), fast))
+
+
+def _rank_state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    shared = {"w": torch.randn(8, 8, generator=g), "b": torch.randn(8, generator=g),
+              "scale": torch.ones(3, dtype=torch.bfloat16)}
+    own = {f"r{rank}": torch.full((rank + 1, 2), float(rank))}
+    if rank % 2:  # a bigger replicated tensor on odd ranks only: moves dedup's balance
+        own["odd"] = torch.zeros(64)
+    return {"model": {**shared, **own}, "step": step, "note": f"rank{rank}", "lr": 0.5}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+@pytest.mark.parametrize("to_lowest", [False, True])
+def test_many_ranks_global_plan_and_deduplication_equal_stock(world_size, to_lowest):
+    for step in (1, 2):
+        local = []
+        for rank in range(world_size):
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(_rank_state(rank, step), None, rank == 0)
+            plan = planner.create_local_plan()
+            # the coordinator's own plan as made here; the others' as a gather delivers them
+            local.append(plan if rank == 0 else pickle.loads(pickle.dumps(plan)))
+        coordinator = DefaultSavePlanner(dedup_save_to_lowest_rank=to_lowest)
+        coordinator_fast = DefaultSavePlanner(dedup_save_to_lowest_rank=to_lowest)
+        stock_plans, stock_md = coordinator.create_global_plan(local)
+        fast = fast_plan.global_plan(coordinator_fast, local)
+        assert fast is not None
+        _same(fast[0], stock_plans)
+        _same(fast[1], stock_md)
+        moved = sum(len(p.items) for p in local) - sum(len(p.items) for p in stock_plans)
+        assert moved > 0, "the case must exercise deduplication"
+
+
+def test_a_global_plan_dcp_would_refuse_or_validate_goes_dcps_way():
+    a = _stock_local({"x": torch.ones(2, 2)})[1]
+    b = _stock_local({"x": torch.ones(4)})[1]  # same key, other rank, other dimensions
+    assert fast_plan.global_plan(DefaultSavePlanner(), [a, b]) is None
+    with pytest.raises(AssertionError):
+        DefaultSavePlanner().create_global_plan([a, b])
+    with pytest.raises(AssertionError):
+        fast_plan.create_global_plan(DefaultSavePlanner(), [a, b])
+
+    import dataclasses
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    item = a.items[0]
+    shard = dataclasses.replace(item, tensor_data=dataclasses.replace(
+        item.tensor_data, chunk=ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([1, 2]))))
+    assert fast_plan.global_plan(DefaultSavePlanner(), [SavePlan([shard])]) is None
+
+
+def test_state_dicts_dcp_itself_must_walk_are_left_to_it():
+    planner = DefaultSavePlanner()
+    assert fast_plan.local_plan(planner, OrderedDict(x=torch.ones(1)), True) is None
+    assert fast_plan.local_plan(planner, {"a": {"b": torch.ones(1)}, "a.b": 1}, True) is None
+    assert not hasattr(planner, "state_dict"), "a refused state dict leaves the planner untouched"
+    with pytest.raises(ValueError, match="duplicated flatten key"):
+        planner.set_up_planner({"a": {"b": torch.ones(1)}, "a.b": 1})
+
+
+class Subclass(torch.Tensor):
+    pass
+
+
+def test_tensor_subclasses_are_planned_and_resolved_by_dcp_itself():
+    state = {"plain": torch.ones(2), "sub": torch.ones(3).as_subclass(Subclass)}
+    stock, stock_plan = _stock_local(state)
+    fast, fast_plan_ = _fast_local(state)
+    _same(fast_plan_, stock_plan)
+    _same_data([stock.resolve_data(i) for i in stock_plan.items],
+               fast_plan.sources(fast_plan_, fast))
+
+
+class CustomLocal(DefaultSavePlanner):
+    def create_local_plan(self):
+        return super().create_local_plan()
+
+
+class CustomGlobal(DefaultSavePlanner):
+    def _dedup_save_plans(self, all_plans):
+        return super()._dedup_save_plans(all_plans)
+
+
+class CustomResolve(DefaultSavePlanner):
+    def transform_object(self, write_item, object):
+        return object * 2 if isinstance(object, torch.Tensor) else super().transform_object(
+            write_item, object)
+
+
+def test_a_planner_that_overrides_a_planning_method_plans_its_own_way():
+    local = CustomLocal()
+    local.set_up_planner({"x": torch.ones(1)})
+    assert not fast_plan.plans_locally(local)
+    assert fast_plan.plans_globally(local) and fast_plan.resolves(local)
+    assert not fast_plan.plans_globally(CustomGlobal())
+    assert fast_plan.plans_locally(CustomGlobal())
+    assert not fast_plan.plans_locally(DefaultSavePlanner(flatten_state_dict=False))
+    assert not fast_plan.plans_locally(DefaultSavePlanner(enable_plan_caching=True))
+    assert not fast_plan.plans_globally(DefaultSavePlanner(enable_plan_caching=True))
+
+    planner = CustomResolve()
+    assert not fast_plan.resolves(planner)
+    from ckpt_client.dcp.files import resolve_items
+    planner.set_up_planner({"x": torch.ones(2)}, None, True)
+    plan = planner.create_local_plan()
+    assert torch.equal(resolve_items(plan, planner)[0], torch.full((2,), 2.0))
+
+
+def test_the_save_path_takes_the_custom_planners_methods(monkeypatch):
+    from ckpt_client.collectives import Group
+    from ckpt_client.dcp import planning
+    from ckpt_client.dcp.writer import DaemonStorageWriter
+
+    calls = []
+
+    class Counting(DefaultSavePlanner):
+        def create_local_plan(self):
+            calls.append("local")
+            return super().create_local_plan()
+
+        def create_global_plan(self, all_plans):
+            calls.append("global")
+            return super().create_global_plan(all_plans)
+
+    planner, writer = Counting(), DaemonStorageWriter("/tmp/never-written")
+    plan = planning.local_plan_of({"x": torch.ones(2)}, writer, planner, Group(None))
+    planning.global_plan(plan, writer, planner, Group(None), enable_cache=False)
+    assert calls == ["local", "global"]
+
+
+def test_the_bytes_of_a_leaf_follow_torch_saves_settings(monkeypatch):
+    from torch.utils.serialization import config
+
+    state = {"step": 5, "x": torch.ones(1)}
+    for crc in (True, False, True):
+        monkeypatch.setattr(config.save, "compute_crc32", crc)
+        stock, stock_plan = _stock_local(state)
+        fast, fast_plan_ = _fast_local(state)
+        _same_data([stock.resolve_data(i) for i in stock_plan.items],
+                   fast_plan.sources(fast_plan_, fast))
