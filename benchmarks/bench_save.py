@@ -434,11 +434,20 @@ def init_single_process_group(rundir: str) -> None:
                                 world_size=1)
 
 
+def chosen_by(key: str, name: str) -> bool:
+    """Whether ``--only``'s ``key`` picks the method ``name``: a part of the name, or with
+    a leading ``=`` the whole name (case-insensitive)."""
+    name = name.lower()
+    return name == key[1:] if key.startswith("=") else key in name
+
+
 def side_by_side(state: dict, copy: m.PreallocatedCopy) -> list[m.Method]:
     """The methods of the side-by-side comparison (issue 11): every workload, every device."""
     return [copy, m.DcpAsyncSave(state, "shared"), m.DcpAsyncSave(state, "async"),
-            m.CkptdTorch(state), m.CkptdDcp(state), m.CkptdDcp(state, enable_cache=True),
+            m.CkptdTorch(state), m.CkptdDcp(state), m.CkptdDcp(state, own_planning=True),
+            m.CkptdDcp(state, enable_cache=True),
             m.CkptdTorch(state, zero_stall=True), m.CkptdDcp(state, zero_stall=True),
+            m.CkptdDcp(state, zero_stall=True, own_planning=True),
             m.CkptdDcp(state, enable_cache=True, zero_stall=True)]
 
 
@@ -518,7 +527,7 @@ def run_suite(device: str, load: str, total_bytes: int, outdir: str, repeats: in
         copy.close = lambda: None  # type: ignore[method-assign]
         pool = -(-int(1.05 * mix.total_bytes) // (1 << 20)) << 20  # 1.05x, whole MiB
         for method in chosen:
-            if only and not any(key in method.name.lower() for key in only):
+            if only and not any(chosen_by(key, method.name) for key in only):
                 continue
             if method.name.startswith("ckptd") and daemon is None:
                 daemon = Daemon(outdir, pool, writers)
@@ -822,7 +831,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="parent of the checkpoint directory "
                    "(default: the temp dir if it is on a real disk)")
     p.add_argument("--writers", type=int, default=2, help="ckptd writer processes")
-    p.add_argument("--only", default="", help="comma-separated substrings of method names")
+    p.add_argument("--only", default="", help="comma-separated substrings of method names "
+                   "(a leading '=': the whole name)")
     p.add_argument("--no-gpu", action="store_true", help="skip the CUDA section")
     p.add_argument("--no-cpu", action="store_true",
                    help="skip the CPU section (on a GPU machine whose time is short: the CUDA "

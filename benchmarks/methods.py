@@ -394,15 +394,24 @@ class CkptdTorch(Method):
 
 
 class CkptdDcp(Method):
-    """``ckpt_client.dcp.async_save`` scheduled on an ``AsyncCallsQueue``."""
+    """``ckpt_client.dcp.async_save`` scheduled on an ``AsyncCallsQueue``.
+
+    ``own_planning``: with ``CKPTD_DCP_FAST_PLAN`` off, so the default planner plans
+    through DCP's own calls, as the code did before its short route (the row that shows
+    that change before and after in one run: the trainer cannot import two versions of
+    ckpt_client).
+    """
 
     kind = "async"
 
-    def __init__(self, state: dict, enable_cache: bool = False, zero_stall: bool = False) -> None:
+    def __init__(self, state: dict, enable_cache: bool = False, zero_stall: bool = False,
+                 own_planning: bool = False) -> None:
         self.state = state
         self.enable_cache = enable_cache
         self.zero_stall = zero_stall
-        options = [o for o, on in (("enable_cache", enable_cache), ("zero_stall", zero_stall)) if on]
+        self.own_planning = own_planning
+        options = [o for o, on in (("enable_cache", enable_cache), ("zero_stall", zero_stall),
+                                   ("DCP's own planning", own_planning)) if on]
         self.name = "ckptd dcp.async_save" + (f" ({', '.join(options)})" if options else "")
         self.queue = None
         self.daemon_pid = 0
@@ -415,10 +424,12 @@ class CkptdDcp(Method):
 
     def start(self, path: str) -> None:
         from ckpt_client import dcp as ckpt_dcp
+        from ckptd import knobs
 
-        self.queue.schedule_async_request(
-            ckpt_dcp.async_save(self.state, path, enable_cache=self.enable_cache,
-                                zero_stall=self.zero_stall))
+        with knobs.override(**({"DCP_FAST_PLAN": False} if self.own_planning else {})):
+            self.queue.schedule_async_request(
+                ckpt_dcp.async_save(self.state, path, enable_cache=self.enable_cache,
+                                    zero_stall=self.zero_stall))
 
     def before_update(self) -> None:
         self.queue.wait_for_staging()

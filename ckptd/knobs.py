@@ -38,7 +38,7 @@ __all__ = [
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
     "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN",
     "LATE_RANK_GRACE", "SENT_AHEAD_KINDS", "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT",
-    "TORCH_BODIES_KEPT",
+    "TORCH_BODIES_KEPT", "DCP_FAST_PLAN",
 ]
 
 
@@ -406,6 +406,10 @@ POLL_HOLD_MAX = _knob("POLL_HOLD_MAX", 30.0, float, "Longest the daemon holds a 
 SENT_AHEAD_KINDS = _knob(
     "SENT_AHEAD_KINDS", 8, int,
     "Kinds of torch state dicts per connection whose layout is kept to send STAGE ahead (0: none)")
+DCP_FAST_PLAN = _knob(
+    "DCP_FAST_PLAN", True, parse_bool,
+    "DCP saves with the default planner plan the short way (the same plans and metadata, "
+    "without DCP's per-item overhead); 0: DCP's own planning calls")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorWriteData,
                                                   WriteItem, WriteItemType)
 
+from ckptd import knobs
+
 #: Exact types the short route plans as plain tensors (a subclass may plan itself).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: Exact types that are never containers, tensors or self-planning objects.
@@ -57,7 +59,7 @@ class _Fallback(Exception):
 
 def _default_methods(planner: SavePlanner, names: tuple) -> bool:
     kind = type(planner)
-    return (isinstance(planner, DefaultSavePlanner)
+    return (knobs.DCP_FAST_PLAN.get() and isinstance(planner, DefaultSavePlanner)
             and not getattr(planner, "_enable_plan_caching", False)
             and all(getattr(kind, name) is getattr(DefaultSavePlanner, name) for name in names))
 

@@ -122,8 +122,11 @@ class EarlyStaging:
 
     @staticmethod
     def worthwhile(planner: SavePlanner, group: Group) -> bool:
-        """Whether this planner's final plan is predictable from the local one."""
-        return (type(planner) is DefaultSavePlanner
+        """Whether this planner's final plan is predictable from the local one, and
+        there are plan collectives to overlap: a single process's global plan takes a
+        millisecond or two, less than staging from a background thread costs (the
+        handoff, and a STAGED that waits for its reply)."""
+        return (group.distributed and type(planner) is DefaultSavePlanner
                 and not getattr(planner, "_enable_plan_caching", False)
                 and _cache_key(group, planner) not in _plans_that_moved_items)
 

@@ -245,13 +245,26 @@ def test_the_save_path_takes_the_custom_planners_methods(monkeypatch):
     assert calls == ["local", "global"]
 
 
-def test_the_bytes_of_a_leaf_follow_torch_saves_settings(monkeypatch):
-    from torch.utils.serialization import config
+def test_the_bytes_of_a_leaf_follow_torch_saves_settings():
+    from torch.serialization import get_crc32_options, set_crc32_options
 
     state = {"step": 5, "x": torch.ones(1)}
-    for crc in (True, False, True):
-        monkeypatch.setattr(config.save, "compute_crc32", crc)
-        stock, stock_plan = _stock_local(state)
-        fast, fast_plan_ = _fast_local(state)
-        _same_data([stock.resolve_data(i) for i in stock_plan.items],
-                   fast_plan.sources(fast_plan_, fast))
+    was = get_crc32_options()
+    try:
+        for crc in (True, False, True):
+            set_crc32_options(crc)
+            stock, stock_plan = _stock_local(state)
+            fast, fast_plan_ = _fast_local(state)
+            _same_data([stock.resolve_data(i) for i in stock_plan.items],
+                       fast_plan.sources(fast_plan_, fast))
+    finally:
+        set_crc32_options(was)
+
+
+def test_the_knob_turns_the_short_route_off():
+    from ckptd import knobs
+
+    with knobs.override(DCP_FAST_PLAN=False):
+        assert not fast_plan.plans_locally(DefaultSavePlanner())
+        assert not fast_plan.plans_globally(DefaultSavePlanner())
+    assert fast_plan.plans_locally(DefaultSavePlanner())
