@@ -29,11 +29,11 @@ __all__ = [
     "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
     "PEER_IO_THREADS", "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_RECEIVE_SLICE_BYTES",
-    "PEER_RECEIVE_SLICE_WAIT", "PEER_BULK_PORT", "MEMORY_TIER",
-    "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
+    "PEER_RECEIVE_SLICE_WAIT", "PEER_BULK_PORT", "MEMORY_TIER", "AUTO_START", "AUTO_ROOTS",
+    "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
     "CALL_TIMEOUT", "POLL_HOLD", "POLL_HOLD_MAX", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT",
-    "STALL_TIMEOUT", "STUCK_AFTER",
-    "LOAD_READ_MODE", "LOAD_THREADS", "LOAD_READ_BYTES", "LOAD_COPY_BYTES",
+    "STALL_TIMEOUT", "STUCK_AFTER", "LOAD_READ_MODE", "LOAD_THREADS", "LOAD_READ_BYTES",
+    "LOAD_COPY_BYTES",
     "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
     "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
     "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN",
@@ -393,8 +393,7 @@ START_TIMEOUT = _knob(
     "START_TIMEOUT", 120.0, float, "Seconds an auto-started daemon may take to become ready")
 HELLO_TIMEOUT = _knob(
     "HELLO_TIMEOUT", 5.0, float, "Seconds to wait for the daemon's hello")
-CALL_TIMEOUT = _knob(
-    "CALL_TIMEOUT", 60.0, float, "Seconds to wait for an ordinary reply")
+CALL_TIMEOUT = _knob("CALL_TIMEOUT", 60.0, float, "Seconds to wait for an ordinary reply")
 POLL_HOLD = _knob("POLL_HOLD", 5.0, float, "Seconds a trainer blocked on a save asks the daemon "
                   "to hold each POLL until the save changes phase (at most half "
                   "CKPTD_CALL_TIMEOUT; 0: poll every 10 ms)")
@@ -403,13 +402,10 @@ POLL_HOLD_MAX = _knob("POLL_HOLD_MAX", 30.0, float, "Longest the daemon holds a 
 # A torch save's STAGE goes out before its state dict is walked, with the layout the last
 # saves of its kind (top-level keys) had; a trainer saves a handful of kinds (model,
 # optimizer, scheduler, ...) through one connection.
-SENT_AHEAD_KINDS = _knob(
-    "SENT_AHEAD_KINDS", 8, int,
-    "Kinds of torch state dicts per connection whose layout is kept to send STAGE ahead (0: none)")
-DCP_FAST_PLAN = _knob(
-    "DCP_FAST_PLAN", True, parse_bool,
-    "DCP saves with the default planner plan the short way (the same plans and metadata, "
-    "without DCP's per-item overhead); 0: DCP's own planning calls")
+SENT_AHEAD_KINDS = _knob("SENT_AHEAD_KINDS", 8, int, "Kinds of torch state dicts per "
+                         "connection whose layout is kept to send STAGE ahead (0: none)")
+DCP_FAST_PLAN = _knob("DCP_FAST_PLAN", True, parse_bool, "DCP saves with the default planner "
+                      "plan the short way (the same plans and metadata); 0: DCP's own calls")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckptd import protocol
-from ckpt_client.dcp import fast_plan
+import ckpt_client.dcp.fast_plan as fast_plan
 
 #: The file DCP reads first; written last, by the coordinator, so a checkpoint is
 #: either complete or invisible.

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckpt_client.collectives import Group
-from ckpt_client.dcp import fast_plan
+import ckpt_client.dcp.fast_plan as fast_plan
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.errors import CheckpointException
