@@ -292,3 +292,35 @@ def test_a_file_reusing_the_bounce_buffers_of_the_one_before_holds_only_its_own_
     assert (tmp_path / "second").read_bytes() == b"".join(second)
     assert (tmp_path / "first").read_bytes() == b"".join(first)
     verify_file(str(tmp_path / "second"))
+
+
+def test_batches_end_where_the_file_crosses_a_multiple_of_the_chunk(tmp_path, monkeypatch):
+    # The kernel cuts each write into the disk's largest requests from the write's own
+    # start: a batch a chunk long from wherever it began (after a header, say) left a short
+    # request at every batch's end. Cut at the chunk's multiples, only the last may be short.
+    batches = []
+    real_write = direct_io._write_batch
+
+    def recording(fd, views, offset):
+        batches.append((offset, sum(view.nbytes for view in views)))
+        return real_write(fd, views, offset)
+
+    monkeypatch.setattr(direct_io, "_write_batch", recording)
+    chunk = 16 * PAGE
+    pieces = [b"h" * 100, bytes(PAGE - 100), page_aligned(5 * chunk + 3 * PAGE, 1),
+              b"small record", bytes(PAGE - 12), page_aligned(2 * chunk, 2), b"tail"]
+    expected = b"".join(bytes(p) for p in pieces)
+    with knobs.override(DIRECT_CHUNK_BYTES=chunk, DIRECT_MIN_BYTES=PAGE,
+                        DIRECT_IDLE_BATCH_BYTES=1 << 40, CHECKSUM="crc32c"):
+        with DurableFile(str(tmp_path / "f"), direct=True) as durable:
+            if not isinstance(durable.stream, direct_io.DirectFileWriter):
+                pytest.skip(f"{tmp_path} refuses O_DIRECT ({durable.write_mode})")
+            for piece in pieces:
+                durable.stream.write(piece)
+            checksum = durable.commit()
+    assert (tmp_path / "f").read_bytes() == expected
+    assert checksum == checksum_bytes(expected, "crc32c")
+    batches.sort()
+    assert [offset for offset, _ in batches] == [n * chunk for n in range(len(batches))]
+    assert all(length == chunk for _, length in batches[:-1]), batches
+    assert batches[-1][0] + batches[-1][1] == -(-len(expected) // PAGE) * PAGE
