@@ -37,7 +37,7 @@ from ckptd.storage.torch_format import (PAGE_ALIGNMENT, raw_tensor, write_archiv
 from ckptd.storage.torch_pickle import pickle_skeleton
 from ckptd.storage.torch_zip import END_RECORDS_SIZE, GATHER_BELOW, ArchiveWriter
 
-__all__ = ["write_torch_layout"]
+__all__ = ["torch_layout_size", "write_torch_layout"]
 
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 # Pieces under this size are joined with their neighbours into one write of up to
@@ -62,6 +62,7 @@ class _Body(NamedTuple):
     prefix and central entries); a bare index is a large tensor written from its buffer."""
 
     groups: tuple
+    literal_bytes: int            # of the literal items: the file's size less the table's
 
 
 _heads: OrderedDict = OrderedDict()
@@ -155,7 +156,9 @@ def _body(skeleton: bytes, specs: tuple, head: _Head) -> _Body:
     group += [sink.between(position, directory, skipped), table_central,
               sink.between(directory + central_head, archive.position, skipped)]
     groups.append(group)
-    return _Body(tuple(tuple(g) if isinstance(g, list) else g for g in groups))
+    literal = sum(len(item) for g in groups if isinstance(g, list) for item in g
+                  if type(item) is not int)
+    return _Body(tuple(tuple(g) if isinstance(g, list) else g for g in groups), literal)
 
 
 def _holes_within(holes, start: int, nbytes: int) -> list:
@@ -168,6 +171,40 @@ def _holes_within(holes, start: int, nbytes: int) -> list:
         taken.append((position, length))
         covered += length
     return taken
+
+
+def _head_for(skeleton: bytes, specs: tuple, buffers: Sequence[Any], alignment: int) -> _Head:
+    head_key = (skeleton, specs, alignment)
+    head = _heads.get(head_key)
+    if head is None:
+        head = _remember(_heads, head_key, _head(skeleton, specs, buffers, alignment),
+                         knobs.TORCH_HEADS_KEPT.get())
+    return head
+
+
+def _body_for(skeleton: bytes, specs: tuple, head: _Head) -> _Body:
+    body = _bodies.get(head.body_key)
+    if body is None:
+        body = _remember(_bodies, head.body_key, _body(skeleton, specs, head),
+                         knobs.TORCH_BODIES_KEPT.get())
+    return body
+
+
+def torch_layout_size(skeleton: bytes, specs: Sequence[Sequence], buffers: Sequence[Any],
+                      alignment: int = PAGE_ALIGNMENT) -> int:
+    """The size of the file :func:`write_torch_layout` writes for these arguments, before
+    it is written (from the same templates, made here if new: the write then reuses them).
+
+    A direct writer allocates the whole file before its first write: space allocated as the
+    writes go waits for every write in flight (the file's end records, a few KiB after its
+    last tensor, waited for that tensor's write to finish when only the tensors' bytes were
+    allocated up front).
+    """
+    specs = tuple((dtype, tuple(shape), nbytes) for dtype, shape, nbytes in specs)
+    head = _head_for(skeleton, specs, buffers, alignment)
+    # every storage, the head's prefix and its central entries appear once in the groups
+    return (_body_for(skeleton, specs, head).literal_bytes + len(head.prefix)
+            + len(head.central) + sum(specs[index][2] for index in head.storages))
 
 
 def write_torch_layout(stream: Any, skeleton: bytes, specs: Sequence[Sequence],
@@ -195,21 +232,14 @@ def write_torch_layout(stream: Any, skeleton: bytes, specs: Sequence[Sequence],
         The file's size.
     """
     specs = tuple((dtype, tuple(shape), nbytes) for dtype, shape, nbytes in specs)
-    head_key = (skeleton, specs, alignment)
-    head = _heads.get(head_key)
-    if head is None:
-        head = _remember(_heads, head_key, _head(skeleton, specs, buffers, alignment),
-                         knobs.TORCH_HEADS_KEPT.get())
+    head = _head_for(skeleton, specs, buffers, alignment)
     views = [memoryview(buffers[index]).cast("B") for index in head.storages]
     if any(view.nbytes >= 8 and view[:4] == _DESCRIPTOR_SIGNATURE for view in views):
         tensors = [raw_tensor(buffer, dtype, shape)
                    for buffer, (dtype, shape, _) in zip(buffers, specs)]
         return write_torch_file(stream, unpack_value(skeleton), tensors,
                                 max_write=max_write, alignment=alignment)
-    body = _bodies.get(head.body_key)
-    if body is None:
-        body = _remember(_bodies, head.body_key, _body(skeleton, specs, head),
-                         knobs.TORCH_BODIES_KEPT.get())
+    body = _body_for(skeleton, specs, head)
     table = views + [head.prefix, head.central]
     written = 0
     for group in body.groups:

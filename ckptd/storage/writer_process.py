@@ -41,7 +41,7 @@ from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StopWriter, WriteB
 from ckptd.storage.layout import file_size, item_start, storage_alignment
 from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT, RawTensor, raw_tensor,
                                         write_tensor_file)
-from ckptd.storage.torch_layout import write_torch_layout
+from ckptd.storage.torch_layout import torch_layout_size, write_torch_layout
 
 log = logging.getLogger(__name__)
 
@@ -175,15 +175,15 @@ class Writer:
         """One file ``torch.load(weights_only=True)`` reads: the skeleton, pool tensors."""
         buffers = [self.pool_bytes(offset, nbytes) for offset, nbytes, _, _ in job.tensors]
         specs = [(dtype, shape, nbytes) for _, nbytes, dtype, shape in job.tensors]
-        # the file holds at least its storages' bytes (tensors sharing one count once)
-        least = sum({offset: nbytes for offset, nbytes, _, _ in job.tensors}.values())
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
-        # A save with the structure of an earlier one serializes nothing per tensor.
+        # A save with the structure of an earlier one serializes nothing per tensor, and its
+        # size is known before a byte is written: all of it is allocated at once.
+        size = torch_layout_size(job.skeleton, specs, buffers, PAGE_ALIGNMENT)
         return write_file_atomically(
             job.path, lambda f: write_torch_layout(f, job.skeleton, specs, buffers,
                                                    max_write=max_write,
                                                    alignment=PAGE_ALIGNMENT), direct=True,
-            progress=self.step, size_hint=least)
+            progress=self.step, size_hint=size)
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
         """Items one after the other; records where each one landed.

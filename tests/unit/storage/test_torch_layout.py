@@ -10,7 +10,7 @@ import torch
 from ckptd import protocol
 from ckptd.protocol import TensorRef
 from ckptd.storage.torch_format import PAGE_ALIGNMENT
-from ckptd.storage.torch_layout import write_torch_layout
+from ckptd.storage.torch_layout import torch_layout_size, write_torch_layout
 
 from test_torch_format import (SKELETON_OF_EVERYTHING, WriteOnly, random_tensor, same_bytes,
                                tensors_of_everything, torch_save)
@@ -23,9 +23,12 @@ def layout_write(skeleton, tensors, max_write=None) -> tuple[bytes, WriteOnly]:
     specs = [(str(t.dtype).removeprefix("torch."), list(t.shape), len(b))
              for t, b in zip(tensors, flat)]
     stream = WriteOnly()
+    # known before the write (the writer allocates the file with it), from the templates
+    # the write then uses: made here on a new layout, reused on a known one
+    predicted = torch_layout_size(protocol.pack_value(skeleton), specs, buffers, PAGE_ALIGNMENT)
     size = write_torch_layout(stream, protocol.pack_value(skeleton), specs, buffers,
                               max_write=max_write, alignment=PAGE_ALIGNMENT)
-    assert size == len(stream.buffer)
+    assert predicted == size == len(stream.buffer)
     return bytes(stream.buffer), stream
 
 
