@@ -8,12 +8,16 @@ and on the direct path (O_DIRECT from the staging pool, crc32c records), and for
 - daemon CPU: user + system seconds of the daemon and its writers (their threads included)
   per GB made durable (DCP: of its checkpoint process);
 - time to durable against a raw O_DIRECT write + fsync of the same bytes, measured right
-  before each run (the bound), as the ratio of the medians, with the bound's spread: from
+  before each run (the bound: one thread, 32 MiB writes, from private anonymous memory on
+  huge pages, so that every disk request is full-size whatever the machine's free memory
+  looks like), as the ratio of the medians, with the bound's spread: from
   the save call (the trainer's view: staging included), and from "staged" (every byte in
   the pool, as the daemon logs it: what the writers themselves take, which the bound is
   comparable to); and from staged against the same raw write from shared memory, in
   ``/dev/shm`` (4 KiB tmpfs pages, where the staging pool is by default) and in a tmpfs
   mounted with ``huge=within_size`` (2 MiB pages);
+- the mean disk write request during the save (from the device's ``stat``: scattered
+  4 KiB pages cut requests short);
 - page-cache growth during the save (``Cached - Shmem`` of /proc/meminfo after the save
   minus before, caches dropped first) as a share of the checkpoint;
 - the training step started right after the save returns against the same step with
