@@ -241,7 +241,7 @@ DIRECT_IDLE_BATCH_BYTES = _knob(
     "DIRECT_IDLE_BATCH_BYTES", 1 << 20, parse_size,
     "Bytes from which a direct write goes out early when none of the file's writes is in flight")
 DIRECT_BOUNCE_BYTES = _knob(
-    "DIRECT_BOUNCE_BYTES", 1 << 20, parse_size,
+    "DIRECT_BOUNCE_BYTES", 2 << 20, parse_size,
     "Aligned bounce buffer for headers, padding, small tensors and unaligned tails")
 DIRECT_MIN_BYTES = _knob(
     "DIRECT_MIN_BYTES", 64 << 10, parse_size,
