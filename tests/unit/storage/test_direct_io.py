@@ -238,6 +238,18 @@ def test_a_batch_cut_short_by_the_kernel_is_written_to_its_end(tmp_path, monkeyp
     assert summed == (10, len(expected), checksum_bytes(expected, "crc32c").value)
 
 
+def write_direct(path: str, pieces: list, **knob_values):
+    """Write ``pieces`` into a direct file at ``path`` with these knobs and crc32c; its
+    checksum (skipped where the filesystem refuses O_DIRECT)."""
+    with knobs.override(CHECKSUM="crc32c", **knob_values):
+        with DurableFile(path, direct=True) as durable:
+            if not isinstance(durable.stream, direct_io.DirectFileWriter):
+                pytest.skip(f"{path} refuses O_DIRECT ({durable.write_mode})")
+            for piece in pieces:
+                durable.stream.write(piece)
+            return durable.commit()
+
+
 def test_headers_between_tensors_share_a_bounce_buffer_and_every_byte_lands(tmp_path,
                                                                             monkeypatch):
     # A record's header goes through the bounce buffer, its tensor straight from the pool;
@@ -256,14 +268,8 @@ def test_headers_between_tensors_share_a_bounce_buffer_and_every_byte_lands(tmp_
         pieces += [bytes([n]) * 100, bytes(PAGE - 100), page_aligned((n % 3 + 1) * PAGE, n)]
     pieces.append(b"end")
     expected = b"".join(bytes(p) for p in pieces)
-    with knobs.override(DIRECT_BOUNCE_BYTES=4 * PAGE, DIRECT_CHUNK_BYTES=16 * PAGE,
-                        DIRECT_MIN_BYTES=PAGE, CHECKSUM="crc32c"):
-        with DurableFile(str(tmp_path / "f"), direct=True) as durable:
-            if not isinstance(durable.stream, direct_io.DirectFileWriter):
-                pytest.skip(f"{tmp_path} refuses O_DIRECT ({durable.write_mode})")
-            for piece in pieces:
-                durable.stream.write(piece)
-            checksum = durable.commit()
+    checksum = write_direct(str(tmp_path / "f"), pieces, DIRECT_BOUNCE_BYTES=4 * PAGE,
+                            DIRECT_CHUNK_BYTES=16 * PAGE, DIRECT_MIN_BYTES=PAGE)
     assert (tmp_path / "f").read_bytes() == expected
     assert checksum == checksum_bytes(expected, "crc32c") == read_sidecar(str(tmp_path / "f"))
     assert len(taken) <= 60 // 4 + 1, f"{len(taken)} bounce buffers for 60 one-page headers"
@@ -310,14 +316,8 @@ def test_batches_end_where_the_file_crosses_a_multiple_of_the_chunk(tmp_path, mo
     pieces = [b"h" * 100, bytes(PAGE - 100), page_aligned(5 * chunk + 3 * PAGE, 1),
               b"small record", bytes(PAGE - 12), page_aligned(2 * chunk, 2), b"tail"]
     expected = b"".join(bytes(p) for p in pieces)
-    with knobs.override(DIRECT_CHUNK_BYTES=chunk, DIRECT_MIN_BYTES=PAGE,
-                        DIRECT_IDLE_BATCH_BYTES=1 << 40, CHECKSUM="crc32c"):
-        with DurableFile(str(tmp_path / "f"), direct=True) as durable:
-            if not isinstance(durable.stream, direct_io.DirectFileWriter):
-                pytest.skip(f"{tmp_path} refuses O_DIRECT ({durable.write_mode})")
-            for piece in pieces:
-                durable.stream.write(piece)
-            checksum = durable.commit()
+    checksum = write_direct(str(tmp_path / "f"), pieces, DIRECT_CHUNK_BYTES=chunk,
+                            DIRECT_MIN_BYTES=PAGE, DIRECT_IDLE_BATCH_BYTES=1 << 40)
     assert (tmp_path / "f").read_bytes() == expected
     assert checksum == checksum_bytes(expected, "crc32c")
     batches.sort()
