@@ -392,7 +392,7 @@ def _raise_unanswered(socket_path: str) -> None:
     if pid is not None and process_alive(pid) and protocol.socket_is_live(socket_path):
         raise DaemonNotAnsweringError(
             socket_path, f"the ckptd daemon (pid {pid}) serving {socket_path} did not answer "
-                         f"its hello within {knobs.HELLO_TIMEOUT.get():.0f}s", pid)
+                         f"its hello within {waits.as_text(knobs.HELLO_TIMEOUT.get())}", pid)
     raise DaemonUnavailableError(socket_path, f"no ckptd daemon answers on {socket_path}")
 
 

@@ -112,7 +112,7 @@ class DaemonSave:
             if not self._staged.wait(limit):
                 raise CheckpointException("staging a checkpoint failed", {self.rank: (
                     f"rank {self.rank}: the save of {self.path} was not staged within "
-                    f"{limit:.0f}s, longer than the daemon's staging deadlines: the daemon "
+                    f"{waits.as_text(limit)}, longer than the daemon's staging deadlines: the daemon "
                     f"is silent or this process's copy hangs; check ckptd status --socket "
                     f"{self.connection.socket_path} and the daemon's log, then save again")})
         elif not self._staged.wait(timeout):
@@ -166,7 +166,7 @@ class DaemonSave:
         if self.accepted_at is not None and time.monotonic() - self.accepted_at > limit:
             return self._give_up(DaemonUnavailableError(
                 self.connection.socket_path, f"the ckptd daemon (pid {self.connection.daemon_pid})"
-                f" gave no outcome within {limit:.0f}s of accepting the save, longer than its "
+                f" gave no outcome within {waits.as_text(limit)} of accepting the save, longer than its "
                 f"own deadline for a save (CKPTD_SAVE_DEADLINE)"))
         if (claim := self.connection.claim_recheck()) == "silent":  # another save rechecked
             self._drop_staged_reply()

@@ -229,7 +229,7 @@ class BackgroundStager:
                     self.connection.socket_path,
                     f"rank {self.connection.rank}: {jobs.unfinished_tasks} of the {queued} "
                     f"zero-stall save(s) queued before this one were not staged within "
-                    f"{limit:.0f}s, longer than the daemon's staging deadlines for them")
+                    f"{waits.as_text(limit)}, longer than the daemon's staging deadlines for them")
 
     def idle(self) -> bool:
         """Whether every queued job has run."""
