@@ -5,8 +5,10 @@ this rank last saw the save in, and the daemon holds it until the save leaves th
 (at once if it has), or for at most :func:`poll_hold` seconds, well inside the call
 timeout. A blocked finalize so costs the daemon one POLL per phase change instead of one
 every few milliseconds, and hears of each change as soon as the daemon makes it. The wait
-for the reply is an ordinary call's (:meth:`DaemonConnection.call`): a dead daemon is
-still noticed between slices of it, and a silent one marks the connection as before.
+for the reply is an ordinary call's (:meth:`DaemonConnection.call`) plus the hold: a dead
+daemon is still noticed between slices of it, and a daemon is called silent (the
+connection marked not answering) only once it let a whole call timeout pass beyond the
+hold it granted, as for any other request.
 A daemon that cannot hold a POLL (it says so in its hello) is asked at
 :data:`POLL_INTERVAL` instead.
 
@@ -34,8 +36,8 @@ POLL_INTERVAL = 0.01
 def poll_hold(connection: DaemonConnection) -> float:
     """Seconds a blocked caller asks the daemon to hold a POLL: ``CKPTD_POLL_HOLD``, no
     longer than the daemon holds one (0 for a daemon that answers at once) nor than half
-    an ordinary call's wait, so a held reply that comes late still reads as silence only
-    after the same call timeout as any other."""
+    an ordinary call's wait, so a silent daemon is still noticed within a few call
+    timeouts (the reply is waited for the call timeout beyond the hold)."""
     return max(0.0, min(knobs.POLL_HOLD.get(), connection.poll_hold_s,
                         knobs.CALL_TIMEOUT.get() / 2))
 
@@ -64,7 +66,9 @@ def ask_phase(connection: DaemonConnection, request_id: int, seen: str, hold: bo
     body = (Poll(request_ids=[request_id], wait_seconds=hold_s, seen={request_id: seen})
             if hold_s else Poll(request_ids=[request_id]))
     asked = time.monotonic()
+    # A held reply is due at the end of the hold: only a call timeout beyond it is silence.
     reply = connection.call(MessageType.POLL, body,
+                            timeout=knobs.CALL_TIMEOUT.get() + hold_s if hold_s else None,
                             quiet_limit=recheck_wait() if recheck else None)
     state = reply.requests[request_id]
     if hold_s and state.phase == seen and time.monotonic() - asked < POLL_INTERVAL:

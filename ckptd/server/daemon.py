@@ -193,6 +193,7 @@ class Daemon:
             results = self.tier.flusher.results
             self.loop.watch(results.doorbell, lambda: results.drain(self.tier.flusher.on_result))
         self.loop.every(knobs.SERVE_TICK.get, self._tick)
+        self.loop.when_due(self.saves.polls.held.next_due, self.saves.polls.held.expire)
         self.loop.after_round(self.saves.polls.held.answer_changed)
 
     def request_stop(self, *_: object) -> None:
@@ -265,7 +266,6 @@ class Daemon:
             self.writers.reap_dead()
             self.predecessors.tick()
         self.deadlines.check()
-        self.saves.polls.held.expire()
         self.local.note_push_progress()
         self.process.drop_gone_trainers()
         self.table.forget_unclaimed(time.time())

@@ -10,8 +10,9 @@ and it is answered (with the requests' state as it is then) exactly once, by the
   phase setter reports through the save service; the answers go out after the serve
   loop's round, :meth:`HeldPolls.answer_changed`, so a reply never shows a step half
   done, and several changes in one round make one reply);
-- its wait ran out (:meth:`HeldPolls.expire`, on the housekeeping tick: the bound holds
-  to within one tick);
+- its wait ran out (:meth:`HeldPolls.expire`: the serve loop wakes at the earliest
+  bound, :meth:`HeldPolls.next_due`, not at its next housekeeping tick, so a trainer's
+  call timeout, which outlasts the bound it asked for, never runs out first);
 - its trainer said goodbye (:meth:`HeldPolls.release_connection`: answered before the
   goodbye's own reply, so a thread still waiting on it hears first);
 - the daemon stops (:meth:`HeldPolls.close`).
@@ -91,6 +92,10 @@ class HeldPolls:
         changed, self._changed = self._changed, set()
         self._release([held for request_id in changed
                        for held in self._by_request.get(request_id, ())])
+
+    def next_due(self) -> float | None:
+        """When the first held poll's wait runs out (monotonic); ``None``: none is held."""
+        return min((held.due for held in self._held), default=None)
 
     def expire(self, now: float | None = None) -> None:
         """Answer the polls whose wait ran out (the requests' state as it is)."""

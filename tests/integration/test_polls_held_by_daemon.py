@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from conftest import wait_for
-from ckptd import protocol
+from ckptd import knobs, protocol
 from ckptd.protocol import MessageType, Phase, Poll, SaveFormat, Stage, Staged
 from ckpt_client import TorchAsyncCheckpoint
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.flatten import buffers_of, flatten_state_dict
+from ckpt_client.transport.phase_poll import ask_phase, poll_hold
 
 
 #: Polls the daemon may hold longer than any test step takes, so a poll answered early
@@ -119,6 +120,21 @@ def test_a_held_poll_is_answered_unchanged_at_its_bound_and_at_once_without_a_wa
     for msg_id in (first, second):
         assert connection.reply_to(msg_id, MessageType.POLL, timeout=5) \
             .requests[request_id].phase == Phase.STAGING
+
+
+def test_a_held_poll_is_answered_at_its_bound_not_at_the_next_housekeeping_tick(start_daemon):
+    """The daemon's housekeeping tick comes once at start and then not for ten minutes;
+    the trainer's call timeout is 2 s, so it asks for 1 s holds: each is answered at its
+    bound (the serve loop wakes for it), and the healthy daemon is never marked not
+    answering. Answered at the tick, each would have met the call timeout first."""
+    daemon = start_daemon(env={"CKPTD_SERVE_TICK": "600"})
+    with knobs.override(CALL_TIMEOUT=2.0):
+        connection = connect(daemon.socket)
+        request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "tick.pt"))
+        assert poll_hold(connection) == 1.0
+        for _ in range(3):
+            state = ask_phase(connection, request_id, Phase.STAGING, hold=True)
+            assert state.phase == Phase.STAGING and connection.not_answering is None
 
 
 def test_a_held_poll_is_answered_when_its_trainer_says_goodbye(start_daemon):

@@ -122,11 +122,15 @@ def test_a_held_poll_is_answered_once_after_the_round_its_request_moved_on(daemo
 def test_a_held_poll_ends_at_its_bound_with_the_phase_unchanged(daemon):
     client = daemon.client()
     request = daemon.request(b"c0")
+    assert daemon.polls.held.next_due() is None  # the serve loop waits for nothing
+    asked = time.monotonic()
     short = daemon.serve(client, held(request.id, Phase.STAGING, wait=1.0))
     long = daemon.serve(client, held(request.id, Phase.STAGING, wait=3600.0))
+    due = daemon.polls.held.next_due()  # the serve loop wakes then: the short one's bound
+    assert asked + 1.0 <= due <= time.monotonic() + 1.0
     daemon.polls.held.expire(time.monotonic() + 2.0)  # past the short one's bound only
     assert answer(client, short, request.id) == Phase.STAGING
-    assert len(daemon.polls.held) == 1
+    assert len(daemon.polls.held) == 1 and daemon.polls.held.next_due() > due + 10  # the long one (capped)
     with knobs.override(POLL_HOLD_MAX=5.0):  # capped by the daemon, whatever it asks
         capped = daemon.serve(client, held(request.id, Phase.STAGING, wait=3600.0))
     daemon.polls.held.expire(time.monotonic() + 6.0)
