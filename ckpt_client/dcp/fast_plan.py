@@ -363,7 +363,7 @@ _EXACT_SCALARS = frozenset({int, bool, str, bytes, type(None)})
 _NUMBERS = frozenset({int, bool, float, type(None)})
 
 
-def _exact(value: Any) -> tuple | None:
+def exact_key(value: Any) -> tuple | None:
     """A key equal only for values ``torch.save`` writes alike (``None``: do not keep).
     Floats go by their exact bits (``0.0 == -0.0``, but they pickle apart); a list or
     tuple only of numbers (strings in one could be one object twice, which pickles
@@ -381,7 +381,8 @@ def _exact(value: Any) -> tuple | None:
     return None
 
 
-def _save_settings() -> tuple:
+def save_settings() -> tuple:
+    """What ``torch.save``'s bytes depend on besides the value."""
     from torch.utils.serialization import config
     return (torch.save, config.save.compute_crc32, config.save.storage_alignment,
             config.save.use_pinned_memory_for_d2h)
@@ -405,9 +406,9 @@ def sources(plan: SavePlan, planner: DefaultSavePlanner) -> list:
             out.append(value)
         elif (item.type is _BYTE_IO and offset is None and value is not flat
               and not isinstance(value, torch.Tensor)):
-            key = _exact(value)
+            key = exact_key(value)
             if key is not None:
-                settings = settings or _save_settings()
+                settings = settings or save_settings()
                 key = (settings, key)
                 data = known.get(key)
                 if data is not None:

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
+from ckpt_client.dcp.fast_plan import exact_key, save_settings
 from ckpt_client.transport.flatten import describe
 
 #: DefaultSavePlanner methods whose behaviour the shortcut reproduces; a planner that
@@ -29,8 +30,6 @@ _REPRODUCED = ("set_up_planner", "create_local_plan", "resolve_data", "lookup_ob
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 #: Exact types of the usual non-tensor leaves (their signature entry is their type).
 _LEAF_TYPES = frozenset({int, float, str, bytes, bool, type(None)})
-#: Non-tensor leaves whose pickled bytes can be reused while they compare equal.
-_IMMUTABLE = (int, float, str, bytes, bool, type(None))
 
 
 class _Unsupported(Exception):
@@ -133,7 +132,7 @@ class ReusablePlan:
         self.signature = signature
         self.local_plan = local_plan
         self.paths = _real_paths(state_dict, mappings)
-        self._pickled: dict[str, tuple[type, Any, bytes]] = {}
+        self._pickled: dict[str, tuple[tuple, bytes]] = {}  # fqn -> (exact key, bytes)
         self._described: dict[str, list] = {}  # fqn -> a tensor item's description
 
     def sources(self, plan: SavePlan, state_dict: Any, planner: SavePlanner) -> list:
@@ -147,13 +146,17 @@ class ReusablePlan:
             if item.type != WriteItemType.BYTE_IO:
                 sources.append(value)
                 continue
+            # By the exact value (0.0 == -0.0, but they pickle apart) and torch.save's
+            # settings, not by equality.
+            key = exact_key(value)
+            key = key if key is None else (save_settings(), key)
             kept = self._pickled.get(fqn)
-            if kept is not None and type(value) is kept[0] and value == kept[1]:
-                sources.append(io.BytesIO(kept[2]))
+            if key is not None and kept is not None and kept[0] == key:
+                sources.append(io.BytesIO(kept[1]))
                 continue
             data = planner.transform_object(item, value)
-            if isinstance(value, _IMMUTABLE):
-                self._pickled[fqn] = (type(value), value, data.getvalue())
+            if key is not None:
+                self._pickled[fqn] = (key, data.getvalue())
             sources.append(data)
         return sources
 

@@ -268,3 +268,18 @@ def test_the_knob_turns_the_short_route_off():
         assert not fast_plan.plans_locally(DefaultSavePlanner())
         assert not fast_plan.plans_globally(DefaultSavePlanner())
     assert fast_plan.plans_locally(DefaultSavePlanner())
+
+
+def test_a_reused_plan_pickles_each_leaf_as_it_is_now_not_as_an_equal_one_was():
+    # enable_cache's plan reuse keeps a leaf's bytes while the value stays the same:
+    # 0.0 and -0.0 are equal but pickle apart, and so do 1 and True.
+    from ckpt_client.dcp.plan_reuse import ReusablePlan, structure_of
+
+    first = {"x": torch.ones(1), "zero": 0.0, "one": 1, "many": [0.0, 1]}
+    planner, plan = _stock_local(first)
+    reuse = ReusablePlan(structure_of(first), plan, first, planner.mappings)
+    for zero, many in ((0.0, [0.0, 1]), (-0.0, [-0.0, 1]), (0.0, [0.0, True])):
+        state = {"x": torch.ones(1), "zero": zero, "one": 1, "many": many}
+        stock, stock_plan = _stock_local(state)
+        _same_data([stock.resolve_data(i) for i in stock_plan.items],
+                   reuse.sources(plan, state, planner))
