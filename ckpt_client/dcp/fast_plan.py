@@ -173,8 +173,10 @@ class _LastSave:
         self.items: dict = {}
         self.pickled: dict = {}
         #: id(local item) -> (that item, its item in the global plan): the id is only
-        #: trusted while the entry holds the item itself alive.
+        #: trusted while the entry holds the item itself alive. ``finals`` for the
+        #: coordinator's global plan, ``own_finals`` for a rank rebuilding its own.
         self.finals: dict = {}
+        self.own_finals: dict = {}
 
 
 _LAST = _LastSave()
@@ -348,6 +350,23 @@ def global_plan(planner: DefaultSavePlanner, all_plans: list[SavePlan]
     planner.global_plan = plans
     planner.metadata = metadata
     return plans, metadata
+
+
+def final_items(items: list) -> list:
+    """Each of a rank's local ``items`` (whole plain tensors and byte items) as the global
+    plan has it: a tensor's index hint set to its first (only) chunk, as DCP rewrites it."""
+    known, made, out = _LAST.own_finals, {}, []
+    for item in items:
+        if item.type is _BYTE_IO:
+            out.append(item)
+            continue
+        entry = known.get(id(item), _NOTHING)
+        final = (entry[1] if entry[0] is item
+                 else _with_index(item, MetadataIndex(item.index.fqn, item.index.offset, 0)))
+        made[id(item)] = (item, final)
+        out.append(final)
+    _LAST.own_finals = made
+    return out
 
 
 def create_global_plan(planner: SavePlanner, all_plans: list[SavePlan]

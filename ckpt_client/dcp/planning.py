@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from ckpt_client.collectives import Group
 import ckpt_client.dcp.fast_plan as fast_plan
+import ckpt_client.dcp.plan_wire as plan_wire
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.errors import CheckpointException
@@ -87,13 +88,20 @@ def global_plan(local_plan: SavePlan, writer: DaemonStorageWriter, planner: Save
         # One int all-reduce replaces gathering and scattering whole plans.
         if group.all_true(cached is not None and cached.local_plan == local_plan):
             return cached.central_plan, cached.metadata
-    gathered = group.gather_to_coordinator(local_plan)
+    # The default planner's plain plans travel packed (plan_wire), equal on arrival; a
+    # rank unpacks whatever form came, so ranks with other planners still agree.
+    packs = group.distributed and fast_plan.plans_globally(planner)
+    gathered = group.gather_to_coordinator(plan_wire.pack_local(local_plan) if packs
+                                           else local_plan)
     metadata = None
     plans = None
     if group.is_coordinator:
-        plans, metadata = fast_plan.create_global_plan(planner, gathered)
+        received = [plan_wire.unpack_local(p) for p in gathered]
+        plans, metadata = fast_plan.create_global_plan(planner, received)
         plans = writer.prepare_global_plan(plans)
-    central_plan = group.scatter_from_coordinator(plans)
+        if packs:
+            plans = [plan_wire.pack_final(*each) for each in zip(received, plans, gathered)]
+    central_plan = plan_wire.unpack_final(group.scatter_from_coordinator(plans), local_plan)
     if enable_cache:
         _plan_cache[cache_key] = _CachedPlan(local_plan, central_plan, metadata)
     return central_plan, metadata
