@@ -12,6 +12,8 @@ commits ``.metadata`` last), :class:`StorageWriter` for stock ``dcp.save``,
 - :mod:`~ckpt_client.dcp.fast_plan` — the default planner's plans (and item data), made
   without its per-item overhead, equal to what it makes
 - :mod:`~ckpt_client.dcp.plan_wire` — the plan gather and scatter, packed for those plans
+- :mod:`~ckpt_client.dcp.leaf_bytes` — which small leaves may reuse an earlier save's
+  ``torch.save`` bytes
 - :mod:`~ckpt_client.dcp.writer` — the ``StorageWriter`` (stage, write results, finish)
 - :mod:`~ckpt_client.dcp.commit` — the one ``.metadata`` commit, on the coordinator, last
 - :mod:`~ckpt_client.dcp.commit_handover` — a tiered save's commit, given to the

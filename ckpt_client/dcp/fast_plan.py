@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorW
                                                   WriteItem, WriteItemType)
 
 from ckptd import knobs
+from ckpt_client.dcp.leaf_bytes import exact_key, save_settings
 
 #: Exact types the short route plans as plain tensors (a subclass may plan itself).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -138,19 +139,25 @@ def _flatten(state_dict: Mapping) -> tuple[dict, dict]:
     return flat, mappings
 
 
-def _tensor_item(fqn: str, tensor: torch.Tensor) -> WriteItem:
-    """DCP's ``_create_write_item_for_tensor``, its objects made in the same way."""
-    size = tensor.size()
+def tensor_item(fqn: str, sizes: torch.Size, size: torch.Size, dtype: torch.dtype,
+                layout: torch.layout, requires_grad: bool, pin_memory: bool) -> WriteItem:
+    """DCP's ``_create_write_item_for_tensor``, its objects made in the same way (the
+    chunk's ``sizes`` and the tensor's ``size`` are two equal objects, as DCP's two
+    ``tensor.size()`` calls make them)."""
     offsets = torch.Size([0] * len(size))
     return WriteItem(
         index=MetadataIndex(fqn, offsets), type=_TENSOR,
         tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=size),
-            properties=TensorProperties(dtype=tensor.dtype, layout=tensor.layout,
-                                        requires_grad=tensor.requires_grad,
-                                        memory_format=_CONTIGUOUS,
-                                        pin_memory=tensor.is_pinned()),
-            size=tensor.size()))
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties(dtype=dtype, layout=layout,
+                                        requires_grad=requires_grad,
+                                        memory_format=_CONTIGUOUS, pin_memory=pin_memory),
+            size=size))
+
+
+def _tensor_item(fqn: str, tensor: torch.Tensor) -> WriteItem:
+    return tensor_item(fqn, tensor.size(), tensor.size(), tensor.dtype, tensor.layout,
+                       tensor.requires_grad, tensor.is_pinned())
 
 
 def _renamed(item: WriteItem, fqn: str) -> WriteItem:
@@ -377,35 +384,6 @@ def create_global_plan(planner: SavePlanner, all_plans: list[SavePlan]
 
 
 # ------------------------------------------------------------------ resolving items
-
-_EXACT_SCALARS = frozenset({int, bool, str, bytes, type(None)})
-_NUMBERS = frozenset({int, bool, float, type(None)})
-
-
-def exact_key(value: Any) -> tuple | None:
-    """A key equal only for values ``torch.save`` writes alike (``None``: do not keep).
-    Floats go by their exact bits (``0.0 == -0.0``, but they pickle apart); a list or
-    tuple only of numbers (strings in one could be one object twice, which pickles
-    differently from two equal ones)."""
-    kind = type(value)
-    if kind in _EXACT_SCALARS:
-        return (kind, value)
-    if kind is float:
-        return (float, value.hex()) if value == value else None
-    if (kind is list or kind is tuple) and len(value) <= 4096:
-        for entry in value:
-            if type(entry) not in _NUMBERS or entry != entry:
-                return None
-        return (kind, tuple((type(e), e.hex() if type(e) is float else e) for e in value))
-    return None
-
-
-def save_settings() -> tuple:
-    """What ``torch.save``'s bytes depend on besides the value."""
-    from torch.utils.serialization import config
-    return (torch.save, config.save.compute_crc32, config.save.storage_alignment,
-            config.save.use_pinned_memory_for_d2h)
-
 
 def sources(plan: SavePlan, planner: DefaultSavePlanner) -> list:
     """``[planner.resolve_data(item) for item in plan.items]``: plain tensors straight

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-from ckpt_client.dcp.fast_plan import exact_key, save_settings
+from ckpt_client.dcp.leaf_bytes import exact_key, save_settings
 from ckpt_client.transport.flatten import describe
 
 #: DefaultSavePlanner methods whose behaviour the shortcut reproduces; a planner that

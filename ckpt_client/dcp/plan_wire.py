@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
                                                   WriteItemType)
 
-from ckpt_client.dcp.fast_plan import final_items
+from ckpt_client.dcp.fast_plan import final_items, tensor_item
 
 _TENSOR = WriteItemType.TENSOR
 _BYTE_IO = WriteItemType.BYTE_IO
@@ -82,26 +82,13 @@ def pack_local(plan: SavePlan) -> PackedLocalPlan | SavePlan:
     return PackedLocalPlan(items, plan.planner_data)
 
 
-def _tensor_item(fqn: str, size: tuple, dtype, layout, requires_grad: bool,
-                 pin_memory: bool) -> WriteItem:
-    # the objects DCP's _create_write_item_for_tensor makes (two sizes, one offsets)
-    offsets = torch.Size([0] * len(size))
-    return WriteItem(
-        index=MetadataIndex(fqn, offsets), type=_TENSOR,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(size)),
-            properties=TensorProperties(dtype=dtype, layout=layout,
-                                        requires_grad=requires_grad,
-                                        memory_format=_CONTIGUOUS, pin_memory=pin_memory),
-            size=torch.Size(size)))
-
-
 def unpack_local(payload: PackedLocalPlan | SavePlan) -> SavePlan:
     """The local plan a rank sent, as the coordinator plans with it."""
     if type(payload) is not PackedLocalPlan:
         return payload
     items = [WriteItem(index=MetadataIndex(p[0]), type=_BYTE_IO) if len(p) == 1
-             else _tensor_item(*p) for p in payload.items]
+             else tensor_item(p[0], torch.Size(p[1]), torch.Size(p[1]), *p[2:])
+             for p in payload.items]
     return SavePlan(items, planner_data=payload.planner_data)
 
 

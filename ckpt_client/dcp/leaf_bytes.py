@@ -1,0 +1,45 @@
+"""Which non-tensor leaves of a DCP save may take the ``torch.save`` bytes of an earlier one.
+
+A training state's small leaves (steps, learning rates, betas, id lists) are pickled
+with ``torch.save`` into byte items on every save, at some 25 µs each; most of them
+repeat from save to save. This module owns the rule for handing the earlier bytes out
+again: the value must be the very same value, not only an equal one (``0.0 == -0.0``
+and ``1 == True``, but they pickle apart), and ``torch.save``'s settings the same. Pure
+functions; the bytes themselves are kept by their users.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_EXACT_SCALARS = frozenset({int, bool, str, bytes, type(None)})
+_NUMBERS = frozenset({int, bool, float, type(None)})
+
+
+def exact_key(value: Any) -> tuple | None:
+    """A key equal only for values ``torch.save`` writes alike (``None``: do not keep).
+
+    Floats go by their exact bits; a list or tuple only of numbers qualifies (strings in
+    one could be one object twice, which pickles differently from two equal ones).
+    """
+    kind = type(value)
+    if kind in _EXACT_SCALARS:
+        return (kind, value)
+    if kind is float:
+        return (float, value.hex()) if value == value else None
+    if (kind is list or kind is tuple) and len(value) <= 4096:
+        for entry in value:
+            if type(entry) not in _NUMBERS or entry != entry:
+                return None
+        return (kind, tuple((type(e), e.hex() if type(e) is float else e) for e in value))
+    return None
+
+
+def save_settings() -> tuple:
+    """What ``torch.save``'s bytes depend on besides the value."""
+    from torch.utils.serialization import config
+
+    return (torch.save, config.save.compute_crc32, config.save.storage_alignment,
+            config.save.use_pinned_memory_for_d2h)
