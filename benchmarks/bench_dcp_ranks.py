@@ -4,8 +4,8 @@ Each rank holds the ``training`` workload (``workload.py``) and runs
 ``ckpt_client.dcp.async_save`` (no cache) against one real ``ckptd serve`` started here,
 alternating, save by save, the current planning and DCP's own planning calls
 (``CKPTD_DCP_FAST_PLAN`` off: the code before its short route and packed plan
-collectives), so that drift in the machine's load falls on both alike. Right before
-every timed call each rank copies its tensors into preallocated buffers (one
+collectives), so that drift in the machine's load falls on both alike. The ranks meet in
+a barrier before each save; then each copies its tensors into preallocated buffers (one
 ``torch._foreach_copy_``, after an untimed one): the memcpy bound of the same slot.
 Reported per rank: median call (min–max), median bound (min–max), ratio of the medians.
 
@@ -37,6 +37,7 @@ def one_rank(rank: int, world: int, root: str, size_gib: float, saves: int) -> d
     import gc
 
     import torch
+    import torch.distributed
     import workload
     from ckpt_client import AsyncCallsQueue, dcp
     from ckptd import knobs
@@ -48,6 +49,8 @@ def one_rank(rank: int, world: int, root: str, size_gib: float, saves: int) -> d
     runs: dict = {"after": [], "before": [], "bound": []}
     for number in range(saves + 1):
         for label, fast in (("after", True), ("before", False)):
+            # every rank starts the call together (rank 0 removed the last checkpoint)
+            torch.distributed.barrier()
             gc.collect()
             torch._foreach_copy_(copies, tensors)
             start = time.perf_counter()
