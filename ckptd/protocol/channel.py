@@ -38,17 +38,26 @@ class Turns:
     (a waiter taking its next slice at the socket) gets it back before a blocked thread
     has even woken, and can keep it for as long as its own wait lasts. Here a thread
     that asks again queues behind every thread already waiting. Not reentrant.
+
+    Parameters
+    ----------
+    on_event : callable, optional
+        Called with ``"ask"`` when a thread gets in line and ``"got"`` when it takes the
+        turn, under the lock, so the order seen is the order served (tests record it).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_event: Callable[[str], None] | None = None) -> None:
         self._changed = threading.Condition(threading.Lock())
         self._queue: deque = deque()  # one token per thread waiting, in arrival order
         self._held = False
+        self.on_event = on_event
 
     def __enter__(self) -> "Turns":
         token = object()
         with self._changed:
             self._queue.append(token)
+            if self.on_event is not None:
+                self.on_event("ask")
             try:
                 while self._held or self._queue[0] is not token:
                     self._changed.wait()
@@ -58,6 +67,8 @@ class Turns:
                 raise
             self._queue.popleft()
             self._held = True
+            if self.on_event is not None:
+                self.on_event("got")
         return self
 
     def __exit__(self, *exc_info) -> None:

@@ -202,20 +202,14 @@ def test_a_blocking_finalize_asks_with_held_polls(daemon, monkeypatch):
 
 
 class RecordedTurns(protocol.Turns):
-    """The channel's turns, with who asked for the socket and who got it, in order."""
+    """The channel's turns, with who asked for the socket and who got it, in order: each
+    recorded by the turns themselves as it happens (getting in line, taking the turn), so
+    the log's order is the order the turns were served in."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(on_event=lambda event: self.log.append(
+            (event, threading.current_thread().name)))
         self.log: list = []
-        self._log_lock = threading.Lock()
-
-    def __enter__(self):
-        with self._log_lock:
-            self.log.append(("ask", threading.current_thread().name))
-        super().__enter__()
-        with self._log_lock:
-            self.log.append(("got", threading.current_thread().name))
-        return self
 
     def turns_taken_while_waiting(self, name: str) -> list:
         """For each time ``name`` asked: how many turns others got before its own."""
