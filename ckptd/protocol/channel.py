@@ -39,6 +39,10 @@ class Turns:
     has even woken, and can keep it for as long as its own wait lasts. Here a thread
     that asks again queues behind every thread already waiting. Not reentrant.
 
+    An exception that interrupts a wait for a turn (KeyboardInterrupt, a launcher's
+    signal exception) takes the thread's place out of the line and passes on any turn it
+    took; waiters recheck at short intervals, so a wake-up lost to one is never waited for.
+
     Parameters
     ----------
     on_event : callable, optional
@@ -46,40 +50,47 @@ class Turns:
         turn, under the lock, so the order seen is the order served (tests record it).
     """
 
+    #: Seconds between two looks at the line by a thread waiting for its turn.
+    RECHECK_SECONDS = 0.1
+
     def __init__(self, on_event: Callable[[str], None] | None = None) -> None:
         self._changed = threading.Condition(threading.Lock())
-        self._queue: deque = deque()  # one token per thread waiting, in arrival order
-        self._held = False
+        self._queue: deque = deque()  # one (token, thread) per request waiting, in order
+        self._owner: int | None = None  # the thread holding the turn
         self.on_event = on_event
 
     def __enter__(self) -> "Turns":
-        token = object()
+        me = threading.get_ident()
         with self._changed:
+            token = (object(), me)
             self._queue.append(token)
             if self.on_event is not None:
                 self.on_event("ask")
             try:
-                while self._held or self._queue[0] is not token:
-                    self._changed.wait()
-            except BaseException:  # interrupted while queued: those behind must not wait on it
+                while self._owner is not None or self._queue[0] is not token:
+                    self._changed.wait(self.RECHECK_SECONDS)
+                self._owner = me
                 self._queue.remove(token)
+                if self.on_event is not None:
+                    self.on_event("got")
+            except BaseException:  # interrupted: nobody must wait on a place or turn left
+                if token in self._queue:
+                    self._queue.remove(token)
+                if self._owner == me:
+                    self._owner = None
                 self._changed.notify_all()
                 raise
-            self._queue.popleft()
-            self._held = True
-            if self.on_event is not None:
-                self.on_event("got")
         return self
 
     def __exit__(self, *exc_info) -> None:
         with self._changed:
-            self._held = False
+            self._owner = None
             if self._queue:
                 self._changed.notify_all()  # the head of the queue goes next
 
     @property
     def waiting(self) -> int:
-        """How many threads wait for their turn."""
+        """How many requests wait for their turn."""
         return len(self._queue)
 
 
