@@ -10,7 +10,10 @@ so importing this module stays cheap.
 Pattern: one socket, used by one thread at a time (ZeroMQ's rule), lent in turns
 (:class:`Turns`, first come, first served) for short slices, so a thread that waits a
 long time for its reply (a POLL the daemon holds until a save changes phase) never keeps
-another thread's request or reply waiting for more than one slice.
+another thread's request or reply waiting for more than one slice. A signal handler that
+calls the daemon while its own thread waits on it (a launcher's "save now" signal during
+a blocking finalize) shares that thread's turn between socket operations instead of
+queueing behind it (:class:`Turns`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,16 @@ class Turns:
     ``threading.Lock`` is not fair: a thread that releases it and asks again at once
     (a waiter taking its next slice at the socket) gets it back before a blocked thread
     has even woken, and can keep it for as long as its own wait lasts. Here a thread
-    that asks again queues behind every thread already waiting. Not reentrant.
+    that asks again queues behind every thread already waiting.
+
+    A signal handler runs on a thread that may already hold a turn or wait for one (a
+    blocking finalize waits on a held POLL for seconds): asking in line behind itself it
+    would wait forever. So a thread's own handler is served first: while the thread holds
+    the turn and is not in the middle of a socket operation (its holder marks those with
+    :meth:`busy`), the handler shares the turn (nested, as the thread is suspended
+    meanwhile); while it waits for its turn, the handler's request goes just ahead of
+    it. A handler that interrupts a socket operation cannot be served (a message half
+    sent or read would mix with its own): :meth:`__enter__` raises :class:`RuntimeError`.
 
     An exception that interrupts a wait for a turn (KeyboardInterrupt, a launcher's
     signal exception) takes the thread's place out of the line and passes on any turn it
@@ -54,16 +66,35 @@ class Turns:
     RECHECK_SECONDS = 0.1
 
     def __init__(self, on_event: Callable[[str], None] | None = None) -> None:
-        self._changed = threading.Condition(threading.Lock())
+        # Reentrant: a signal handler may ask while its thread is inside this class.
+        self._changed = threading.Condition(threading.RLock())
         self._queue: deque = deque()  # one (token, thread) per request waiting, in order
-        self._owner: int | None = None  # the thread holding the turn
+        self._owner: int | None = None  # the thread holding the turn (one store: atomic)
+        self._nested = 0  # turns shared with the owner's own signal handlers
+        self._busy = False  # the owner is in the middle of a socket operation
         self.on_event = on_event
 
     def __enter__(self) -> "Turns":
         me = threading.get_ident()
         with self._changed:
+            if self._owner == me:
+                if self._busy:
+                    raise RuntimeError(
+                        "ckpt_client was called from a signal handler while this thread was "
+                        "in the middle of sending or reading a message to the ckptd daemon; "
+                        "the handler cannot use the connection now. Have the handler set a "
+                        "flag (or hand the work to another thread) and make the call from "
+                        "your loop")
+                self._nested += 1  # this thread is suspended in its own handler meanwhile
+                return self
             token = (object(), me)
-            self._queue.append(token)
+            # A request of this thread's signal handler goes just ahead of the thread's
+            # own (which cannot take its turn before the handler returns).
+            mine = next((i for i, (_, who) in enumerate(self._queue) if who == me), None)
+            if mine is None:
+                self._queue.append(token)
+            else:
+                self._queue.insert(mine, token)
             if self.on_event is not None:
                 self.on_event("ask")
             try:
@@ -76,7 +107,7 @@ class Turns:
             except BaseException:  # interrupted: nobody must wait on a place or turn left
                 if token in self._queue:
                     self._queue.remove(token)
-                if self._owner == me:
+                if self._owner == me and not self._nested:
                     self._owner = None
                 self._changed.notify_all()
                 raise
@@ -84,14 +115,36 @@ class Turns:
 
     def __exit__(self, *exc_info) -> None:
         with self._changed:
+            if self._nested:
+                self._nested -= 1
+                return
+            self._busy = False
             self._owner = None
             if self._queue:
                 self._changed.notify_all()  # the head of the queue goes next
+
+    def busy(self) -> "_Busy":
+        """Mark, for the turn's holder, a socket operation that a signal handler of its
+        thread must not interleave with (``with turns.busy(): socket.send...``)."""
+        return _Busy(self)
 
     @property
     def waiting(self) -> int:
         """How many requests wait for their turn."""
         return len(self._queue)
+
+
+class _Busy:
+    """The holder of a turn is in the middle of a socket operation (see :class:`Turns`)."""
+
+    def __init__(self, turns: Turns) -> None:
+        self._turns = turns
+
+    def __enter__(self) -> None:
+        self._turns._busy = True
+
+    def __exit__(self, *exc_info) -> None:
+        self._turns._busy = False
 
 
 class Channel:
@@ -132,10 +185,12 @@ class Channel:
     def send(self, msg_type: str, body: dict | None = None, frames=()) -> int:
         """Send a request without waiting; returns its id."""
         with self._lock:
-            msg_id = self._next_id
-            self._next_id += 1
+            # One statement (no call in it for a signal handler to run at): a request of
+            # this thread's signal handler gets another id.
+            msg_id, self._next_id = self._next_id, self._next_id + 1
             self._awaited.add(msg_id)
-            self.socket.send_multipart(encode(msg_type, msg_id, body, frames), copy=False)
+            with self._lock.busy():
+                self.socket.send_multipart(encode(msg_type, msg_id, body, frames), copy=False)
         return msg_id
 
     def wait(self, msg_id: int, timeout: float, still_worth_waiting=None,
@@ -183,6 +238,8 @@ class Channel:
                 left = deadline - time.monotonic()
                 if self.socket.poll(max(1, int(min(left, SLICE_SECONDS) * 1000))):
                     reply = self._read()
+                    if reply is None:  # a signal handler of this thread read it meanwhile
+                        continue
                     if reply.id == msg_id:
                         return reply
                     self._keep(reply)  # its waiter reads it in its own turn
@@ -190,9 +247,16 @@ class Channel:
             if time.monotonic() >= deadline:
                 return None
 
-    def _read(self) -> Message:
-        """One reply off the socket (the caller holds the lock and saw it waiting)."""
-        reply = decode(self.socket.recv_multipart())
+    def _read(self) -> Message | None:
+        """One reply off the socket (the caller holds the lock and saw it waiting);
+        ``None`` if none is there any more (a signal handler of this thread, sharing its
+        turn, read it between the poll and now)."""
+        try:
+            with self._lock.busy():
+                frames = self.socket.recv_multipart(self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            return None
+        reply = decode(frames)
         if self.on_reply is not None:
             self.on_reply(reply.id)
         return reply
@@ -215,7 +279,9 @@ class Channel:
         """
         with self._lock:
             while self.socket.poll(0):
-                self._keep(self._read())
+                reply = self._read()
+                if reply is not None:
+                    self._keep(reply)
 
     def drop(self, msg_id: int) -> None:
         """Stop keeping the reply to ``msg_id`` (nobody will read it): discarded on arrival."""
@@ -230,5 +296,5 @@ class Channel:
 
     def close(self) -> None:
         """Close the socket (in turn: no other thread is using it then)."""
-        with self._lock:
+        with self._lock, self._lock.busy():
             self.socket.close(linger=0)

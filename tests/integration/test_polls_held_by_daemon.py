@@ -9,8 +9,11 @@ which order, never on how long anything took.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -199,6 +202,59 @@ def test_a_blocking_finalize_asks_with_held_polls(daemon, monkeypatch):
     assert len(polls) <= 4, [(p.wait_seconds, p.seen) for p in polls]
     checkpoint.close()
     wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "the extent freed")
+
+
+#: A trainer whose SIGUSR1 handler calls the daemon (a launcher's "save now" signal),
+#: signalled while its main thread waits on a held POLL (a blocking finalize).
+SIGNALLED_DURING_A_HELD_POLL = """
+import json, os, signal, sys, threading
+sys.path.insert(0, sys.argv[2])
+from conftest import wait_for
+from integration.test_polls_held_by_daemon import stage_by_hand
+from ckptd.protocol import MessageType, Phase
+from ckpt_client.transport.connection import connect
+from ckpt_client.transport.phase_poll import ask_phase
+
+connection = connect(sys.argv[1], auto_start=False)
+request_id = stage_by_hand(connection, os.path.join(sys.argv[3], "signalled.pt"))
+main, seen = threading.current_thread(), {}
+
+def handler(signum, frame):
+    seen["poll_awaited"] = bool(connection.channel._awaited)  # the main thread waits on it
+    seen["ping"] = connection.call(MessageType.PING, timeout=30).pid
+
+signal.signal(signal.SIGUSR1, handler)
+
+def waiting_for_a_reply():
+    frame = sys._current_frames().get(main.ident)
+    while frame is not None and frame.f_code.co_name != "_receive":
+        frame = frame.f_back
+    return frame is not None
+
+def signal_once_the_poll_is_held():
+    wait_for(waiting_for_a_reply, 30, "the main thread waiting for the POLL's reply")
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+threading.Thread(target=signal_once_the_poll_is_held, daemon=True).start()
+state = ask_phase(connection, request_id, Phase.STAGING, hold=True)
+print(json.dumps({**seen, "phase": state.phase}))
+"""
+
+
+def test_a_signal_handler_calls_the_daemon_while_its_thread_waits_on_a_held_poll(
+        start_daemon):
+    """The main thread holds the channel's turn, waiting on a held POLL, when a signal
+    handler on that thread calls the daemon: the handler's call shares the turn and is
+    answered, and the POLL is answered after it (queued behind its own thread, the
+    handler would wait forever)."""
+    daemon = start_daemon(env={"CKPTD_POLL_HOLD_MAX": "2"})
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_DURING_A_HELD_POLL, daemon.socket, tests,
+         daemon.roots[0]], capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout.splitlines()[-1]) == {
+        "poll_awaited": True, "ping": daemon.pid, "phase": Phase.STAGING}
 
 
 class RecordedTurns(protocol.Turns):

@@ -1,4 +1,9 @@
-"""The channel's turns: a wait interrupted by an exception leaves no turn stuck.
+"""The channel's turns: a thread's own signal handler is served, never left waiting
+behind its own thread, and a wait interrupted by an exception leaves no turn stuck.
+
+What a signal handler does is done here by calling :class:`Turns` again on the thread
+that holds (or waits for) a turn, exactly as a handler run on that thread would. Each
+scenario runs on a thread of its own, so a hang fails the test instead of hanging it.
 """
 
 from __future__ import annotations
@@ -6,8 +11,103 @@ from __future__ import annotations
 import sys
 import threading
 
+import pytest
+
 from conftest import wait_for
 from ckptd.protocol import Turns
+
+
+def finishes(scenario, *args) -> dict:
+    """Run ``scenario(*args)`` on a thread; what it returned or raised, or a hang."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["returned"] = scenario(*args)
+        except BaseException as exc:  # the test reads it
+            outcome["raised"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "a thread's own re-entrant request waits forever"
+    return outcome
+
+
+def test_a_signal_handler_of_the_thread_at_the_socket_shares_its_turn():
+    turns = Turns()
+
+    def holder_interrupted_by_its_handler():
+        with turns:  # waiting between socket operations, say on a held POLL's reply
+            with turns:  # the handler's call
+                inner = turns.waiting
+            with turns:  # a second call of the same handler
+                pass
+        return inner
+
+    assert finishes(holder_interrupted_by_its_handler) == {"returned": 0}
+    assert finishes(lambda: turns.__enter__() and turns.__exit__(None, None, None)) \
+        == {"returned": None}, "the turn was given back"
+
+
+def test_a_signal_handler_that_interrupts_a_socket_operation_is_refused_clearly():
+    turns = Turns()
+
+    def handler_during_a_send():
+        with turns, turns.busy():
+            with turns:
+                pass
+
+    outcome = finishes(handler_during_a_send)
+    assert isinstance(outcome.get("raised"), RuntimeError), outcome
+    assert "signal handler" in str(outcome["raised"]) and "flag" in str(outcome["raised"])
+    assert finishes(lambda: turns.__enter__() and turns.__exit__(None, None, None)) \
+        == {"returned": None}, "the refusal kept no turn"
+
+
+def test_a_signal_handler_of_a_thread_waiting_for_its_turn_goes_just_ahead_of_it():
+    """Thread B waits for its turn behind A (at the socket) and C's request comes after;
+    B's handler asks: it is served when A gives the turn back, before B and before C."""
+    turns = Turns()
+    order, events = [], []
+    turns.on_event = events.append
+    b_queued, release, handled = threading.Event(), threading.Event(), threading.Event()
+
+    def handler():
+        with turns:
+            order.append("b's handler")
+
+    real_wait = turns._changed.wait
+
+    def wait_then_handle(timeout=None):  # B's wait is interrupted by its signal handler
+        if threading.current_thread().name == "b" and b_queued.is_set() \
+                and release.is_set() and not handled.is_set():
+            handled.set()
+            handler()
+        return real_wait(timeout)
+
+    turns._changed.wait = wait_then_handle
+    turns.__enter__()  # A
+
+    def take(name):
+        with turns:
+            order.append(name)
+
+    b = threading.Thread(target=take, args=("b",), name="b", daemon=True)
+    b.start()
+    wait_for(lambda: turns.waiting == 1, 10, "b queued")
+    b_queued.set()
+    c = threading.Thread(target=take, args=("c",), name="c", daemon=True)
+    c.start()
+    wait_for(lambda: turns.waiting == 2, 10, "c queued")
+    release.set()
+    wait_for(lambda: turns.waiting == 3, 10, "b's handler queued ahead of b")
+    turns.__exit__(None, None, None)
+    for thread in (b, c):
+        thread.join(30)
+        assert not thread.is_alive()
+    assert order == ["b's handler", "b", "c"]
+    assert events.count("ask") == 4 and events.count("got") == 4  # a, b, c, the handler
 
 
 def test_an_exception_right_after_a_thread_took_its_turn_passes_the_turn_on():
