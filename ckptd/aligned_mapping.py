@@ -1,13 +1,16 @@
-"""A shared file mapping at a 2 MiB-aligned address, so that huge pages map as such.
+"""A shared file mapping at a huge-page-aligned address, so that huge pages map as such.
 
-Owns :class:`AlignedMapping`. The kernel maps a file's 2 MiB page with one page-table
-entry (and pins it for a direct write with one reference instead of 512) only where the
-mapping's addresses are 2 MiB-aligned with the file's offsets. A tmpfs mounted with huge
-pages aligns mappings of its files by itself; a pool in ``/dev/shm`` whose pages are
-folded into huge ones after it was mapped (:mod:`ckptd.staging.collapse`) does not, so
-its mappers ask for the alignment here: a ``PROT_NONE`` reservation one huge page larger
-than the file, with the file mapped over it at the first aligned address. On 4 KiB pages
-it costs nothing and changes nothing.
+Owns :class:`AlignedMapping`. The kernel maps a file's huge page with one page-table entry
+(and pins it for a direct write with one reference instead of 512) only where the
+mapping's addresses are aligned with the file's offsets to the page's size. A tmpfs
+mounted with huge pages aligns mappings of its files by itself; a pool in ``/dev/shm``
+whose pages are folded into huge ones after it was mapped (:mod:`ckptd.staging.collapse`)
+does not, so its mappers ask for the alignment here: an inaccessible reservation one
+alignment larger than the file, with the file mapped over it at the first aligned
+address. The alignment is the larger of the kernel's transparent huge page size
+(``hpage_pmd_size``: 2 MiB on x86-64 and arm64 with 4 KiB pages) and the file's own page
+size (a hugetlbfs with 1 GiB pages maps its files only at 1 GiB boundaries). On 4 KiB
+pages it costs nothing and changes nothing.
 
 Used by the daemon's background folding and by the writers, both of which write through
 the mapping's memory with ``O_DIRECT``. No sockets, no pools.
@@ -16,12 +19,28 @@ the mapping's memory with ``O_DIRECT``. No sockets, no pools.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
+import os
 
-__all__ = ["HUGE_PAGE", "AlignedMapping"]
+__all__ = ["HUGE_PAGE", "AlignedMapping", "alignment_of", "thp_page_size"]
 
-#: The huge page size mappings are aligned to (x86-64's and arm64-4K's PMD size).
-HUGE_PAGE = 2 << 20
+_PMD_SIZE_FILE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+_FALLBACK_HUGE_PAGE = 2 << 20  # x86-64's and arm64-4K's PMD size, where sysfs does not say
+
+
+def thp_page_size(path: str = _PMD_SIZE_FILE) -> int:
+    """The kernel's transparent huge page size (2 MiB where it does not say)."""
+    try:
+        with open(path) as f:
+            size = int(f.read().strip())
+    except (OSError, ValueError):
+        return _FALLBACK_HUGE_PAGE
+    return size if size > 0 and size & (size - 1) == 0 else _FALLBACK_HUGE_PAGE
+
+
+#: The transparent huge page size: what tmpfs pages are folded into.
+HUGE_PAGE = thp_page_size()
 
 _MAP_FIXED = 0x10
 _PROT_NONE = 0  # Python's mmap module names only PROT_READ, PROT_WRITE, PROT_EXEC
@@ -41,9 +60,48 @@ def _libc():
 libc = _libc()
 
 
+def alignment_of(fd: int) -> int:
+    """The boundary the file ``fd`` is mapped at: the transparent huge page size, or the
+    file's own page size where that is larger (``f_bsize`` of a hugetlbfs is its page size;
+    of a tmpfs or disk filesystem 4 KiB)."""
+    try:
+        page = os.fstatvfs(fd).f_bsize
+    except OSError:
+        page = 0
+    return max(HUGE_PAGE, page)
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} bytes"
+
+
+def _what_to_do(error: int, alignment: int) -> str:
+    if error == errno.ENOMEM and alignment > HUGE_PAGE:
+        return (f"the file is on a hugetlbfs with {_size_text(alignment)} pages and too few are "
+                f"free: reserve more (/sys/kernel/mm/hugepages/hugepages-{alignment >> 10}kB/"
+                "nr_hugepages; HugePages_Free in /proc/meminfo) or use a smaller pool")
+    if error in (errno.EACCES, errno.EBADF):
+        return "the file must be opened read-write by its owner"
+    if error == errno.ENOMEM:
+        return "the process is out of address space or memory (ulimit -v, vm.max_map_count)"
+    return "check that the file is on a tmpfs or hugetlbfs and its size is a multiple of its page size"
+
+
 class AlignedMapping:
-    """``size`` bytes of the file ``fd``, shared, readable and writable, mapped at a 2 MiB
-    boundary (the descriptor may be closed afterwards).
+    """``size`` bytes of the file ``fd``, shared, readable and writable, mapped at a boundary
+    of :func:`alignment_of` (the descriptor may be closed afterwards).
+
+    Parameters
+    ----------
+    fd : int
+        The file, open read-write.
+    size : int
+        Bytes to map from its start.
+    path : str, optional
+        The file's name, for error messages.
 
     Attributes
     ----------
@@ -51,6 +109,8 @@ class AlignedMapping:
         Where the mapping starts.
     size : int
         Its length.
+    alignment : int
+        The boundary ``address`` is a multiple of.
     view : memoryview
         Its bytes (format ``B``). Views taken from it must be dropped before :meth:`close`:
         they do not keep the memory mapped.
@@ -58,23 +118,29 @@ class AlignedMapping:
     Raises
     ------
     OSError
-        If the address space cannot be reserved or the file not mapped.
+        If the address space cannot be reserved or the file not mapped; the message names
+        the file, the alignment, the errno and what to do.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, path: str | None = None) -> None:
         self.size = size
-        self._span = size + HUGE_PAGE
-        reserved = libc.mmap(None, self._span, _PROT_NONE,
-                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        self.alignment = alignment_of(fd)
+        where = path or f"descriptor {fd}"
+        span = size + self.alignment
+        reserved = libc.mmap(None, span, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
         if reserved in (None, _MAP_FAILED):
-            raise OSError(ctypes.get_errno(), f"cannot reserve {self._span} bytes of address space")
-        self._reserved = reserved
-        self.address = -(-reserved // HUGE_PAGE) * HUGE_PAGE
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot reserve {span} bytes of address space to map {where}: "
+                          f"{os.strerror(error)} (errno {error}); {_what_to_do(error, HUGE_PAGE)}")
+        self._reserved, self._span = reserved, span
+        self.address = -(-reserved // self.alignment) * self.alignment
         if size and libc.mmap(self.address, size, mmap.PROT_READ | mmap.PROT_WRITE,
                               mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != self.address:
-            error = ctypes.get_errno()
-            libc.munmap(reserved, self._span)
-            raise OSError(error, f"cannot map {size} bytes of the file at a 2 MiB boundary")
+            error = ctypes.get_errno() or errno.EIO
+            libc.munmap(reserved, span)
+            raise OSError(error, f"cannot map {size} bytes of {where} at a "
+                          f"{_size_text(self.alignment)} boundary: {os.strerror(error)} "
+                          f"(errno {error}); {_what_to_do(error, self.alignment)}")
         self.view = memoryview((ctypes.c_char * max(size, 1)).from_address(self.address)).cast("B")
         self.view = self.view[:size]
 

@@ -149,9 +149,9 @@ class Writer:
         self.inbox = Inbox(sock)
         fd = os.open(pool_path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            # 2 MiB-aligned: where the pool's pages are (or get folded into) huge pages,
-            # a direct write pins each as one, not as 512 small ones
-            self._mapping = AlignedMapping(fd, pool_size)
+            # huge-page-aligned: where the pool's pages are (or get folded into) huge
+            # pages, a direct write pins each as one, not as 512 small ones
+            self._mapping = AlignedMapping(fd, pool_size, pool_path)
         finally:
             os.close(fd)
         #: The pool's bytes (the writer lives as long as its process: never unmapped).

@@ -15,6 +15,7 @@ from ckptd import knobs
 from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
 from ckptd.staging.pool_directory import (PoolDirectoryError, check_pool_directory, mount_of)
 from hugepages import file_huge_bytes, kernel_folds_tmpfs_pages
+from mounts import mounted  # noqa: F401 (a fixture)
 
 POOL = 8 << 20  # four huge pages
 
@@ -52,28 +53,6 @@ def test_the_pool_directory_knob_places_new_pools_and_the_sweep(tmp_path, monkey
     dead = tmp_path / f"ckptd-{os.getuid()}-{finished.pid}-0badc0de"
     dead.write_bytes(b"x")
     assert remove_stale_pools() == ([str(dead)], [])
-
-
-@pytest.fixture
-def mounted(tmp_path):
-    """``mounted(fstype, options) -> path``: a real mount, unmounted after the test."""
-    mounts = []
-
-    def mount(fstype: str, options: str) -> str:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs or hugetlbfs needs root")
-        path = tmp_path / f"m{len(mounts)}"
-        path.mkdir()
-        done = subprocess.run(["mount", "-t", fstype, "-o", options, f"hugepool-{fstype}",
-                               str(path)], capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount {fstype} -o {options} here: {done.stderr.strip()}")
-        mounts.append(path)
-        return str(path)
-
-    yield mount
-    for path in mounts:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.mark.parametrize("huge", ["always", "within_size", "advise"])
