@@ -12,6 +12,10 @@ address. The alignment is the larger of the kernel's transparent huge page size
 size (a hugetlbfs with 1 GiB pages maps its files only at 1 GiB boundaries). On 4 KiB
 pages it costs nothing and changes nothing.
 
+The reservation is a Python :class:`mmap.mmap`, so views of the file's bytes are exports of
+it: like Python's own mappings, :meth:`AlignedMapping.close` refuses (``BufferError``)
+while any view is alive instead of leaving it pointing at unmapped memory.
+
 Used by the daemon's background folding and by the writers, both of which write through
 the mapping's memory with ``O_DIRECT``. No sockets, no pools.
 """
@@ -43,6 +47,7 @@ def thp_page_size(path: str = _PMD_SIZE_FILE) -> int:
 HUGE_PAGE = thp_page_size()
 
 _MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000  # Python 3.11's mmap module names neither
 _PROT_NONE = 0  # Python's mmap module names only PROT_READ, PROT_WRITE, PROT_EXEC
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -112,8 +117,7 @@ class AlignedMapping:
     alignment : int
         The boundary ``address`` is a multiple of.
     view : memoryview
-        Its bytes (format ``B``). Views taken from it must be dropped before :meth:`close`:
-        they do not keep the memory mapped.
+        Its bytes (format ``B``). Views taken from it keep :meth:`close` from unmapping.
 
     Raises
     ------
@@ -127,26 +131,48 @@ class AlignedMapping:
         self.alignment = alignment_of(fd)
         where = path or f"descriptor {fd}"
         span = size + self.alignment
-        reserved = libc.mmap(None, span, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-        if reserved in (None, _MAP_FAILED):
-            error = ctypes.get_errno()
-            raise OSError(error, f"cannot reserve {span} bytes of address space to map {where}: "
-                          f"{os.strerror(error)} (errno {error}); {_what_to_do(error, HUGE_PAGE)}")
-        self._reserved, self._span = reserved, span
+        # Python's mmap exports writable views only of a writable mapping; the range is
+        # then mapped again inaccessible, so that its slack is neither usable nor counted
+        # against the commit limit, and the file over it
+        try:
+            self._reservation = mmap.mmap(
+                -1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot reserve {span} bytes of address space to map "
+                          f"{where}: {exc.strerror} (errno {exc.errno}); "
+                          f"{_what_to_do(exc.errno, HUGE_PAGE)}") from None
+        reserved = ctypes.addressof(ctypes.c_char.from_buffer(self._reservation))
+        libc.mmap(reserved, span, _PROT_NONE,
+                  mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
         self.address = -(-reserved // self.alignment) * self.alignment
+        self._offset = self.address - reserved
         if size and libc.mmap(self.address, size, mmap.PROT_READ | mmap.PROT_WRITE,
                               mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != self.address:
             error = ctypes.get_errno() or errno.EIO
-            libc.munmap(reserved, span)
+            self._reservation.close()
             raise OSError(error, f"cannot map {size} bytes of {where} at a "
                           f"{_size_text(self.alignment)} boundary: {os.strerror(error)} "
                           f"(errno {error}); {_what_to_do(error, self.alignment)}")
-        self.view = memoryview((ctypes.c_char * max(size, 1)).from_address(self.address)).cast("B")
-        self.view = self.view[:size]
+        self.view = self._export()
+
+    def _export(self) -> memoryview:
+        with memoryview(self._reservation) as whole:
+            return whole[self._offset:self._offset + self.size]
 
     def close(self) -> None:
-        """Unmap (the reservation's slack too)."""
-        if self._reserved is not None:
-            self.view.release()
-            libc.munmap(self._reserved, self._span)
-            self._reserved = None
+        """Unmap (the reservation's slack too); a second call does nothing.
+
+        Raises
+        ------
+        BufferError
+            If views of the mapping are still alive (it stays mapped; drop them first).
+        """
+        if self._reservation.closed:
+            return
+        self.view.release()
+        try:
+            self._reservation.close()
+        except BufferError:
+            self.view = self._export()
+            raise BufferError(f"cannot unmap the {self.size}-byte mapping at {self.address:#x}: "
+                              "views of it are still alive; release them first") from None

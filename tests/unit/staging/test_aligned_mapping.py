@@ -105,3 +105,20 @@ def test_a_file_on_a_1_gib_hugetlbfs_is_mapped_at_a_1_gib_boundary(mounted):
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def test_close_refuses_while_a_view_is_alive_as_pythons_mmap_does(shm_file):
+    """A view outliving the mapping would read unmapped memory (a segfault): close raises
+    BufferError instead, the mapping stays usable, and closes once the view is gone."""
+    path, fd = shm_file(HUGE_PAGE)
+    mapping = AlignedMapping(fd, HUGE_PAGE, path)
+    part = mapping.view[10:20]
+    with pytest.raises(BufferError, match="views of it are still alive"):
+        mapping.close()
+    mapping.view[10:14] = b"kept"
+    assert bytes(part[:4]) == b"kept"
+    part.release()
+    mapping.close()
+    mapping.close()  # a second close does nothing
+    with pytest.raises(ValueError):
+        mapping.view[0]  # released: Python refuses, nothing reads unmapped memory
