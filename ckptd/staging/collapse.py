@@ -7,11 +7,13 @@ Why: the writers write the pool to disk with ``O_DIRECT``. The kernel pins every
 the buffer, and a disk request holds at most ``max_segments`` physically contiguous runs
 (254 on the virtio disks here): from a pool on scattered 4 KiB pages a request is cut at
 ~1 MiB, and 512x more pages are pinned than from 2 MiB pages; the time to durable from
-``/dev/shm`` was 1.05-1.1x the raw write where a pool on huge pages met it. ``/dev/shm``
-gets 4 KiB pages wherever ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is
-``never`` (most distributions' default), but ``MADV_COLLAPSE`` gives a tmpfs file huge
-pages whatever that setting says (except ``deny``), so the default pool directory gets
-what ``--pool-dir`` on a ``huge=`` tmpfs gives, with nothing to mount.
+``/dev/shm`` was 1.05-1.1x the raw write where a pool on huge pages met it. A tmpfs
+mounted without ``huge=`` (``/dev/shm`` as most systems set it up) gives its files 4 KiB
+pages whatever ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` says: that setting,
+``deny`` and ``force`` apart, is for the kernel's internal shm mount (SysV shared memory,
+shared anonymous mappings). ``MADV_COLLAPSE`` gives a tmpfs file huge pages all the same
+(unless ``shmem_enabled`` is ``deny``), so the default pool directory gets what
+``--pool-dir`` on a ``huge=`` tmpfs gives, with nothing to mount.
 
 The kernel folds only ranges that hold at least one page and whose addresses are 2 MiB-
 aligned with their file offsets: one page is faulted in in each 2 MiB of a mapping made at

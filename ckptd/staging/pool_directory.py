@@ -8,12 +8,13 @@ the fix.
 
 Huge pages matter for the writers: an O_DIRECT write pins every page of its buffer, and a
 pool on 4 KiB pages costs one pin per 4 KiB and a request cut short wherever pages are
-scattered; on 2 MiB pages both nearly vanish. ``/dev/shm`` usually has 4 KiB pages
-(wherever ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` is ``never``), but a tmpfs
-*mounted* with ``huge=always`` or ``huge=within_size`` allocates huge pages whatever that
-setting says, and one with ``huge=advise`` does for mappings that ask with
-``MADV_HUGEPAGE`` (which :class:`ckptd.staging.pool.StagingPool` does); on any other tmpfs
-the pool is given them by :mod:`ckptd.staging.collapse`.
+scattered; on 2 MiB pages both nearly vanish. A tmpfs gets huge pages by its mount's
+``huge=`` option: ``always`` or ``within_size`` allocate them, ``advise`` for mappings that
+ask with ``MADV_HUGEPAGE`` (which :class:`ckptd.staging.pool.StagingPool` does), and
+without the option (``/dev/shm`` as most systems mount it) it has 4 KiB pages whatever
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` says (that setting is for the
+kernel's internal shm mount, except ``deny`` and ``force``, which override every tmpfs);
+there the pool is given them by :mod:`ckptd.staging.collapse`.
 
 Owns the checks (``statfs`` magic for the decision, the mount table for the option's
 name) and reading how much of a mapping the kernel maps with huge pages; it must not
