@@ -139,13 +139,18 @@ def test_an_auto_started_daemon_takes_its_pool_directory_from_the_environment(
         wait_for(lambda: not os.path.exists(socket_path), 60, "the auto-started daemon to stop")
 
 
-def test_a_pool_in_dev_shm_gets_huge_pages_by_folding_and_the_writers_map_them(start_daemon,
-                                                                              tmp_path):
+def skip_unless_dev_shm_folds() -> None:
+    """Skip where a pool in /dev/shm is not folded into huge pages (the reason why)."""
     if check_pool_directory("/dev/shm").may_have_huge_pages:
         pytest.skip("/dev/shm is mounted with huge pages here: nothing to fold")
     reason = kernel_folds_tmpfs_pages()
     if reason:
         pytest.skip(reason)
+
+
+def test_a_pool_in_dev_shm_gets_huge_pages_by_folding_and_the_writers_map_them(start_daemon,
+                                                                              tmp_path):
+    skip_unless_dev_shm_folds()
     daemon = start_daemon(pool_size="64M")
     pool = daemon.status()["pool"]
     assert (pool["directory"], pool["huge"], pool["huge_page_bytes"]) == ("/dev/shm", "never", 64 << 20)
@@ -156,3 +161,24 @@ def test_a_pool_in_dev_shm_gets_huge_pages_by_folding_and_the_writers_map_them(s
     # the writers map the pool 2 MiB-aligned: the one that wrote the 12 MiB tensor pinned
     # huge pages, not 4 KiB ones
     assert max(pool_huge_bytes(pid, "/dev/shm") for pid in writers) > 0
+
+
+def _disable_transparent_huge_pages() -> None:
+    """In the daemon's process before it starts (inherited by its writers), as a container
+    runtime or a parent may set it: the kernel then refuses MADV_COLLAPSE (EINVAL)."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0) != 0:  # PR_SET_THP_DISABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_THP_DISABLE)")
+
+
+def test_a_pool_the_kernel_refuses_to_fold_stays_on_small_pages_and_says_why_once(start_daemon,
+                                                                               tmp_path):
+    skip_unless_dev_shm_folds()
+    daemon = start_daemon(pool_size="32M", preexec_fn=_disable_transparent_huge_pages)
+    pool = daemon.status()["pool"]
+    assert (pool["directory"], pool["huge"], pool["huge_page_bytes"]) == ("/dev/shm", "never", 0)
+    [refused] = [line for line in daemon.log().splitlines() if "MADV_COLLAPSE" in line]
+    assert "given 0 of 32 MiB" in refused and "PR_SET_THP_DISABLE" in refused, refused
+    values(run_ranks(save_both_formats_and_load, 1, daemon.socket, tmp_path,
+                     args=(daemon.roots[0], "/dev/shm")))
