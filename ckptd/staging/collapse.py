@@ -20,9 +20,12 @@ with their file offsets: one page is faulted in in each huge page's range of a m
 at such an address (:class:`ckptd.aligned_mapping.AlignedMapping`), then the range is
 folded: a zeroed huge page replaces its single 4 KiB one, so nearly nothing is copied.
 What it costs is finding free 2 MiB blocks: nothing where memory has them, up to ~1.6 s a
-GiB measured here where the kernel must compact memory first (a one-off at the daemon's
-start, like mounting a ``huge=`` tmpfs). A range the kernel cannot fold (``EAGAIN`` is
-retried once) keeps 4 KiB pages, faulted in by the caller's populate.
+GiB measured here where the kernel must compact memory first. That happens at the daemon's
+start, before it answers anyone, so it is done :data:`FOLD_SLICE` at a time and stops once
+:data:`FOLD_BUDGET_SECONDS` have passed (a fixed bound, not a knob: ``CKPTD_POOL_COLLAPSE=0``
+is the operator's switch, and the budget only keeps the worst case from delaying the start
+beyond what a starting trainer waits). A range the kernel cannot fold (``EAGAIN`` is retried
+once), and what the budget leaves, keeps 4 KiB pages, faulted in by the caller's populate.
 
 What is on huge pages is counted, not inferred from ``madvise``'s answer (which is an
 error when any range failed, however many folded): the whole mapping is faulted in and
@@ -44,7 +47,12 @@ from ckptd.staging.pool_directory import huge_page_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["fold_into_huge_pages"]
+__all__ = ["FOLD_BUDGET_SECONDS", "FOLD_SLICE", "fold_into_huge_pages"]
+
+#: Seconds of folding a daemon's start may take; the rest of the pool keeps 4 KiB pages.
+FOLD_BUDGET_SECONDS = 20.0
+#: Bytes folded by one ``madvise`` call between looks at the budget.
+FOLD_SLICE = 1 << 30
 
 _MADV_COLLAPSE = 25  # Linux 6.1; Python's mmap module does not name it
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
@@ -68,7 +76,7 @@ def _one_page_per_range(address: int, size: int) -> int:
 
 
 def _fold(address: int, size: int) -> int:
-    """``MADV_COLLAPSE``, once more after ``EAGAIN``; 0 or the errno."""
+    """``MADV_COLLAPSE`` over one slice, once more after ``EAGAIN``; 0 or the errno."""
     failure = _errno_of(libc.madvise(address, size, _MADV_COLLAPSE))
     if failure == errno.EAGAIN:  # the kernel's word for a transient failure: one more try
         failure = _errno_of(libc.madvise(address, size, _MADV_COLLAPSE))
@@ -85,10 +93,11 @@ def _why_refused(failure: int) -> str:
     return text
 
 
-def fold_into_huge_pages(fd: int, size: int) -> int:
-    """Give the new, empty file ``fd`` of ``size`` bytes a huge page per whole huge page;
-    its pages are all faulted in afterwards. Logs one line saying how much and, if not
-    all, why.
+def fold_into_huge_pages(fd: int, size: int, budget: float = FOLD_BUDGET_SECONDS,
+                         slice_bytes: int = FOLD_SLICE) -> int:
+    """Give the new, empty file ``fd`` of ``size`` bytes a huge page per whole huge page,
+    ``slice_bytes`` at a time while less than ``budget`` seconds have passed; its pages
+    are all faulted in afterwards. Logs one line saying how much and, if not all, why.
 
     Returns
     -------
@@ -98,21 +107,30 @@ def fold_into_huge_pages(fd: int, size: int) -> int:
     whole = size - size % HUGE_PAGE
     if whole == 0:
         return 0
+    slice_bytes = max(slice_bytes - slice_bytes % HUGE_PAGE, HUGE_PAGE)
     started = time.monotonic()
     try:
         mapping = AlignedMapping(fd, whole)
     except OSError as exc:
         log.info("staging pool left on 4 KiB pages: %s", exc)
         return 0
+    why, offset = None, 0
     try:
-        why = None
-        failure = _one_page_per_range(mapping.address, whole)
-        if failure:
-            why = (f"faulting in a page per huge page to fold failed (MADV_POPULATE_WRITE: "
-                   f"{os.strerror(failure)}, errno {failure})")
-        else:
-            failure = _fold(mapping.address, whole)
-            why = _why_refused(failure) if failure else None  # some ranges may have folded
+        while offset < whole:
+            if time.monotonic() - started >= budget:
+                why = (f"folding stopped after its {budget:g} s budget "
+                       "(ckptd.staging.collapse.FOLD_BUDGET_SECONDS)")
+                break
+            length = min(slice_bytes, whole - offset)
+            failure = _one_page_per_range(mapping.address + offset, length)
+            if failure:
+                why = (f"faulting in a page per huge page to fold failed (MADV_POPULATE_WRITE: "
+                       f"{os.strerror(failure)}, errno {failure})")
+                break
+            failure = _fold(mapping.address + offset, length)
+            if failure and why is None:  # the slice may hold folded ranges: go on
+                why = _why_refused(failure)
+            offset += length
         folding = time.monotonic() - started
         # the caller's populate names a full tmpfs: here only what got mapped is counted
         libc.madvise(mapping.address, whole, _MADV_POPULATE_WRITE)

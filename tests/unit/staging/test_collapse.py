@@ -91,3 +91,23 @@ def test_a_failure_to_fault_in_pages_is_named_as_such_not_as_a_fold(folds, mount
         os.close(fd)
     [line] = collapse_lines(caplog)
     assert "MADV_POPULATE_WRITE" in line and "MADV_COLLAPSE" not in line, line
+
+
+def test_folding_goes_slice_by_slice_and_stops_at_its_budget(folds, shm_path, caplog):
+    """Folding runs before the daemon answers anyone: it stops once its time budget is
+    spent, the rest of the file keeps 4 KiB pages, and one line says so. A budget already
+    spent folds nothing; an ample one folds every slice."""
+    size = 4 * HUGE_PAGE
+    for budget, expected in ((0.0, 0), (3600.0, size)):
+        fd = os.open(shm_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="ckptd.staging.collapse"):
+                folded = fold_into_huge_pages(fd, size, budget=budget, slice_bytes=HUGE_PAGE)
+        finally:
+            os.close(fd)
+        assert folded == expected == file_huge_bytes(shm_path, size), budget
+        os.unlink(shm_path)
+        [line] = collapse_lines(caplog)
+        assert ("budget" in line) == (budget == 0.0), line
