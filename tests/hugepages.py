@@ -7,15 +7,22 @@ No mocks: the answers come from the kernel's version and settings and from a rea
 from __future__ import annotations
 
 import os
+import re
 
 from ckptd.aligned_mapping import HUGE_PAGE, AlignedMapping
 from ckptd.staging.pool_directory import huge_page_bytes
 
 
+def kernel_version(release: str) -> tuple[int, int]:
+    """``(major, minor)`` of a kernel release string (``5.15-rc1``, ``6.18.44-fc-v595``);
+    ``(0, 0)`` where it has none."""
+    found = re.match(r"(\d+)\.(\d+)", release)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
 def kernel_folds_tmpfs_pages() -> str | None:
     """Why this kernel cannot give tmpfs files huge pages with MADV_COLLAPSE, or None."""
-    release = tuple(int(part) for part in os.uname().release.split(".")[:2])
-    if release < (6, 1):
+    if kernel_version(os.uname().release) < (6, 1):
         return f"MADV_COLLAPSE needs Linux 6.1; this is {os.uname().release}"
     try:
         with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:

@@ -17,7 +17,7 @@ import pytest
 from ckptd.aligned_mapping import HUGE_PAGE
 from ckptd.staging.collapse import fold_into_huge_pages
 from ckptd.staging.pool_directory import check_pool_directory
-from hugepages import file_huge_bytes, kernel_folds_tmpfs_pages
+from hugepages import file_huge_bytes, kernel_folds_tmpfs_pages, kernel_version
 from mounts import mounted  # noqa: F401 (a fixture)
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -111,3 +111,9 @@ def test_folding_goes_slice_by_slice_and_stops_at_its_budget(folds, shm_path, ca
         os.unlink(shm_path)
         [line] = collapse_lines(caplog)
         assert ("budget" in line) == (budget == 0.0), line
+
+
+@pytest.mark.parametrize("release,version", [("6.18.44-fc-v595", (6, 18)), ("5.15-rc1", (5, 15)),
+                                             ("6.1.0", (6, 1)), ("6.10+", (6, 10)), ("weird", (0, 0))])
+def test_the_kernel_version_the_fold_tests_check_is_read_from_any_release_string(release, version):
+    assert kernel_version(release) == version
