@@ -157,7 +157,8 @@ class DaemonConnection:
         if self.closed:
             raise DaemonUnavailableError(
                 self.socket_path, f"this connection to the ckptd daemon (pid {self.daemon_pid}) "
-                                  "was closed: that daemon is gone or was restarted")
+                                  "was closed: that daemon is gone or was restarted, or this "
+                                  "process was forked from the one that made it; connect again")
         if body is not None and not isinstance(body, protocol.Body):
             raise TypeError(f"a {msg_type} request takes its typed body (ckptd.protocol's "
                             f"request bodies), not a {type(body).__name__}")
@@ -315,6 +316,20 @@ class _Quiet(Exception):
 
 
 _connections: dict[str, DaemonConnection] = {}
+
+
+def _forsake_the_parents_connections() -> None:
+    """In a child just forked (a DataLoader worker, a process runner): the connections
+    are the parent's, their zmq sockets and channel turns as the parent's threads left
+    them (one may have held a turn, waiting on a held POLL). They are marked closed
+    without touching a socket, so this process's connect() makes one of its own."""
+    for connection in _connections.values():
+        connection.closed = True
+        connection.channel.forsake(os.getppid())
+    _connections.clear()
+
+
+os.register_at_fork(after_in_child=_forsake_the_parents_connections)
 
 
 def read_reply(socket_path: str, daemon_pid: int | None, msg_type: str, body: dict):

@@ -18,6 +18,7 @@ queueing behind it (:class:`Turns`).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -175,6 +176,7 @@ class Channel:
         self.socket.linger = 0
         self.socket.connect(endpoint)
         self._next_id = 1
+        self._forked_from: int | None = None  # the parent's pid, in a forked child
         self._lock = Turns()
         self._awaited: set[int] = set()       # ids some thread still waits for
         self._arrived: dict[int, Message] = {}  # their replies, when another thread read them
@@ -184,6 +186,7 @@ class Channel:
 
     def send(self, msg_type: str, body: dict | None = None, frames=()) -> int:
         """Send a request without waiting; returns its id."""
+        self._check_not_inherited()
         with self._lock:
             # One statement (no call in it for a signal handler to run at): a request of
             # this thread's signal handler gets another id.
@@ -208,6 +211,7 @@ class Channel:
         ------
         ReplyTimeout, ErrorReply, ProtocolError
         """
+        self._check_not_inherited()
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -277,6 +281,7 @@ class Channel:
         ProtocolError
             If a reply cannot be decoded.
         """
+        self._check_not_inherited()
         with self._lock:
             while self.socket.poll(0):
                 reply = self._read()
@@ -295,6 +300,23 @@ class Channel:
         return self.wait(self.send(msg_type, body, frames), timeout, still_worth_waiting)
 
     def close(self) -> None:
-        """Close the socket (in turn: no other thread is using it then)."""
+        """Close the socket (in turn: no other thread is using it then); a channel this
+        process inherited across a fork is left alone (the socket is its parent's)."""
+        if self._forked_from is not None:
+            return
         with self._lock, self._lock.busy():
             self.socket.close(linger=0)
+
+    def forsake(self, parent_pid: int) -> None:
+        """This process is a fork of ``parent_pid``, which made this channel: the socket
+        and its turns are the parent's (a thread that held the turn then does not exist
+        here). Never touch the socket again, not even to close it; calls fail at once."""
+        self._forked_from = parent_pid
+        self._lock = Turns()
+
+    def _check_not_inherited(self) -> None:
+        if self._forked_from is not None:
+            raise self._zmq.ZMQError(
+                self._zmq.ENOTSOCK, f"this channel to {self.endpoint} belongs to process "
+                f"{self._forked_from}, which forked this one (pid {os.getpid()}); connect "
+                f"again in this process")

@@ -23,6 +23,7 @@ from conftest import wait_for
 from ckptd import knobs, protocol
 from ckptd.protocol import MessageType, Phase, Poll, SaveFormat, Stage, Staged
 from ckpt_client import TorchAsyncCheckpoint
+from ckpt_client.errors import DaemonUnavailableError
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.flatten import buffers_of, flatten_state_dict
 from ckpt_client.transport.phase_poll import ask_phase, poll_hold
@@ -71,6 +72,20 @@ class HeldPoll(threading.Thread):
     @property
     def answered(self) -> bool:
         return self.state is not None or self.error is not None
+
+
+def a_held_poll(start_daemon, name: str, wait_seconds: float = 600.0, **options):
+    """A daemon, a connection to it, a save staged by hand and a thread whose held POLL
+    about it the daemon has read: ``(daemon, connection, request_id, poll)``."""
+    daemon = start_daemon(env=LONG_HOLDS, **options)
+    connection = connect(daemon.socket)
+    request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], name))
+    poll = HeldPoll(connection, request_id, seen=Phase.STAGING, wait_seconds=wait_seconds)
+    poll.start()
+    assert poll.sent.wait(30)
+    assert connection.call(MessageType.PING, timeout=30).pid == daemon.pid  # POLL is read
+    assert not poll.answered
+    return daemon, connection, request_id, poll
 
 
 def test_a_held_poll_waits_for_the_phase_change_while_other_calls_go_through(start_daemon):
@@ -144,14 +159,7 @@ def test_a_held_poll_is_answered_when_its_trainer_says_goodbye(start_daemon):
     """A thread still waits on a held POLL when the trainer closes its connection: the
     daemon aborts the save (never staged) and then answers the POLL, before the goodbye:
     the answer is the save's end, never the phase the trainer already saw."""
-    daemon = start_daemon(env=LONG_HOLDS)
-    connection = connect(daemon.socket)
-    request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "bye.pt"))
-    poll = HeldPoll(connection, request_id, seen=Phase.STAGING)
-    poll.start()
-    assert poll.sent.wait(30)
-    assert connection.call(MessageType.PING, timeout=30).pid == daemon.pid  # POLL is read
-    assert not poll.answered
+    daemon, connection, request_id, poll = a_held_poll(start_daemon, "bye.pt")
     connection.close()
     poll.join(60)
     assert poll.error is None, poll.error
@@ -161,14 +169,8 @@ def test_a_held_poll_is_answered_when_its_trainer_says_goodbye(start_daemon):
 def test_a_held_poll_is_answered_when_the_daemon_stops(start_daemon):
     """SIGTERM: the drain gives up on the save that is never staged, and the held POLL
     gets the save's end as its answer before the daemon's socket closes."""
-    daemon = start_daemon(extra_args=["--drain-timeout", "1"], env=LONG_HOLDS)
-    connection = connect(daemon.socket)
-    request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], "stop.pt"))
-    poll = HeldPoll(connection, request_id, seen=Phase.STAGING, wait_seconds=3600)
-    poll.start()
-    assert poll.sent.wait(30)
-    assert connection.call(MessageType.PING, timeout=30).pid == daemon.pid
-    assert not poll.answered
+    daemon, connection, request_id, poll = a_held_poll(
+        start_daemon, "stop.pt", wait_seconds=3600, extra_args=["--drain-timeout", "1"])
     daemon.process.send_signal(signal.SIGTERM)
     poll.join(90)
     assert poll.error is None, poll.error
@@ -255,6 +257,57 @@ def test_a_signal_handler_calls_the_daemon_while_its_thread_waits_on_a_held_poll
     assert child.returncode == 0, child.stderr
     assert json.loads(child.stdout.splitlines()[-1]) == {
         "poll_awaited": True, "ping": daemon.pid, "phase": Phase.STAGING}
+
+
+def test_a_process_forked_while_a_thread_holds_the_socket_connects_afresh(start_daemon):
+    """A process forks (a DataLoader worker, a process runner) while a thread of its
+    parent holds the channel's turn and another waits on a held POLL: the child's
+    connect() makes a connection of its own and its calls are answered; the inherited
+    one says it is closed instead of waiting forever for a thread that is not there."""
+    daemon, connection, request_id, poll = a_held_poll(start_daemon, "fork.pt")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_turn():
+        with connection.channel._lock:
+            holding.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold_the_turn, daemon=True)
+    holder.start()
+    assert holding.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 2
+        try:
+            fresh = connect(daemon.socket)
+            answered = fresh.call(MessageType.PING, timeout=30).pid == daemon.pid
+            try:
+                connection.call(MessageType.PING, timeout=5)
+                inherited_refused = False
+            except DaemonUnavailableError as exc:
+                inherited_refused = "forked" in str(exc)
+            code = 0 if fresh is not connection and answered and inherited_refused else 1
+        finally:
+            os._exit(code)
+    release.set()
+    finished = []
+
+    def child_done():
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            finished.append(status)
+        return bool(finished)
+
+    try:
+        wait_for(child_done, 60, "the forked child to finish (not hang on the turn)")
+    finally:
+        if not finished:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(finished[0]) == 0
+    connection.call(MessageType.ABORT, _abort(request_id), timeout=30)  # the parent's goes on
+    poll.join(60)
+    assert poll.error is None and poll.state.phase == Phase.ABORTED
 
 
 class RecordedTurns(protocol.Turns):
