@@ -192,8 +192,9 @@ class Channel:
             # this thread's signal handler gets another id.
             msg_id, self._next_id = self._next_id, self._next_id + 1
             self._awaited.add(msg_id)
+            message = encode(msg_type, msg_id, body, frames)  # a handler may run meanwhile
             with self._lock.busy():
-                self.socket.send_multipart(encode(msg_type, msg_id, body, frames), copy=False)
+                self.socket.send_multipart(message, copy=False)
         return msg_id
 
     def wait(self, msg_id: int, timeout: float, still_worth_waiting=None,
