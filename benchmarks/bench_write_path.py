@@ -99,17 +99,30 @@ def page_cache_bytes() -> int:
     return values["Cached"] - values["Shmem"]
 
 
-def disk_of(path: str) -> str:
-    """``/sys/dev/block/M:m/stat`` of the block device ``path`` is on (a partition has one too)."""
+def disk_of(path: str) -> str | None:
+    """``/sys/dev/block/M:m/stat`` of the block device ``path`` is on (a partition has one
+    too), or None where it is on none (tmpfs, overlay, btrfs's anonymous device, NFS)."""
     device = os.stat(path).st_dev
-    return f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat"
+    stat_path = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat"
+    return stat_path if os.path.exists(stat_path) else None
 
 
-def disk_writes(stat_path: str) -> tuple[int, int]:
-    """Write requests completed and 512-byte sectors written so far on that device."""
+def disk_writes(stat_path: str | None) -> tuple[int, int] | None:
+    """Write requests completed and 512-byte sectors written so far on that device (None
+    without a device)."""
+    if stat_path is None:
+        return None
     with open(stat_path) as f:
         fields = f.read().split()
     return int(fields[4]), int(fields[6])
+
+
+def mean_request_kib(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The mean write request between two ``disk_writes`` readings, in KiB (None without a
+    device)."""
+    if before is None or after is None:
+        return None
+    return (after[1] - before[1]) / 2 / max(after[0] - before[0], 1)
 
 
 def staged_to_durable(log: str) -> float | None:
@@ -185,13 +198,15 @@ def measure(method: m.Method, bounds: dict, step: workload.TrainingStep, outdir:
         helpers = method.helper_pids()
         cache, cpu = page_cache_bytes(), cpu_seconds(helpers)
         log_at = daemon.log_offset() if daemon is not None else 0
-        requests, sectors = disk_writes(disk_of(outdir))
+        disk = disk_of(outdir)
+        written = disk_writes(disk)
         started = time.perf_counter()
         method.start(path)
         method.wait_durable()
         runs["durable"].append(time.perf_counter() - started)
-        requests_after, sectors_after = disk_writes(disk_of(outdir))
-        runs["request_kib"].append((sectors_after - sectors) / 2 / max(requests_after - requests, 1))
+        request_kib = mean_request_kib(written, disk_writes(disk))
+        if request_kib is not None:
+            runs["request_kib"].append(request_kib)
         if daemon is not None:
             log = daemon.log_since(log_at)
             after_staging, staging = staged_to_durable(log), staging_seconds(log)
@@ -235,7 +250,7 @@ def summary(name: str, runs: dict) -> str:
         if key != "anon":
             cells.append(_spread(other) if other else "–")
         cells.append(f"{med(staged) / med(other):.2f}×" if other and staged else "–")
-    cells += [f"{med(runs['request_kib']):.0f}", f"{100 * med(runs['cache_growth']):.1f}%",
+    cells += [f"{med(runs['request_kib']):.0f}" if runs["request_kib"] else "–", f"{100 * med(runs['cache_growth']):.1f}%",
               f"{med(runs['step']) / med(runs['normal_step']):.2f}× "
               f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f})"]
     return "| " + " | ".join(cells) + " |"
@@ -278,8 +293,8 @@ def bound_requests(bounds: dict, workdir: str) -> str:
     for name, raw in bounds.items():
         before = disk_writes(stat_path)
         timed_bound(raw, outdir)
-        after = disk_writes(stat_path)
-        sizes.append(f"{BOUNDS[name]} {(after[1] - before[1]) / 2 / max(after[0] - before[0], 1):.0f}")
+        kib = mean_request_kib(before, disk_writes(stat_path))
+        sizes.append(f"{BOUNDS[name]} {'–' if kib is None else f'{kib:.0f}'}")
     m.remove_tree(outdir)
     return "disk write request KiB (mean) of one more run of each bound: " + "; ".join(sizes)
 
