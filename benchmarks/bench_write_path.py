@@ -254,7 +254,8 @@ def summary(name: str, runs: dict) -> str:
         if key != "anon":
             cells.append(_spread(other) if other else "–")
         cells.append(f"{med(staged) / med(other):.2f}×" if other and staged else "–")
-    cells += [f"{med(runs['request_kib']):.0f}" if runs["request_kib"] else "–", f"{100 * med(runs['cache_growth']):.1f}%",
+    request = f"{med(runs['request_kib']):.0f}" if runs["request_kib"] else "–"
+    cells += [request, f"{100 * med(runs['cache_growth']):.1f}%",
               f"{med(runs['step']) / med(runs['normal_step']):.2f}× "
               f"({med(runs['step']):.3f} / {med(runs['normal_step']):.3f})"]
     return "| " + " | ".join(cells) + " |"
@@ -264,7 +265,8 @@ HEADER = ("| method | helpers' CPU-s per GB durable | raw O_DIRECT write + fsync
           "anonymous memory (huge pages) s (min–max) | save call → durable s | ÷ raw | save "
           "call → staged s | staged → durable s | ÷ raw from anonymous memory | the raw write "
           "from an unfolded /dev/shm file (4 KiB pages) s (min–max) | staged → durable ÷ it "
-          "| the raw write from the huge-page tmpfs s (min–max) | staged → durable ÷ it | disk write request KiB (mean) "
+          "| the raw write from the huge-page tmpfs s (min–max) | staged → durable ÷ it | disk "
+          "write request KiB (mean) "
           "| page-cache growth ÷ checkpoint | step overlapping the write ÷ normal step "
           "(s / s) |\n" + "|---" * 15 + "|")
 

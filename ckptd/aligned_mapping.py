@@ -92,7 +92,8 @@ def _what_to_do(error: int, alignment: int) -> str:
         return "the file must be opened read-write by its owner"
     if error == errno.ENOMEM:
         return "the process is out of address space or memory (ulimit -v, vm.max_map_count)"
-    return "check that the file is on a tmpfs or hugetlbfs and its size is a multiple of its page size"
+    return ("check that the file is on a tmpfs or hugetlbfs and its size is a multiple of its "
+            "page size")
 
 
 class AlignedMapping:

@@ -113,7 +113,8 @@ def test_folding_goes_slice_by_slice_and_stops_at_its_budget(folds, shm_path, ca
         assert ("budget" in line) == (budget == 0.0), line
 
 
-@pytest.mark.parametrize("release,version", [("6.18.44-fc-v595", (6, 18)), ("5.15-rc1", (5, 15)),
-                                             ("6.1.0", (6, 1)), ("6.10+", (6, 10)), ("weird", (0, 0))])
+@pytest.mark.parametrize("release,version", [
+    ("6.18.44-fc-v595", (6, 18)), ("5.15-rc1", (5, 15)), ("6.1.0", (6, 1)), ("6.10+", (6, 10)),
+    ("weird", (0, 0))])
 def test_the_kernel_version_the_fold_tests_check_is_read_from_any_release_string(release, version):
     assert kernel_version(release) == version
