@@ -6,8 +6,10 @@ kernel (``MADV_COLLAPSE``, Linux 6.1) for a huge page for every whole huge page 
 Why: the writers write the pool to disk with ``O_DIRECT``. The kernel pins every page of
 the buffer, and a disk request holds at most ``max_segments`` physically contiguous runs
 (254 on the virtio disks here): from a pool on scattered 4 KiB pages a request is cut at
-~1 MiB, and 512x more pages are pinned than from 2 MiB pages; the time to durable from
-``/dev/shm`` was 1.05-1.1x the raw write where a pool on huge pages met it. A tmpfs
+~1 MiB, and 512x more pages are pinned than from 2 MiB pages. Measured here
+(``benchmarks/RESULTS_WRITE_PATH.md``, two runs), folding took a save from ``/dev/shm``
+from 1.04-1.10x the time of a raw direct write of its bytes to 1.02-1.05x, about what a
+``huge=`` tmpfs gives (1.01-1.06x). A tmpfs
 mounted without ``huge=`` (``/dev/shm`` as most systems set it up) gives its files 4 KiB
 pages whatever ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` says: that setting,
 ``deny`` and ``force`` apart, is for the kernel's internal shm mount (SysV shared memory,

@@ -33,7 +33,8 @@ SMALL_PAGE = 4096
 
 #: One line for the log of a daemon whose pool landed on 4 KiB pages.
 HUGE_PAGE_ADVICE = (
-    "direct writes from a pool on huge pages pin ~5x less: mount a tmpfs with huge pages "
+    "direct writes from a pool on huge pages pin 512x fewer pages and reach the disk in "
+    "full-size requests: mount a tmpfs with huge pages "
     "(mount -t tmpfs -o huge=within_size,size=<pool size + 1G>,mode=1777 tmpfs /mnt/ckptd-pool) "
     "and pass --pool-dir /mnt/ckptd-pool (CKPTD_POOL_DIR for a daemon ckpt_client starts)")
 
