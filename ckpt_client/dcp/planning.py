@@ -97,6 +97,8 @@ def global_plan(local_plan: SavePlan, writer: DaemonStorageWriter, planner: Save
     plans = None
     if group.is_coordinator:
         received = [plan_wire.unpack_local(p) for p in gathered]
+        if packs:  # its own plan, not rebuilt: equal, and its items' final forms are known
+            received[group.rank] = local_plan
         plans, metadata = fast_plan.create_global_plan(planner, received)
         plans = writer.prepare_global_plan(plans)
         if packs:

@@ -53,6 +53,7 @@ def _packed_round(states: list) -> tuple:
         locals_.append(plan)
         payloads.append(_wire(plan_wire.pack_local(plan)))
     received = [plan_wire.unpack_local(p) for p in payloads]
+    received[0] = locals_[0]  # the coordinator plans with its own plan as it is
     coordinator = DefaultSavePlanner()
     plans, metadata = fast_plan.create_global_plan(coordinator, received)
     plans = DaemonStorageWriter("/tmp/never").prepare_global_plan(plans)
