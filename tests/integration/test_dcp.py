@@ -352,8 +352,8 @@ def uncached_and_stock_saves(rank, world_size, root):
         loaded = training_like_state(rank, 99, rows)
         DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, f"ours{step}")))
         assert_same(loaded, training_like_state(rank, step, rows))
-    return [_described(os.path.join(root, f"ours{s}")) == _described(os.path.join(root, f"stock{s}"))
-            for s in steps]
+    return [_described(os.path.join(root, f"ours{s}"))
+            == _described(os.path.join(root, f"stock{s}")) for s in steps]
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
