@@ -12,7 +12,9 @@ import os
 import pytest
 
 from ckptd.aligned_mapping import HUGE_PAGE, AlignedMapping, alignment_of, thp_page_size
-from mounts import mounted  # noqa: F401 (a fixture)
+import mounts
+
+mounted = mounts.mounted  # the fixture, under its name here
 
 PMD_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 

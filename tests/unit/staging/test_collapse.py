@@ -18,7 +18,9 @@ from ckptd.aligned_mapping import HUGE_PAGE
 from ckptd.staging.collapse import fold_into_huge_pages
 from ckptd.staging.pool_directory import check_pool_directory
 from hugepages import file_huge_bytes, kernel_folds_tmpfs_pages, kernel_version
-from mounts import mounted  # noqa: F401 (a fixture)
+import mounts
+
+mounted = mounts.mounted  # the fixture, under its name here
 
 libc = ctypes.CDLL(None, use_errno=True)
 

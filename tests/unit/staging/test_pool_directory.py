@@ -15,7 +15,9 @@ from ckptd import knobs
 from ckptd.staging.pool import StagingPool, pool_path_for_this_daemon, remove_stale_pools
 from ckptd.staging.pool_directory import (PoolDirectoryError, check_pool_directory, mount_of)
 from hugepages import file_huge_bytes, kernel_folds_tmpfs_pages
-from mounts import mounted  # noqa: F401 (a fixture)
+import mounts
+
+mounted = mounts.mounted  # the fixture, under its name here
 
 POOL = 8 << 20  # four huge pages
 
