@@ -160,6 +160,22 @@ def _tensor_item(fqn: str, tensor: torch.Tensor) -> WriteItem:
                        tensor.requires_grad, tensor.is_pinned())
 
 
+def _intact(item: WriteItem, size: torch.Size, dtype: torch.dtype, layout: torch.layout,
+            requires_grad: bool, pin_memory: bool) -> bool:
+    """``item`` still describes what its key says: its description's objects are not
+    frozen, and a planner or storage writer may edit them in place after planning."""
+    data = item.tensor_data
+    props, chunk = data.properties, data.chunk
+    return (type(props) is TensorProperties and props.dtype is dtype
+            and props.layout is layout and props.requires_grad is requires_grad
+            and props.pin_memory is pin_memory and props.memory_format is _CONTIGUOUS
+            and type(data.size) is torch.Size and data.size == size
+            and type(chunk) is ChunkStorageMetadata and type(chunk.sizes) is torch.Size
+            and chunk.sizes == size and type(chunk.offsets) is torch.Size
+            and len(chunk.offsets) == len(size) and not any(chunk.offsets)
+            and chunk.offsets == item.index.offset and item.index.index is None)
+
+
 def _renamed(item: WriteItem, fqn: str) -> WriteItem:
     """``item`` under an equal key string of its own (the tensor's description is the
     same objects: nothing else in a plan refers to them)."""
@@ -201,7 +217,11 @@ def local_plan(planner: DefaultSavePlanner, state_dict: Any,
         flat, mappings = _flatten(state_dict)
     except _Fallback:
         return None
-    known, made = _LAST.items, {}
+    # Only stock DCP's own class gets the previous save's items: a subclass (or any
+    # later step) may edit them in place (torch's FP16 planner rewrites each dtype), and
+    # a hit is checked against its key for edits made anyway.
+    shares = type(planner) is DefaultSavePlanner
+    known, made = (_LAST.items if shares else {}), {}
     items: list = []
     # DCP's plan shares each key's string between the item, the flattened dict and the
     # mappings (and, for a top-level key, with the path): a reused item brings its own
@@ -214,7 +234,7 @@ def local_plan(planner: DefaultSavePlanner, state_dict: Any,
             key = (fqn, value.size(), value.dtype, value.layout, value.requires_grad,
                    value.is_pinned())
             item = known.get(key)
-            if item is None:
+            if item is None or not _intact(item, *key[1:]):
                 item = _tensor_item(fqn, value)
             elif item.index.fqn is not fqn:
                 if len(path) == 1:  # DCP's key is the path's own string here
@@ -228,7 +248,7 @@ def local_plan(planner: DefaultSavePlanner, state_dict: Any,
         else:  # DTensor, subclasses, objects: DCP's own code for this one entry
             items.extend(create_default_local_save_plan({fqn: value}, is_coordinator).items)
         keyed[fqn], paths[fqn] = value, path
-    _LAST.items = made
+    _LAST.items = made if shares else {}
     planner.mappings = paths
     planner.state_dict = keyed
     planner.is_coordinator = is_coordinator

@@ -283,3 +283,46 @@ def test_a_reused_plan_pickles_each_leaf_as_it_is_now_not_as_an_equal_one_was():
         stock, stock_plan = _stock_local(state)
         _same_data([stock.resolve_data(i) for i in stock_plan.items],
                    reuse.sources(plan, state, planner))
+
+
+class HalfOnDisk(DefaultSavePlanner):
+    """torch's FP16 planner pattern, its dtype rewrite made in place in ``finish_plan``."""
+
+    def finish_plan(self, new_plan):
+        for item in new_plan.items:
+            if item.tensor_data is not None:
+                item.tensor_data.properties.dtype = torch.float16
+        return new_plan
+
+
+def _plain_save_equals_stock(state: dict) -> None:
+    stock, stock_plan = _stock_local(state)
+    fast, fast_plan_ = _fast_local(state)
+    _same(fast_plan_, stock_plan)
+    stock_global, stock_md = stock.create_global_plan([stock_plan])
+    made = fast_plan.global_plan(fast, [fast_plan_])
+    _same(made[0], stock_global)
+    _same(made[1], stock_md)
+
+
+def test_a_subclass_editing_its_items_in_place_leaves_the_next_plain_save_as_stock():
+    half = HalfOnDisk()
+    plan = fast_plan.local_plan(half, {"w": torch.randn(4)}, True)
+    plans, _ = fast_plan.create_global_plan(half, [plan])
+    half.finish_plan(plans[0])
+    _plain_save_equals_stock({"w": torch.randn(4)})
+    assert _fast_local({"w": torch.randn(4)})[1].items[0].tensor_data.properties.dtype \
+        == torch.float32
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: setattr(d.properties, "dtype", torch.float16),
+    lambda d: setattr(d.properties, "requires_grad", True),
+    lambda d: setattr(d.properties, "memory_format", torch.channels_last),
+    lambda d: setattr(d.chunk, "sizes", torch.Size([2])),
+    lambda d: setattr(d.chunk, "offsets", torch.Size([1])),
+], ids=["dtype", "requires_grad", "memory_format", "chunk_sizes", "chunk_offsets"])
+def test_a_stock_planners_item_edited_after_its_save_is_not_handed_out_again(edit):
+    _, plan = _fast_local({"w": torch.randn(4)})
+    edit(plan.items[0].tensor_data)
+    _plain_save_equals_stock({"w": torch.randn(4)})
