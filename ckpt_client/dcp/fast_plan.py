@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorW
 
 from ckptd import knobs
 from ckpt_client.dcp.leaf_bytes import exact_key, save_settings
+from ckpt_client.dcp.planner_methods import is_stock, keeps_default_methods
 
 #: Exact types the short route plans as plain tensors (a subclass may plan itself).
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -59,10 +60,8 @@ class _Fallback(Exception):
 
 
 def _default_methods(planner: SavePlanner, names: tuple) -> bool:
-    kind = type(planner)
-    return (knobs.DCP_FAST_PLAN.get() and isinstance(planner, DefaultSavePlanner)
-            and not getattr(planner, "_enable_plan_caching", False)
-            and all(getattr(kind, name) is getattr(DefaultSavePlanner, name) for name in names))
+    return (knobs.DCP_FAST_PLAN.get() and keeps_default_methods(planner, names)
+            and not getattr(planner, "_enable_plan_caching", False))
 
 
 def _tensors_plan_themselves() -> bool:
@@ -217,10 +216,10 @@ def local_plan(planner: DefaultSavePlanner, state_dict: Any,
         flat, mappings = _flatten(state_dict)
     except _Fallback:
         return None
-    # Only stock DCP's own class gets the previous save's items: a subclass (or any
+    # Only stock DCP's own planner gets the previous save's items: a subclass (or any
     # later step) may edit them in place (torch's FP16 planner rewrites each dtype), and
     # a hit is checked against its key for edits made anyway.
-    shares = type(planner) is DefaultSavePlanner
+    shares = is_stock(planner)
     known, made = (_LAST.items if shares else {}), {}
     items: list = []
     # DCP's plan shares each key's string between the item, the flattened dict and the

@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
 from ckpt_client.dcp.leaf_bytes import exact_key, save_settings
+from ckpt_client.dcp.planner_methods import keeps_default_methods
 from ckpt_client.transport.flatten import describe
 
 #: DefaultSavePlanner methods whose behaviour the shortcut reproduces; a planner that
@@ -80,10 +80,8 @@ def structure_of(state_dict: Any) -> tuple | None:
 
 def planner_allows_reuse(planner: SavePlanner) -> bool:
     """Whether ``planner`` plans and resolves items exactly as ``DefaultSavePlanner``."""
-    return (isinstance(planner, DefaultSavePlanner)
-            and all(getattr(type(planner), name) is getattr(DefaultSavePlanner, name)
-                    for name in _REPRODUCED)
-            and planner.flatten_state_dict and planner.flatten_sharded_tensors
+    return (keeps_default_methods(planner, _REPRODUCED) and planner.flatten_state_dict
+            and planner.flatten_sharded_tensors
             and not getattr(planner, "_enable_plan_caching", False))
 
 

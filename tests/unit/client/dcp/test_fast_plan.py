@@ -326,3 +326,39 @@ def test_a_stock_planners_item_edited_after_its_save_is_not_handed_out_again(edi
     _, plan = _fast_local({"w": torch.randn(4)})
     edit(plan.items[0].tensor_data)
     _plain_save_equals_stock({"w": torch.randn(4)})
+
+
+@pytest.mark.parametrize("name", ["set_up_planner", "create_local_plan", "create_global_plan",
+                                  "_dedup_save_plans", "resolve_data", "lookup_object",
+                                  "transform_object"])
+def test_a_method_set_on_the_instance_counts_as_an_override(name):
+    from ckpt_client.dcp.plan_reuse import planner_allows_reuse
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"x": torch.ones(1)}, None, True)
+    assert fast_plan.plans_locally(planner) and fast_plan.plans_globally(planner)
+    assert fast_plan.resolves(planner) and planner_allows_reuse(planner)
+    setattr(planner, name, getattr(planner, name))  # the same method, as an instance's own
+    assert fast_plan.plans_locally(planner) is (name not in fast_plan._LOCAL)
+    assert fast_plan.plans_globally(planner) is (name not in fast_plan._GLOBAL)
+    assert fast_plan.resolves(planner) is (name not in fast_plan._RESOLVE)
+    assert planner_allows_reuse(planner) is (name in fast_plan._GLOBAL)
+
+
+def test_an_instances_transform_object_is_called_on_the_save_path():
+    from ckpt_client.dcp.files import resolve_items
+
+    planner = DefaultSavePlanner()
+    planner.transform_object = lambda item, obj: obj * 2
+    planner.set_up_planner({"x": torch.ones(2)}, None, True)
+    plan = planner.create_local_plan()
+    assert torch.equal(resolve_items(plan, planner)[0], torch.full((2,), 2.0))
+
+
+def test_an_instances_finish_plan_editing_items_leaves_the_next_plain_save_as_stock():
+    planner = DefaultSavePlanner()
+    planner.finish_plan = HalfOnDisk.finish_plan.__get__(planner)
+    plan = fast_plan.local_plan(planner, {"w": torch.randn(4)}, True)
+    plans, _ = fast_plan.create_global_plan(planner, [plan])
+    planner.finish_plan(plans[0])
+    _plain_save_equals_stock({"w": torch.randn(4)})
