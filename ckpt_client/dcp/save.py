@@ -25,6 +25,7 @@ from ckpt_client.dcp.commit import commit_on_coordinator
 from ckpt_client.dcp.commit_handover import hand_over
 from ckpt_client.dcp.files import METADATA_NAME
 from ckpt_client.dcp.planning import EarlyStaging, global_plan, plan_or_reuse
+from ckpt_client.dcp.stager import state_dicts_of
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
 from ckpt_client.queue import spans
@@ -60,7 +61,8 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     Parameters
     ----------
     state_dict : dict
-        As for ``torch.distributed.checkpoint.save``.
+        As for ``torch.distributed.checkpoint.save``: a top-level ``Stateful`` value is
+        saved as its ``state_dict()``.
     checkpoint_id : str or PathLike
         Checkpoint directory (must lie under one of the daemon's ``--root``).
     process_group : ProcessGroup, optional
@@ -82,6 +84,8 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     AsyncRequest
     """
     started = time.time()
+    if isinstance(state_dict, dict):  # as stock DCP: a Stateful value saves its state
+        state_dict = state_dicts_of(state_dict)
     planner = planner or DefaultSavePlanner()
     writer = DaemonStorageWriter(checkpoint_id)
     group = Group(process_group)

@@ -364,3 +364,45 @@ def test_the_default_save_writes_the_metadata_stock_dcp_save_writes(daemon, tmp_
     same = values(run_ranks(uncached_and_stock_saves, world_size, daemon.socket, tmp_path,
                             args=(daemon.roots[0],)))
     assert same == [[True, True, True]] * world_size
+
+
+class AppState:
+    """The usual ``Stateful`` wrapper: DCP saves its state dict, not the object."""
+
+    def __init__(self, step: int) -> None:
+        self.weight = full_model(step)["embed"]
+        self.step = step
+
+    def state_dict(self) -> dict:
+        return {"weight": self.weight, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.weight.copy_(state["weight"])
+        self.step = state["step"]
+
+
+def stateful_saves(rank, world_size, root, enable_cache, zero_stall):
+    queue = AsyncCallsQueue()
+    for step in (1, 2):
+        state = {"app": AppState(step), "bias": full_model(step)["bias"]}
+        queue.schedule_async_request(dcp.async_save(
+            state, os.path.join(root, f"app{step}"), enable_cache=enable_cache,
+            zero_stall=zero_stall))
+        queue.maybe_finalize_async_calls(blocking=True)
+    return True
+
+
+@pytest.mark.parametrize("enable_cache", [False, True], ids=["planned", "cached"])
+@pytest.mark.parametrize("zero_stall", [False, True], ids=["default", "zero-stall"])
+def test_a_stateful_value_is_saved_as_its_state_dict(daemon, tmp_path, enable_cache, zero_stall):
+    values(run_ranks(stateful_saves, 1, daemon.socket, tmp_path,
+                     args=(daemon.roots[0], enable_cache, zero_stall)))
+    for step in (1, 2):
+        directory = os.path.join(daemon.roots[0], f"app{step}")
+        keys = set(FileSystemReader(directory).read_metadata().state_dict_metadata)
+        assert keys == {"app.weight", "app.step", "bias"}
+        loaded = {"app": AppState(99), "bias": torch.zeros(COLS)}
+        DCP.load(loaded, storage_reader=FileSystemReader(directory))
+        assert torch.equal(loaded["app"].weight, full_model(step)["embed"])
+        assert loaded["app"].step == step
+        assert torch.equal(loaded["bias"], full_model(step)["bias"])
