@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorW
                                                   WriteItem, WriteItemType)
 
 from ckptd import knobs
-from ckpt_client.dcp.leaf_bytes import exact_key, save_settings
+from ckpt_client.dcp.leaf_bytes import exact_key, save_settings, worth_keeping
 from ckpt_client.dcp.planner_methods import is_stock, keeps_default_methods
 
 #: Exact types the short route plans as plain tensors (a subclass may plan itself).
@@ -433,7 +433,7 @@ def sources(plan: SavePlan, planner: DefaultSavePlanner) -> list:
                     continue
             stream = io.BytesIO()
             torch.save(value, stream)
-            if key is not None:
+            if key is not None and worth_keeping(stream.getbuffer().nbytes):
                 made[key] = stream.getvalue()
             out.append(stream)
         else:

@@ -14,18 +14,28 @@ from typing import Any
 
 import torch
 
-_EXACT_SCALARS = frozenset({int, bool, str, bytes, type(None)})
+_EXACT_SCALARS = frozenset({int, bool, type(None)})
 _NUMBERS = frozenset({int, bool, float, type(None)})
+#: The largest ``torch.save`` bytes kept for the next save: kept bytes (and the key, which
+#: holds the value) live until then, and a large leaf costs little to pickle per byte.
+MAX_KEPT_BYTES = 64 * 1024
+
+
+def worth_keeping(size: int) -> bool:
+    """Whether a leaf's ``torch.save`` bytes, ``size`` long, are kept for the next save."""
+    return size <= MAX_KEPT_BYTES
 
 
 def exact_key(value: Any) -> tuple | None:
     """A key equal only for values ``torch.save`` writes alike (``None``: do not keep).
 
     Floats go by their exact bits; a list or tuple only of numbers qualifies (strings in
-    one could be one object twice, which pickles differently from two equal ones).
+    one could be one object twice, which pickles differently from two equal ones); a
+    long string or bytes does not (the key would keep it alive).
     """
     kind = type(value)
-    if kind in _EXACT_SCALARS:
+    if kind in _EXACT_SCALARS or ((kind is str or kind is bytes)
+                                  and len(value) <= MAX_KEPT_BYTES):
         return (kind, value)
     if kind is float:
         return (float, value.hex()) if value == value else None

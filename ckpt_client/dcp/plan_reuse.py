@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
-from ckpt_client.dcp.leaf_bytes import exact_key, save_settings
+from ckpt_client.dcp.leaf_bytes import exact_key, save_settings, worth_keeping
 from ckpt_client.dcp.planner_methods import keeps_default_methods
 from ckpt_client.transport.flatten import describe
 
@@ -153,8 +153,10 @@ class ReusablePlan:
                 sources.append(io.BytesIO(kept[1]))
                 continue
             data = planner.transform_object(item, value)
-            if key is not None:
+            if key is not None and worth_keeping(data.getbuffer().nbytes):
                 self._pickled[fqn] = (key, data.getvalue())
+            else:
+                self._pickled.pop(fqn, None)
             sources.append(data)
         return sources
 

@@ -362,3 +362,24 @@ def test_an_instances_finish_plan_editing_items_leaves_the_next_plain_save_as_st
     plans, _ = fast_plan.create_global_plan(planner, [plan])
     planner.finish_plan(plans[0])
     _plain_save_equals_stock({"w": torch.randn(4)})
+
+
+def test_only_small_leaves_and_their_bytes_are_kept_for_the_next_save():
+    import sys
+
+    from ckpt_client.dcp.leaf_bytes import MAX_KEPT_BYTES
+    from ckpt_client.dcp.plan_reuse import ReusablePlan, structure_of
+
+    big, big_text = b"\x01" * (1 << 20), "t" * (1 << 20)
+    before = sys.getrefcount(big), sys.getrefcount(big_text)
+    state = {"x": torch.ones(1), "big": big, "text": big_text, "small": b"\x02" * 100}
+    planner, plan = _fast_local(state)
+    fast_plan.sources(plan, planner)
+    stock, stock_plan = _stock_local(state)
+    reuse = ReusablePlan(structure_of(state), stock_plan, state, stock.mappings)
+    for _ in range(2):
+        reuse.sources(stock_plan, state, stock)
+    del planner, plan, stock, stock_plan, state
+    assert (sys.getrefcount(big), sys.getrefcount(big_text)) == before
+    kept = list(fast_plan._LAST.pickled.values()) + [b for _, b in reuse._pickled.values()]
+    assert len(kept) == 2 and all(len(data) <= MAX_KEPT_BYTES for data in kept)
