@@ -405,7 +405,7 @@ POLL_HOLD_MAX = _knob("POLL_HOLD_MAX", 30.0, float, "Longest the daemon holds a 
 SENT_AHEAD_KINDS = _knob("SENT_AHEAD_KINDS", 8, int, "Kinds of torch state dicts per "
                          "connection whose layout is kept to send STAGE ahead (0: none)")
 DCP_FAST_PLAN = _knob("DCP_FAST_PLAN", True, parse_bool, "DCP saves with the default planner "
-                      "plan the short way (the same plans and metadata); 0: DCP's own calls")
+                      "plan the short way; 0: DCP's own planning (enable_cache still reuses plans)")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,

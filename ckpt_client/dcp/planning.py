@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from ckptd import knobs
 from ckpt_client.collectives import Group
 import ckpt_client.dcp.fast_plan as fast_plan
 import ckpt_client.dcp.plan_wire as plan_wire
@@ -134,9 +135,11 @@ class EarlyStaging:
     def worthwhile(planner: SavePlanner, group: Group) -> bool:
         """Whether this planner's final plan is predictable from the local one, and
         there are plan collectives to overlap: a single process's global plan takes a
-        millisecond or two, less than staging from a background thread costs (the
-        handoff, and a STAGED that waits for its reply)."""
-        return (group.distributed and type(planner) is DefaultSavePlanner
+        millisecond or two on the short route, less than staging from a background
+        thread costs (the handoff, and a STAGED that waits for its reply); DCP's own
+        planning (the short route switched off) is slow enough to overlap."""
+        return ((group.distributed or not knobs.DCP_FAST_PLAN.get())
+                and type(planner) is DefaultSavePlanner
                 and not getattr(planner, "_enable_plan_caching", False)
                 and _cache_key(group, planner) not in _plans_that_moved_items)
 

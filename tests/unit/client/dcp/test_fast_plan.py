@@ -383,3 +383,13 @@ def test_only_small_leaves_and_their_bytes_are_kept_for_the_next_save():
     assert (sys.getrefcount(big), sys.getrefcount(big_text)) == before
     kept = list(fast_plan._LAST.pickled.values()) + [b for _, b in reuse._pickled.values()]
     assert len(kept) == 2 and all(len(data) <= MAX_KEPT_BYTES for data in kept)
+
+
+def test_with_the_short_route_off_a_single_process_stages_while_it_plans_as_before():
+    from ckptd import knobs
+    from ckpt_client.collectives import Group
+    from ckpt_client.dcp.planning import EarlyStaging
+
+    assert not EarlyStaging.worthwhile(DefaultSavePlanner(), Group(None))
+    with knobs.override(DCP_FAST_PLAN=False):
+        assert EarlyStaging.worthwhile(DefaultSavePlanner(), Group(None))
