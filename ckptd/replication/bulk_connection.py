@@ -11,13 +11,16 @@ Owns the byte layout of the bulk path (parts' bytes never travel over ZeroMQ):
   The server answers only a client whose public key is in the trainers' table and that
   dialed this daemon's current key; each proof is a tag under the new connection keys
   (:mod:`.sealing`), so both ends know the other holds the secret of its public key.
-  A client that dialed another key (the daemon it means was here before this one: it
-  restarted) is told so in one byte, ``REPLACED``, whoever it is: what it had sent that
-  daemon is lost, and waiting for it to come back would only cost the stream's whole
-  no-progress deadline. Anyone else is disconnected without a byte of answer.
-  :meth:`BulkConnection.dial` raises :class:`PeerGoneError` for that answer, and for a
-  refused connection (nothing listens at the peer's bulk address any more: its daemon
-  exited, or restarted on another port).
+  A client whose key is in the table but that dialed another key (the daemon it means was
+  here before this one: it restarted) is told so in one byte, ``REPLACED``: what it had
+  sent that daemon is lost, and waiting for it to come back would only cost the stream's
+  whole no-progress deadline. Anyone else is disconnected without a byte of answer, so a
+  stranger learns neither this daemon's key nor its protection choice. ``REPLACED`` is not
+  authenticated (the dialer does not know the new key): whoever can forge bytes on the
+  path can end a push with it at once, as they could by dropping its packets until the
+  no-progress deadline. :meth:`BulkConnection.dial` raises :class:`PeerGoneError` for it,
+  and for a refused connection (nothing listens at the peer's bulk address any more: its
+  daemon exited, or restarted on another port).
 - **frames**: a 32-byte header in clear (kind, payload length, transfer id, offset, one
   more integer), authenticated together with the payload, then the sealed payload. A
   ``CHUNK`` carries part bytes; the other kinds carry a small msgpack map.
@@ -308,12 +311,14 @@ class BulkConnection:
                 raise BulkConnectionError(f"the peer protects bulk bytes with {theirs!r}, this "
                                           f"daemon with {protection!r}: start every daemon of "
                                           "the job with the same --peer-encryption")
+            # Strangers first, and silently: an answer would tell anyone who can reach the
+            # port whether a key (or a protection choice) is this daemon's.
+            if not allowed(client_public):
+                raise BulkConnectionError("unknown key: not one of this job's daemons")
             if server_public != own_public:  # said, so the dialer stops waiting for that one
                 sock.sendall(REPLACED)
                 raise BulkConnectionError("the peer dialed another key (an earlier daemon "
                                           "here); told it that daemon is gone")
-            if not allowed(client_public):
-                raise BulkConnectionError("unknown key: not one of this job's daemons")
             salt_s = new_salt()
             c2s, s2c = connection_keys(shared_secret(own_secret, client_public),
                                        salt_c + salt_s, client_public, own_public, protection)

@@ -189,18 +189,21 @@ def test_unknown_keys_and_impostors_get_no_answer(pair):
 
 
 def test_a_daemon_that_restarted_tells_a_dialer_of_its_predecessor_so(pair):
-    """A dial naming a key that is not the listener's (the daemon it meant was here before:
-    it restarted) is answered, and fails as gone, not as a handshake to retry; a stranger
-    naming the right key still hears nothing."""
+    """A job's daemon dialing a key that is not the listener's (the daemon it meant was here
+    before: it restarted) is answered, and fails as gone, not as a handshake to retry; a
+    stranger hears nothing, whichever key and protection it names: an answer would tell it
+    the listener's key and protection choice."""
     a, b, session, events, targets, listener, sender = pair
     earlier = credentials(a[2])
     address = ("127.0.0.1", listener.port)
     with pytest.raises(PeerGoneError, match="has another key: the one dialed was restarted"):
         BulkConnection.dial(address, a[0], a[1], earlier[1], a[2], 10.0)
     stranger = credentials(a[2])
-    with pytest.raises(BulkConnectionError, match="closed after 0") as silent:
-        BulkConnection.dial(address, stranger[0], stranger[1], b[1], a[2], 10.0)
-    assert not isinstance(silent.value, PeerGoneError)
+    for protection in ("aes-256-gcm", "none"):
+        for named in (b[1], earlier[1]):
+            with pytest.raises(BulkConnectionError, match="closed after 0") as silent:
+                BulkConnection.dial(address, stranger[0], stranger[1], named, protection, 10.0)
+            assert not isinstance(silent.value, PeerGoneError), (protection, named == b[1])
 
 
 @pytest.mark.parametrize("where", ["restarted", "exited"])
