@@ -15,6 +15,7 @@ and, for part bytes, on the bulk connection threads it starts:
 - ``bulk_wire``   the bulk path's typed vocabulary (the control frames' bodies);
 - ``streams``     where a part's bytes come from (the staging pool, or a file);
 - ``bulk_send``   parts sent over several connections per peer, resumed after a break;
+- ``refusals``    when refused dials mean the peer daemon is gone (not a passing reject);
 - ``bulk_receive`` the bulk listener, and parts written and checksummed as they arrive;
 - ``outgoing``    pushes to holders, and parts served to fetchers (checked as they go);
 - ``incoming``    replicas received, and fetches that try the holders in order;

@@ -19,8 +19,9 @@ Owns the byte layout of the bulk path (parts' bytes never travel over ZeroMQ):
   authenticated (the dialer does not know the new key): whoever can forge bytes on the
   path can end a push with it at once, as they could by dropping its packets until the
   no-progress deadline. :meth:`BulkConnection.dial` raises :class:`PeerGoneError` for it,
-  and for a refused connection (nothing listens at the peer's bulk address any more: its
-  daemon exited, or restarted on another port).
+  and :class:`DialRefusedError` for a refused connection or a handshake closed without a
+  byte of answer: that may be a daemon gone, or a passing reject on the path, so only a
+  lane that meets it for a while judges the peer gone (:mod:`.refusals`).
 - **frames**: a 32-byte header in clear (kind, payload length, transfer id, offset, one
   more integer), authenticated together with the payload, then the sealed payload. A
   ``CHUNK`` carries part bytes; the other kinds carry a small msgpack map.
@@ -74,9 +75,19 @@ class BulkConnectionError(Exception):
 
 
 class PeerGoneError(BulkConnectionError):
-    """The daemon a dial meant is no longer there: nothing listens at its bulk address, or
-    another daemon (another key) does. What it held of a transfer went with it, so a
-    transfer to it cannot resume: redialing would only wait out its deadline."""
+    """The daemon a dial meant is no longer there: another daemon (another key) answers at
+    its bulk address, or every dial there has been refused for a while. What it held of a
+    transfer went with it, so a transfer to it cannot resume: redialing would only wait out
+    its deadline."""
+
+
+class DialRefusedError(BulkConnectionError):
+    """The peer's bulk address refused the connection, or closed the handshake without a
+    byte of answer. Nothing listens there (the daemon exited or moved), or a daemon there
+    does not take this one's dials (restarted and not told of this daemon yet, another
+    ckptd version, another ``--peer-encryption``); or something on the path rejected it
+    for a moment (a firewall reload, a full accept queue) while the daemon lives: one
+    such answer alone proves nothing."""
 
 
 @dataclass(frozen=True)
@@ -247,9 +258,8 @@ class BulkConnection:
         where = f"{address[0]}:{address[1]}"
         try:
             sock = socket.create_connection(address, timeout=timeout)
-        except ConnectionRefusedError as exc:  # its listener closes only when it exits
-            raise PeerGoneError(f"nothing listens at {where} any more ({exc.strerror}): the "
-                                f"daemon there exited or was restarted") from None
+        except ConnectionRefusedError as exc:
+            raise DialRefusedError(f"nothing listens at {where} ({exc.strerror})") from None
         except OSError as exc:
             raise BulkConnectionError(f"cannot reach {where}: {exc}") from None
         try:
@@ -258,7 +268,13 @@ class BulkConnection:
                                 salt_c)
             sock.sendall(hello)
             status = memoryview(bytearray(1))
-            _recv_exact(sock, status)
+            try:
+                _recv_exact(sock, status)
+            except BulkConnectionError as exc:  # closed at once: it will not take this dial
+                raise DialRefusedError(
+                    f"the daemon at {where} closed the handshake without an answer ({exc}): it "
+                    "does not know this daemon, runs another ckptd version or "
+                    "--peer-encryption (its log says which)") from None
             if bytes(status) == REPLACED:
                 raise PeerGoneError(f"the daemon at {where} has another key: the one dialed "
                                     f"was restarted")
@@ -276,7 +292,7 @@ class BulkConnection:
             _tune(sock, io_timeout)
             sock.settimeout(None)
             return channel
-        except PeerGoneError:
+        except (PeerGoneError, DialRefusedError):
             sock.close()
             raise
         except (OSError, BulkConnectionError, AuthenticationError) as exc:

@@ -19,10 +19,11 @@ served to a fetcher): the :class:`~ckptd.replication.send_job.SendJob` s on a
 - every outcome is posted as a :class:`~ckptd.replication.commands.Sent`; a job without
   progress for :data:`ckptd.knobs.PEER_TIMEOUT` is failed by :meth:`BulkSender.expire`
   (called on the replicator's tick): a slow link is not a dead one, a cut one is reported;
-- a dial that finds the peer's daemon gone (:class:`~.bulk_connection.PeerGoneError`:
-  nothing listens at its bulk address, or a restarted daemon with another key answers
-  there) ends every job of that lane at once: what the receiver held went with it, so no
-  job there can resume, and a restarted peer would otherwise cost each its whole deadline.
+- a dial that finds the peer's daemon gone (a restarted daemon with another key answers
+  at its bulk address, :class:`~.bulk_connection.PeerGoneError`; or dials there keep
+  being refused while no connection moves a byte, :mod:`.refusals`) ends every job of
+  that lane at once: what the receiver held went with it, so no job there can resume, and
+  a restarted peer would otherwise cost each its whole deadline.
 
 Liveness is not judged here: heartbeats travel on the ZeroMQ control link, never behind
 part bytes.
@@ -42,6 +43,7 @@ from ckptd.replication.bulk_connection import (BulkConnection, BulkConnectionErr
                                               PeerGoneError)
 from ckptd.replication.bulk_wire import Abort, Done, End, Ready, control_body, send_control
 from ckptd.replication.commands import Sent
+from ckptd.replication.refusals import Refusals
 from ckptd.replication.send_job import SendJob, io_timeout
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class Lane:
         self.jobs: dict[int, SendJob] = {}
         self.connections: list[_Connection] = []
         self.last_error: str | None = None
+        self.refusals = Refusals()
         #: The bulk path's handler table on the sending end: frame kind -> handler.
         self._answer_handlers = {Kind.ACK: self._on_ack, Kind.READY: self._on_ready,
                                  Kind.DONE: self._on_outcome, Kind.ABORT: self._on_outcome}
@@ -160,17 +163,14 @@ class Lane:
                                        io_timeout())
             except BulkConnectionError as exc:
                 with self.lock:
-                    self.last_error = str(exc)
-                    if isinstance(exc, PeerGoneError):
-                        end_lost_jobs(self, exc)
-                    # telling an unreachable peer that a transfer ended is best effort
-                    self.queue = deque(w for w in self.queue if w[1] != ABORT)
+                    dial_failed(self, exc)
                     self.lock.wait_for(lambda: self.stopped, timeout=backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
             backoff = 0.1
             with self.lock:
                 connection.channel, connection.broken = channel, None
+                self.refusals.dialed()
             reader = threading.Thread(target=self._read, args=(connection, channel), daemon=True,
                                       name=f"ckptd-bulk-ack-{self.address[0]}-{connection.index}")
             reader.start()
@@ -308,6 +308,19 @@ class Lane:
             return
         job.end_queued = True
         self.queue.append((job, END))
+
+
+def dial_failed(lane: Lane, exc: BulkConnectionError) -> None:
+    """A dial of ``lane`` failed (its lock held): end its jobs if that says the peer is
+    gone."""
+    lane.last_error = str(exc)
+    connected = any(c.channel is not None for c in lane.connections)
+    gone = exc if isinstance(exc, PeerGoneError) else lane.refusals.failed(
+        exc, time.monotonic(), connected, lane.last_activity())
+    if gone is not None:
+        end_lost_jobs(lane, gone)
+    # telling an unreachable peer that a transfer ended is best effort
+    lane.queue = deque(w for w in lane.queue if w[1] != ABORT)
 
 
 def end_lost_jobs(lane: Lane, exc: PeerGoneError) -> None:

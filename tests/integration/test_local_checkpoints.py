@@ -293,8 +293,9 @@ def test_root_outside_local_dir_is_refused_on_every_rank(make_nodes, tmp_path):
 
 def test_daemon_restart_refuses_saves_until_find_latest(make_nodes, tmp_path):
     # Rank 0's second save pushes to the restarted node, which no longer knows the
-    # session: that push fails at its first dial (nothing listens at the bulk address the
-    # key table names).
+    # session: that push fails (nothing listens at the bulk address the key table names),
+    # here at its 3 s no-progress deadline, before refused dials would count as the peer
+    # gone.
     nodes = make_nodes(2, env=SHORT_PEER_ENV)
     flags = {name: str(tmp_path / name) for name in ("saved", "restarted")}
     processes, results = start_ranks(save_across_daemon_restart, 2, nodes.sockets(1), tmp_path,

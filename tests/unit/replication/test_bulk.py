@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 import time
 import zlib
@@ -206,22 +207,29 @@ def test_a_daemon_that_restarted_tells_a_dialer_of_its_predecessor_so(pair):
             assert not isinstance(silent.value, PeerGoneError), (protection, named == b[1])
 
 
-@pytest.mark.parametrize("where", ["restarted", "exited"])
+@pytest.mark.parametrize("where", ["restarted", "exited", "restarted, not told of A"])
 def test_a_push_to_a_daemon_that_is_gone_ends_at_once_not_at_its_deadline(pair, where):
     """Pushes stream to a daemon whose listener is now another daemon's (it restarted on
-    the same port: another key) or is closed (it exited, or restarted elsewhere): each
-    ends with the reason as soon as a dial meets that, while the no-progress deadline (its
-    only end before) is far off and never checked here (nothing calls ``expire``)."""
+    the same port: another key), is closed (it exited, or restarted elsewhere), or is a
+    restarted daemon's that does not know A yet (it closes the handshake unanswered): each
+    ends with the reason as soon as a dial meets the first, or once the others persist
+    (twice the handshake timeout, here 1 s), while the no-progress deadline (its only end
+    before) is far off and never checked here (nothing calls ``expire``)."""
     a, b, session, events, targets, listener, sender = pair
     if where == "restarted":
         bulk, key = f"127.0.0.1:{listener.port}", credentials(a[2])[1]
         said = "has another key: the one dialed was restarted"
     else:
-        closed = BulkListener("127.0.0.1", b, lambda k: True, targets)
-        bulk, key = f"127.0.0.1:{closed.port}", b[1]
-        closed.close()
-        said = "nothing listens at"
-    with knobs.override(PEER_TIMEOUT=3600.0):
+        allowed = (lambda k: True) if where == "exited" else (lambda k: False)
+        other = BulkListener("127.0.0.1", credentials(a[2]), allowed, targets)
+        bulk, key = f"127.0.0.1:{other.port}", b[1]
+        if where == "exited":
+            other.close()  # never started: its port is closed at once
+            said = "nothing listens at"
+        else:
+            other.start()
+            said = "closed the handshake without an answer"
+    with knobs.override(PEER_TIMEOUT=3600.0, PEER_HANDSHAKE_TIMEOUT=0.5):
         for xfer in (21, 22):
             job = SendJob(xfer, "push", "node-b", BytesSource(os.urandom(PART_FRAME_BYTES + 1)),
                           Begin("s", 0, 7), PeerStats(), owner=0, iteration=7)
@@ -232,7 +240,93 @@ def test_a_push_to_a_daemon_that_is_gone_ends_at_once_not_at_its_deadline(pair, 
         assert not sent.ok and sent.error.startswith(
             "phase 'replicating': rank 0's part of iteration 7 to node-b was lost: "), sent
         assert said in sent.error, sent.error
+        if where != "restarted":
+            assert "exited or was restarted" in sent.error, sent.error
     assert not sender.jobs()
+    if where == "restarted, not told of A":
+        other.close()
+
+
+class Relay:
+    """A tcp relay in front of a listener. :meth:`refuse_new` closes its listening socket:
+    new connections are refused (as a firewall reload or a load balancer's reject does)
+    while those already relayed go on."""
+
+    def __init__(self, port: int) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port, self.target = self.server.getsockname()[1], ("127.0.0.1", port)
+        self.socks: list[socket.socket] = []
+        self.flowing = threading.Event()  # cleared: bytes are held, not forwarded
+        self.flowing.set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                near, _ = self.server.accept()
+            except OSError:
+                return  # refusing new connections now
+            far = socket.create_connection(self.target)
+            self.socks += [near, far]
+            for one, other in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(one, other), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 20):
+                assert self.flowing.wait(TIMEOUT)
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def refuse_new(self) -> None:
+        self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; port closed
+        self.server.close()
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+
+
+def test_a_refused_dial_does_not_end_a_push_that_moves_on_another_connection(pair):
+    """A push on two connections, each with a chunk in flight: one breaks, and its redials
+    are refused (the peer's address rejects new connections for a while) while the other
+    stays up. A refusal alone proves nothing, and an established connection proves the
+    daemon is there: once the relay forwards again, the push completes on the connection
+    that stayed up (before, the first refusal ended it)."""
+    a, b, session, events, targets, listener, sender = pair
+    relay = Relay(listener.port)
+    data = os.urandom(4 * PART_FRAME_BYTES)
+    source = BytesSource(data, gate_at=0)  # each connection takes a chunk and waits
+    with knobs.override(PEER_STREAMS=2, REPLICATION_WINDOW=1):
+        job = SendJob(1, "push", "node-b", source, Begin("s", 0, 3), PeerStats())
+        sender.send(f"127.0.0.1:{relay.port}", b[1], "node-b", job)
+        lane = next(iter(sender._lanes.values()))
+
+        def both_carrying():
+            with lane.lock:
+                up = [c.channel for c in lane.connections
+                      if c.channel is not None and c.chunks_in_flight()]
+                return up if len(up) == 2 else None
+
+        breaking, staying = wait_for(both_carrying, TIMEOUT, "a chunk on each connection")
+        relay.flowing.clear()  # what is sent now stays unacknowledged: windows stay full
+        relay.refuse_new()
+        source.gate.set()
+        breaking.close()  # its chunk goes back to the queue; it redials, and is refused
+        wait_for(lambda: "nothing listens at" in (lane.last_error or ""), TIMEOUT,
+                 "a redial to be refused")
+        assert not staying.closed
+        relay.flowing.set()
+        received, sent = events.next(Received), events.next(Sent)
+    relay.close()
+    assert received.ok and sent.ok, (received, sent)
+    assert open(session.part_path(3, 0), "rb").read() == data
 
 
 def test_a_receiver_without_progress_gives_up_but_a_slow_sender_is_progress(pair):
