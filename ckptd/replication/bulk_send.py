@@ -23,7 +23,8 @@ served to a fetcher): the :class:`~ckptd.replication.send_job.SendJob` s on a
   at its bulk address, :class:`~.bulk_connection.PeerGoneError`; or dials there keep
   being refused while no connection moves a byte, :mod:`.refusals`) ends every job of
   that lane at once: what the receiver held went with it, so no job there can resume, and
-  a restarted peer would otherwise cost each its whole deadline.
+  a restarted peer would otherwise cost each its whole deadline. A dial that fails drops
+  the work of finished jobs: a lane without live jobs stops dialing.
 
 Liveness is not judged here: heartbeats travel on the ZeroMQ control link, never behind
 part bytes.
@@ -92,6 +93,7 @@ class Lane:
         self.connections: list[_Connection] = []
         self.last_error: str | None = None
         self.refusals = Refusals()
+        self.dials = 0                   # dials made: an idle lane must not add any
         #: The bulk path's handler table on the sending end: frame kind -> handler.
         self._answer_handlers = {Kind.ACK: self._on_ack, Kind.READY: self._on_ready,
                                  Kind.DONE: self._on_outcome, Kind.ABORT: self._on_outcome}
@@ -156,6 +158,7 @@ class Lane:
                     return
                 if not self.queue:
                     continue
+                self.dials += 1
             own_secret, own_public, protection = self._credentials
             try:
                 channel = BulkConnection.dial(self.address, own_secret, own_public, self.peer_key,
@@ -312,15 +315,16 @@ class Lane:
 
 def dial_failed(lane: Lane, exc: BulkConnectionError) -> None:
     """A dial of ``lane`` failed (its lock held): end its jobs if that says the peer is
-    gone."""
+    gone, and drop the work no dial is for any more."""
     lane.last_error = str(exc)
     connected = any(c.channel is not None for c in lane.connections)
     gone = exc if isinstance(exc, PeerGoneError) else lane.refusals.failed(
         exc, time.monotonic(), connected, lane.last_activity())
     if gone is not None:
         end_lost_jobs(lane, gone)
-    # telling an unreachable peer that a transfer ended is best effort
-    lane.queue = deque(w for w in lane.queue if w[1] != ABORT)
+    # telling an unreachable peer that a transfer ended is best effort, and a finished
+    # job's work must not keep the lane dialing
+    lane.queue = deque(w for w in lane.queue if w[1] != ABORT and not w[0].finished)
 
 
 def end_lost_jobs(lane: Lane, exc: PeerGoneError) -> None:

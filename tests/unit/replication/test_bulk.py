@@ -329,6 +329,51 @@ def test_a_refused_dial_does_not_end_a_push_that_moves_on_another_connection(pai
     assert open(session.part_path(3, 0), "rb").read() == data
 
 
+def test_a_lane_whose_jobs_ended_stops_dialing_the_peer(pair):
+    """A restarted daemon (another key) answers every dial REPLACED; the two pushes to the
+    daemon before it end, and then the lane drops their work, so it dials no more (before,
+    their BEGINs stayed queued and the lane redialed for as long as the daemon ran): its
+    queue empties, and every dial it made is a connection the listener accepted."""
+    a, b, session, events, targets, listener, sender = pair
+    restarted = credentials(a[2])
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list = []
+
+    def serve():
+        while True:
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return  # closed
+            accepted.append(sock)
+            try:
+                BulkConnection.accept(sock, restarted[0], restarted[1], lambda k: True, a[2],
+                                      TIMEOUT)
+            except BulkConnectionError:
+                pass  # REPLACED was said
+            sock.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    with knobs.override(PEER_STREAMS=2, PEER_TIMEOUT=3600.0):
+        for xfer in (31, 32):
+            job = SendJob(xfer, "push", "node-b", BytesSource(os.urandom(1000)),
+                          Begin("s", 0, 8), PeerStats(), owner=0, iteration=8)
+            sender.send(f"127.0.0.1:{server.getsockname()[1]}", b[1], "node-b", job)
+        ended = [events.next(Sent), events.next(Sent)]
+        assert all(not sent.ok and "has another key" in sent.error for sent in ended), ended
+        lane = next(iter(sender._lanes.values()))
+
+        def idle() -> bool:
+            with lane.lock:
+                return not lane.queue  # a lane's threads dial only for queued work
+
+        wait_for(idle, TIMEOUT, "the lane to drop the ended jobs' work")
+        wait_for(lambda: len(accepted) == lane.dials, TIMEOUT, "every dial to be accepted")
+    assert lane.dials >= 1 and not sender.jobs()
+    server.shutdown(socket.SHUT_RDWR)
+    server.close()
+
+
 def test_a_receiver_without_progress_gives_up_but_a_slow_sender_is_progress(pair):
     a, b, session, events, targets, listener, sender = pair
     targets.expect(Target(13, "fetch", session.part_path(6, 0), a[1], "node-a", 0, 6))
