@@ -159,20 +159,18 @@ def _tensor_item(fqn: str, tensor: torch.Tensor) -> WriteItem:
                        tensor.requires_grad, tensor.is_pinned())
 
 
-def _intact(item: WriteItem, size: torch.Size, dtype: torch.dtype, layout: torch.layout,
-            requires_grad: bool, pin_memory: bool) -> bool:
-    """``item`` still describes what its key says: its description's objects are not
-    frozen, and a planner or storage writer may edit them in place after planning."""
+def _as_made(item: WriteItem) -> tuple:
+    """``item`` with copies of its description's mutable fields as it was made: the
+    description's objects are not frozen, and a planner or storage writer may edit
+    them in place after planning (a changed value shows; an equal one of another type,
+    which no DCP code makes, would not)."""
     data = item.tensor_data
-    props, chunk = data.properties, data.chunk
-    return (type(props) is TensorProperties and props.dtype is dtype
-            and props.layout is layout and props.requires_grad is requires_grad
-            and props.pin_memory is pin_memory and props.memory_format is _CONTIGUOUS
-            and type(data.size) is torch.Size and data.size == size
-            and type(chunk) is ChunkStorageMetadata and type(chunk.sizes) is torch.Size
-            and chunk.sizes == size and type(chunk.offsets) is torch.Size
-            and len(chunk.offsets) == len(size) and not any(chunk.offsets)
-            and chunk.offsets == item.index.offset and item.index.index is None)
+    return item, dict(vars(data.properties)), dict(vars(data.chunk))
+
+
+def _intact(entry: tuple) -> bool:
+    data = entry[0].tensor_data
+    return vars(data.properties) == entry[1] and vars(data.chunk) == entry[2]
 
 
 def _renamed(item: WriteItem, fqn: str) -> WriteItem:
@@ -232,15 +230,17 @@ def local_plan(planner: DefaultSavePlanner, state_dict: Any,
         if kind in _PLAIN_TENSORS:
             key = (fqn, value.size(), value.dtype, value.layout, value.requires_grad,
                    value.is_pinned())
-            item = known.get(key)
-            if item is None or not _intact(item, *key[1:]):
-                item = _tensor_item(fqn, value)
-            elif item.index.fqn is not fqn:
+            entry = known.get(key)
+            if entry is None or not _intact(entry):
+                entry = _as_made(_tensor_item(fqn, value))
+            item = entry[0]
+            if item.index.fqn is not fqn:
                 if len(path) == 1:  # DCP's key is the path's own string here
                     item = _renamed(item, fqn)
+                    entry = (item,) + entry[1:]  # the same description
                 else:
                     fqn = item.index.fqn
-            made[key] = item
+            made[key] = entry
             items.append(item)
         elif isinstance(value, ShardedTensor):
             return None  # DCP rewrites nested sharded tensors before planning
