@@ -117,6 +117,19 @@ class Frame:
         return value
 
 
+def _check_magic(magic: bytes) -> None:
+    """Refuse a hello of another protocol, naming both versions when it is ckptd's: a
+    daemon of another ckptd version gets no answer it understands, and only this log line
+    on the listening node says why its pushes never start."""
+    if magic == MAGIC:
+        return
+    if magic[:-1] == MAGIC[:-1] and magic[-1:].isdigit():
+        raise BulkConnectionError(f"the peer speaks bulk protocol {magic[-1:].decode()}, this "
+                                  f"daemon {MAGIC[-1:].decode()}: run the same ckptd version "
+                                  "on every node")
+    raise BulkConnectionError("not a ckptd bulk connection")
+
+
 _NO_WAIT_LIMIT = struct.pack("ll", 0, 0)
 
 
@@ -318,10 +331,10 @@ class BulkConnection:
         try:
             sock.settimeout(timeout)
             hello = memoryview(bytearray(_HELLO.size))
-            _recv_exact(sock, hello)
+            _recv_exact(sock, hello[:len(MAGIC)])  # first: another version's hello may differ
+            _check_magic(bytes(hello[:len(MAGIC)]))
+            _recv_exact(sock, hello[len(MAGIC):])
             magic, choice, client_public, server_public, salt_c = _HELLO.unpack(hello)
-            if magic != MAGIC:
-                raise BulkConnectionError("not a ckptd bulk connection")
             if choice >= len(PROTECTIONS) or PROTECTIONS[choice] != protection:
                 theirs = PROTECTIONS[choice] if choice < len(PROTECTIONS) else choice
                 raise BulkConnectionError(f"the peer protects bulk bytes with {theirs!r}, this "

@@ -7,9 +7,11 @@ the events the replicator would get; every wait is on a condition with a timeout
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
+import struct
 import threading
 import time
 import zlib
@@ -21,7 +23,8 @@ from ckptd import knobs
 from ckptd.checksum import read_sidecar
 from ckptd.protocol import PART_FRAME_BYTES
 from ckptd.replication.bulk_connection import (ACCEPTED, MAGIC, BulkConnection,
-                                              BulkConnectionError, PeerGoneError)
+                                              BulkConnectionError, DialRefusedError,
+                                              PeerGoneError)
 from ckptd.replication.bulk_receive import BulkListener, Target, Targets
 from ckptd.replication.bulk_send import BulkSender
 from ckptd.replication.send_job import SendJob
@@ -168,9 +171,6 @@ def test_unknown_keys_and_impostors_get_no_answer(pair):
     with pytest.raises(BulkConnectionError, match="could not prove"):
         BulkConnection.dial(address, stranger[0], a[1], b[1], a[2], 10.0)
     # ... and a made-up proof gets it disconnected before any frame is read
-    import socket
-    import struct
-
     with socket.create_connection(address, timeout=10) as raw:
         raw.sendall(struct.pack("<8sB32s32s32s", MAGIC, ("aes-256-gcm", "none").index(a[2]),
                                 a[1], b[1], os.urandom(32)))
@@ -371,6 +371,42 @@ def test_a_lane_whose_jobs_ended_stops_dialing_the_peer(pair):
         wait_for(lambda: len(accepted) == lane.dials, TIMEOUT, "every dial to be accepted")
     assert lane.dials >= 1 and not sender.jobs()
     server.shutdown(socket.SHUT_RDWR)
+    server.close()
+
+
+def test_a_daemon_of_another_version_is_named_so_in_the_listeners_log(pair, caplog):
+    """A daemon of the previous ckptd version dials (its hello starts with ``CKPTDBK1``):
+    the listener refuses it, silently as before, and its log names both protocol versions
+    and what to do (before: "not a ckptd bulk connection"). Such a listener closes this
+    version's hello unanswered, and the dialer's error names another version among the
+    reasons."""
+    a, b, session, events, targets, listener, sender = pair
+    caplog.set_level(logging.WARNING, logger="ckptd.replication.bulk_receive")
+    old_hello = struct.pack("<8sB32s32s32s", b"CKPTDBK1", 0, a[1], b[1], os.urandom(32))
+    with socket.create_connection(("127.0.0.1", listener.port), timeout=TIMEOUT) as raw:
+        raw.sendall(old_hello)
+        try:  # closed after its magic: a reset (the rest unread), or an orderly end
+            assert raw.recv(1) == b"", "another version must get no answer"
+        except ConnectionResetError:
+            pass
+    said = "the peer speaks bulk protocol 1, this daemon 2: run the same ckptd version on every"
+    wait_for(lambda: any(said in r.getMessage() for r in caplog.records), TIMEOUT,
+             f"the listener to log {said!r}")
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def old_listener():  # reads a hello, finds the magic not its own, closes
+        sock, _ = server.accept()
+        got = b""
+        while len(got) < len(old_hello) and (data := sock.recv(len(old_hello) - len(got))):
+            got += data
+        sock.close()
+
+    thread = threading.Thread(target=old_listener, daemon=True)
+    thread.start()
+    with pytest.raises(DialRefusedError, match="runs another ckptd version"):
+        BulkConnection.dial(server.getsockname(), a[0], a[1], b[1], a[2], TIMEOUT)
+    thread.join(TIMEOUT)
     server.close()
 
 
