@@ -1,5 +1,7 @@
 """Every tunable of ckptd and ckpt_client, with its environment override, in one place.
 
+What a knob is (and :func:`override`, the table for the docs) is :mod:`ckptd.knobs.knob`.
+
 A knob is read when it is used (``knobs.PEER_TIMEOUT.get()``), never at import time, so a
 test or an operator can change it without re-importing anything: set the environment
 variable (for daemons, writers and ranks started later), or, inside one process, use
@@ -13,168 +15,31 @@ or zmq. Wire limits that both sides must agree on are not knobs: they are in
 
 from __future__ import annotations
 
-import contextlib
-import os
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from ckptd.knobs.knob import (Knob, all_knobs, define as _knob, markdown_table, override,
+                              parse_bool, parse_choice, parse_size)
 
 __all__ = [
-    "Knob", "override", "all_knobs", "parse_bool", "parse_choice", "parse_size",
-    "POOL_SIZE", "POOL_DIR", "POOL_COLLAPSE", "WRITERS", "DRAIN_TIMEOUT", "STOP_LINGER",
-    "WRITER_START_TIMEOUT", "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
-    "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
-    "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
-    "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES", "DIRECT_ALLOCATE_BYTES", "CHECKSUM",
-    "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL",
-    "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW",
-    "PEER_IO_THREADS", "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
-    "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_RECEIVE_SLICE_BYTES",
-    "PEER_RECEIVE_SLICE_WAIT", "PEER_BULK_PORT", "MEMORY_TIER", "AUTO_START", "AUTO_ROOTS",
-    "AUTO_EXIT_WHEN_IDLE", "START_TIMEOUT", "HELLO_TIMEOUT",
-    "CALL_TIMEOUT", "POLL_HOLD", "POLL_HOLD_MAX", "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT",
-    "STALL_TIMEOUT", "STUCK_AFTER", "LOAD_READ_MODE", "LOAD_THREADS", "LOAD_READ_BYTES",
-    "LOAD_COPY_BYTES",
-    "FLUSH_PARALLELISM", "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE",
-    "FLUSH_COMMIT_POLL", "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION",
-    "WRITER_PROGRESS_INTERVAL", "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN",
-    "LATE_RANK_GRACE", "SENT_AHEAD_KINDS", "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT",
-    "TORCH_BODIES_KEPT", "DCP_FAST_PLAN",
+    "Knob", "override", "all_knobs", "markdown_table", "parse_bool", "parse_choice",
+    "parse_size", "POOL_SIZE",
+    "POOL_DIR", "POOL_COLLAPSE", "WRITERS", "DRAIN_TIMEOUT", "STOP_LINGER",
+    "WRITER_START_TIMEOUT", "SERVE_TICK", "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS",
+    "RECENT_ERRORS", "TRACE_SAVES", "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES",
+    "WRITEBACK_EVERY_BYTES", "WRITE_MODE", "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES",
+    "DIRECT_IDLE_BATCH_BYTES", "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES",
+    "DIRECT_ALLOCATE_BYTES", "CHECKSUM", "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT",
+    "LEFTOVER_SWEEP_INTERVAL", "PEER_TIMEOUT", "PEER_PING_INTERVAL", "PEER_MISS_BUDGET",
+    "REPLICATION_WINDOW", "PEER_IO_THREADS", "REPLICATOR_TICK", "PEER_LINKS",
+    "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS", "PEER_ENCRYPTION",
+    "PEER_HANDSHAKE_TIMEOUT", "PEER_RECEIVE_SLICE_BYTES", "PEER_RECEIVE_SLICE_WAIT",
+    "PEER_BULK_PORT", "MEMORY_TIER", "AUTO_START", "AUTO_ROOTS", "AUTO_EXIT_WHEN_IDLE",
+    "START_TIMEOUT", "HELLO_TIMEOUT", "CALL_TIMEOUT", "POLL_HOLD", "POLL_HOLD_MAX",
+    "STAGE_TIMEOUT", "LOCAL_LOAD_TIMEOUT", "STALL_TIMEOUT", "STUCK_AFTER", "LOAD_READ_MODE",
+    "LOAD_THREADS", "LOAD_READ_BYTES", "LOAD_COPY_BYTES", "FLUSH_PARALLELISM",
+    "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE", "FLUSH_COMMIT_POLL",
+    "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION", "WRITER_PROGRESS_INTERVAL",
+    "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN", "LATE_RANK_GRACE", "SENT_AHEAD_KINDS",
+    "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT", "TORCH_BODIES_KEPT", "DCP_FAST_PLAN",
 ]
-
-
-def parse_bool(text: str) -> bool:
-    """``1/true/yes/on`` -> True, ``0/false/no/off`` -> False (case-insensitive)."""
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (use 1/0, true/false, yes/no)")
-
-
-def parse_choice(text: str, choices: tuple) -> str:
-    """``text`` if it is one of ``choices`` (case-insensitive), else a ValueError naming them."""
-    lowered = text.strip().lower()
-    if lowered not in choices:
-        raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
-    return lowered
-
-
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str | int) -> int:
-    """Parse ``512M``, ``2G``, ``1.5GiB`` or a plain byte count.
-
-    Raises
-    ------
-    ValueError
-        If ``text`` is not a size.
-    """
-    if isinstance(text, int):
-        return text
-    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = cleaned[-1] if cleaned and cleaned[-1] in _SIZE_UNITS else ""
-    number = cleaned[:-1] if unit else cleaned
-    try:
-        size = int(float(number) * _SIZE_UNITS[unit])
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size (try 512M or 4G)") from None
-    if size < 0:
-        raise ValueError(f"{text!r} is negative")
-    return size
-
-
-_overrides: dict[str, Any] = {}
-_registry: dict[str, "Knob"] = {}
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One tunable: a default, an optional environment variable, and how to parse it.
-
-    Parameters
-    ----------
-    name : str
-        Python-side name (also the key for :func:`override`).
-    default : object
-        Value when neither an override nor the environment says otherwise.
-    env : str or None
-        Environment variable that overrides the default.
-    parse : callable
-        Turns the environment's text into a value.
-    doc : str
-        What the knob changes, for ``docs/`` and error messages.
-    """
-
-    name: str
-    default: Any
-    env: str | None
-    parse: Callable[[str], Any]
-    doc: str
-
-    def get(self) -> Any:
-        """The current value: an :func:`override`, else the environment, else the default.
-
-        Raises
-        ------
-        ValueError
-            If the environment variable is set to something that does not parse; the
-            message names the variable.
-        """
-        if self.name in _overrides:
-            return _overrides[self.name]
-        raw = os.environ.get(self.env) if self.env else None
-        if raw is None or raw == "":
-            return self.default
-        try:
-            return self.parse(raw)
-        except ValueError as exc:
-            raise ValueError(f"environment variable {self.env}={raw!r} is invalid: {exc}; "
-                             f"unset it to use the default {self.default!r}") from None
-
-
-def _knob(name: str, default: Any, parse: Callable[[str], Any], doc: str,
-          env: str | None = "") -> Knob:
-    knob = Knob(name, default, f"CKPTD_{name}" if env == "" else env, parse, doc)
-    _registry[name] = knob
-    return knob
-
-
-@contextlib.contextmanager
-def override(**values: Any) -> Iterator[None]:
-    """Set knobs for the duration of a ``with`` block in this process (tests).
-
-    Raises
-    ------
-    KeyError
-        If a name is not a knob.
-    """
-    unknown = set(values) - set(_registry)
-    if unknown:
-        raise KeyError(f"no knob named {', '.join(sorted(unknown))}")
-    saved = {name: _overrides[name] for name in values if name in _overrides}
-    _overrides.update(values)
-    try:
-        yield
-    finally:
-        for name in values:
-            _overrides.pop(name, None)
-        _overrides.update(saved)
-
-
-def all_knobs() -> list[Knob]:
-    """Every knob, in definition order (for documentation)."""
-    return list(_registry.values())
-
-
-def markdown_table() -> str:
-    """The table of every knob that ``docs/operations.md`` carries (``python -m ckptd.knobs``)."""
-    rows = ["| variable | default | what it changes |", "| --- | --- | --- |"]
-    for knob in all_knobs():
-        default = "unset" if knob.default is None else knob.default
-        rows.append(f"| `{knob.env}` | `{default}` | {knob.doc} |")
-    return "\n".join(rows) + "\n"
 
 
 # Each knob: name, default, parser, what it changes. Its variable is CKPTD_<name>.
@@ -189,8 +54,9 @@ POOL_DIR = _knob(
     "POOL_DIR", "/dev/shm", str,
     "Directory (tmpfs or hugetlbfs) the staging pool is made in (serve's --pool-dir default; "
     "auto-start's)")
-POOL_COLLAPSE = _knob("POOL_COLLAPSE", True, parse_bool,
-                      "Give a staging pool on a tmpfs without huge pages 2 MiB pages (MADV_COLLAPSE)")
+POOL_COLLAPSE = _knob(
+    "POOL_COLLAPSE", True, parse_bool,
+    "Give a staging pool on a tmpfs without huge pages 2 MiB pages (MADV_COLLAPSE)")
 WRITERS = _knob(
     "WRITERS", 2, int, "Writer processes (serve's --writers default)")
 DRAIN_TIMEOUT = _knob(
@@ -444,7 +310,3 @@ LOAD_COPY_BYTES = _knob(
 # Named CKPTD_ROOTS since the first release.
 AUTO_ROOTS = _knob(
     "AUTO_ROOTS", "/", str, "':'-separated roots an auto-started daemon allows", "CKPTD_ROOTS")
-
-
-if __name__ == "__main__":
-    print(markdown_table(), end="")
