@@ -24,10 +24,10 @@ folded: a zeroed huge page replaces its single 4 KiB one, so nearly nothing is c
 What it costs is finding free 2 MiB blocks: nothing where memory has them, up to ~1.6 s a
 GiB measured here where the kernel must compact memory first. That happens at the daemon's
 start, before it answers anyone, so it is done :data:`FOLD_SLICE` at a time and stops once
-:data:`FOLD_BUDGET_SECONDS` have passed (a fixed bound, not a knob: ``CKPTD_POOL_COLLAPSE=0``
-is the operator's switch, and the budget only keeps the worst case from delaying the start
-beyond what a starting trainer waits). A range the kernel cannot fold (``EAGAIN`` is retried
-once), and what the budget leaves, keeps 4 KiB pages, faulted in by the caller's populate.
+``CKPTD_POOL_FOLD_BUDGET`` seconds have passed (20 by default: the worst case must not
+delay the start beyond what a starting trainer waits; ``CKPTD_POOL_COLLAPSE=0`` switches
+folding off). A range the kernel cannot fold (``EAGAIN`` is retried once), and what the
+budget leaves, keeps 4 KiB pages, faulted in by the caller's populate.
 
 What is on huge pages is counted, not inferred from ``madvise``'s answer (which is an
 error when any range failed, however many folded): the whole mapping is faulted in and
@@ -44,15 +44,14 @@ import logging
 import os
 import time
 
+from ckptd import knobs
 from ckptd.aligned_mapping import HUGE_PAGE, AlignedMapping, libc
 from ckptd.staging.pool_directory import huge_page_bytes
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FOLD_BUDGET_SECONDS", "FOLD_SLICE", "fold_into_huge_pages"]
+__all__ = ["FOLD_SLICE", "fold_into_huge_pages"]
 
-#: Seconds of folding a daemon's start may take; the rest of the pool keeps 4 KiB pages.
-FOLD_BUDGET_SECONDS = 20.0
 #: Bytes folded by one ``madvise`` call between looks at the budget.
 FOLD_SLICE = 1 << 30
 
@@ -95,10 +94,11 @@ def _why_refused(failure: int) -> str:
     return text
 
 
-def fold_into_huge_pages(fd: int, size: int, budget: float = FOLD_BUDGET_SECONDS,
+def fold_into_huge_pages(fd: int, size: int, budget: float | None = None,
                          slice_bytes: int = FOLD_SLICE) -> int:
     """Give the new, empty file ``fd`` of ``size`` bytes a huge page per whole huge page,
-    ``slice_bytes`` at a time while less than ``budget`` seconds have passed; its pages
+    ``slice_bytes`` at a time while less than ``budget`` seconds (default
+    ``CKPTD_POOL_FOLD_BUDGET``) have passed; its pages
     are all faulted in afterwards. Logs one line saying how much and, if not all, why.
 
     Returns
@@ -106,6 +106,7 @@ def fold_into_huge_pages(fd: int, size: int, budget: float = FOLD_BUDGET_SECONDS
     int
         Bytes of the file now on huge pages, as a mapping aligned to them maps them.
     """
+    budget = knobs.POOL_FOLD_BUDGET.get() if budget is None else budget
     whole = size - size % HUGE_PAGE
     if whole == 0:
         return 0
@@ -121,7 +122,7 @@ def fold_into_huge_pages(fd: int, size: int, budget: float = FOLD_BUDGET_SECONDS
         while offset < whole:
             if time.monotonic() - started >= budget:
                 why = (f"folding stopped after its {budget:g} s budget "
-                       "(ckptd.staging.collapse.FOLD_BUDGET_SECONDS)")
+                       "(CKPTD_POOL_FOLD_BUDGET)")
                 break
             length = min(slice_bytes, whole - offset)
             failure = _one_page_per_range(mapping.address + offset, length)

@@ -22,6 +22,7 @@ from test_local_checkpoints import (BIG, PEER_ENV, SESSION, SHORT_PEER_ENV,  # n
 import peerclient
 from peerclient import register_session
 
+from ckpt_client.transport.daemon_save import wait_until_finished
 from ckptd import protocol
 from ckptd.replication.bulk_wire import Abort, Ready, send_control
 from ckptd.replication.wire import PartGet, PartRefused, PeerPing, PeerPong
@@ -91,8 +92,7 @@ def push_while_peer_restarts(rank, world_size, roots, flags):
         request = manager.save(BasicTensorAwareStateDict(state_of(rank, iteration, **BIG)),
                                iteration, is_async=True)
         save = request.daemon_saves[0]
-        while not save.finished:  # polls the daemon
-            time.sleep(0.01)
+        wait_until_finished([save])  # bounded: a dead daemon reads as failed
         assert save.error is None, save.error
         replications.append(save.last.replication)
         open(flags[f"saved{iteration}"], "w").close()
