@@ -385,6 +385,20 @@ def test_only_small_leaves_and_their_bytes_are_kept_for_the_next_save():
     assert len(kept) == 2 and all(len(data) <= MAX_KEPT_BYTES for data in kept)
 
 
+def test_only_short_lists_of_numbers_get_a_key():
+    """A key is built on every save, hit or miss: a long list's costs more than the pickle
+    it would spare, so only short ones (betas, counters) are keyed, by exact bits."""
+    from ckpt_client.dcp.leaf_bytes import MAX_KEYED_ENTRIES, exact_key
+
+    short = [0.9, 0.999, 1, True, None]
+    assert exact_key(short) == exact_key(list(short))
+    assert exact_key([0.0]) != exact_key([-0.0]) and exact_key([1]) != exact_key([True])
+    assert exact_key([1.5] * MAX_KEYED_ENTRIES) is not None
+    assert exact_key([1.5] * (MAX_KEYED_ENTRIES + 1)) is None
+    assert exact_key(tuple(range(MAX_KEYED_ENTRIES + 1))) is None
+    assert exact_key([0.5] * 4096) is None  # 3.4 ms to key against 2.3 ms to pickle, here
+
+
 def test_with_the_short_route_off_a_single_process_stages_while_it_plans_as_before():
     from ckptd import knobs
     from ckpt_client.collectives import Group
