@@ -192,10 +192,37 @@ class Channel:
             # this thread's signal handler gets another id.
             msg_id, self._next_id = self._next_id, self._next_id + 1
             self._awaited.add(msg_id)
-            message = encode(msg_type, msg_id, body, frames)  # a handler may run meanwhile
-            with self._lock.busy():
-                self.socket.send_multipart(message, copy=False)
+            try:
+                message = encode(msg_type, msg_id, body, frames)  # a handler may run here
+                with self._lock.busy():
+                    self._send_whole(message)
+            except BaseException:  # nobody will wait for this id: its reply is dropped
+                self._awaited.discard(msg_id)
+                raise
         return msg_id
+
+    def _send_whole(self, message: list) -> None:
+        """Send ``message``'s frames; an exception that lands between two of them (a
+        signal handler's, KeyboardInterrupt) is raised only once the last frame went.
+
+        pyzmq's ``send_multipart`` is a Python loop: interrupted, it would leave half a
+        message that the socket glues to the next request (the daemon misreads both).
+        """
+        zmq = self._zmq
+        last = len(message) - 1
+        # Each frame is sent and counted inside one C call (``extend`` over ``map`` of
+        # the compiled send): no exception can land after a frame went and before it is
+        # counted, so the rest of an interrupted message is sent exactly once.
+        send, sent = zmq.backend.Socket.send, []
+        try:
+            for index, frame in enumerate(message):
+                flags = zmq.SNDMORE if index < last else 0
+                sent.extend(map(send, (self.socket,), (frame,), (flags,), (False,)))
+        finally:
+            while 0 < len(sent) <= last:  # interrupted mid-message: finish it
+                flags = zmq.SNDMORE if len(sent) < last else 0
+                sent.extend(map(send, (self.socket,), (message[len(sent)],), (flags,),
+                                (False,)))
 
     def wait(self, msg_id: int, timeout: float, still_worth_waiting=None,
              slice_seconds: float = 0.1) -> Message:
@@ -215,6 +242,8 @@ class Channel:
         self._check_not_inherited()
         deadline = time.monotonic() + timeout
         try:
+            with self._lock:  # again, after a wait for it that timed out: keep its reply
+                self._awaited.add(msg_id)
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -242,35 +271,52 @@ class Channel:
                 # (to send, or to read the replies it delivers for them) between slices.
                 left = deadline - time.monotonic()
                 if self.socket.poll(max(1, int(min(left, SLICE_SECONDS) * 1000))):
-                    reply = self._read()
-                    if reply is None:  # a signal handler of this thread read it meanwhile
-                        continue
-                    if reply.id == msg_id:
-                        return reply
-                    self._keep(reply)  # its waiter reads it in its own turn
+                    self._read()  # kept for its waiter (this thread's own, read just above)
                     continue
             if time.monotonic() >= deadline:
                 return None
 
-    def _read(self) -> Message | None:
-        """One reply off the socket (the caller holds the lock and saw it waiting);
-        ``None`` if none is there any more (a signal handler of this thread, sharing its
-        turn, read it between the poll and now)."""
+    def _read(self) -> None:
+        """Read one reply off the socket (the caller holds the turn and saw it waiting)
+        and keep it for its waiter; none if it is gone (a signal handler of this thread,
+        sharing its turn, read it between the poll and now).
+
+        The reply is kept here, not handed back: an exception landing in the caller
+        right after this returns would lose it for whichever thread waits for it.
+        """
+        frames: list = []
         try:
             with self._lock.busy():
-                frames = self.socket.recv_multipart(self._zmq.NOBLOCK)
+                self._recv_whole(frames)
         except self._zmq.Again:
-            return None
-        reply = decode(frames)
-        if self.on_reply is not None:
-            self.on_reply(reply.id)
-        return reply
+            return
+        finally:
+            if frames:  # also when interrupted: the message was read whole
+                reply = decode(frames)
+                if reply.id in self._awaited:
+                    self._arrived[reply.id] = reply
+                if self.on_reply is not None:
+                    self.on_reply(reply.id)
 
-    def _keep(self, reply: Message) -> None:
-        """Keep a reply for the thread that waits for it; a late answer to a request
-        nobody waits for any more is dropped."""
-        if reply.id in self._awaited:
-            self._arrived[reply.id] = reply
+    def _recv_whole(self, frames: list) -> None:
+        """Append one message's frames to ``frames`` (``zmq.Again`` if none waits); an
+        exception that lands between two frames is raised only once the last was read.
+
+        pyzmq's ``recv_multipart`` is a Python loop: interrupted, it would leave the tail
+        of a message on the socket, read next as a message of its own.
+        """
+        zmq = self._zmq
+        # Each frame is received and appended inside one C call (as in _send_whole), so
+        # none is lost between the two when an exception lands.
+        recv, args = zmq.backend.Socket.recv, ((self.socket,), (zmq.NOBLOCK,))
+        try:
+            frames.extend(map(recv, *args))
+            while self.socket.get(zmq.RCVMORE):
+                frames.extend(map(recv, *args))
+        finally:
+            # A message's frames arrive together: the rest is there to read.
+            while frames and self.socket.get(zmq.RCVMORE):
+                frames.extend(map(recv, *args))
 
     def collect(self) -> None:
         """Read the replies already waiting on the socket, without blocking: each is kept
@@ -285,9 +331,7 @@ class Channel:
         self._check_not_inherited()
         with self._lock:
             while self.socket.poll(0):
-                reply = self._read()
-                if reply is not None:
-                    self._keep(reply)
+                self._read()
 
     def drop(self, msg_id: int) -> None:
         """Stop keeping the reply to ``msg_id`` (nobody will read it): discarded on arrival."""
