@@ -2,9 +2,10 @@
 
 The mark (:class:`Silence`) is set when a call waited ``CKPTD_CALL_TIMEOUT`` in vain (the
 daemon is stopped: SIGSTOP, a debugger; hung; or dead): the other saves outstanding on
-the connection then read it instead of each waiting a call timeout of their own. Any reply to the unanswered request or to a later one clears
-it, also a late one nobody waits for any more (the request channel reports every reply it
-reads): the daemon read that far and answers again. A request older than one answered
+the connection then read it instead of each waiting a call timeout of their own. Any
+reply to the unanswered request or to a later one clears it, also a late one nobody waits
+for any more (the request channel reports every reply it reads): the daemon read that far
+and answers again. A request older than one answered
 never sets it (the daemon was only slow on it). :class:`AnswerWatch` owns the mark and the
 highest request id answered; the connection feeds it and reads it
 (:mod:`ckpt_client.transport.connection`). It does no I/O.
@@ -12,6 +13,7 @@ highest request id answered; the connection feeds it and reads it
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -57,6 +59,12 @@ class AnswerWatch:
     """What one connection's daemon answered: the highest request id answered, and the
     "not answering" mark.
 
+    A signal handler that calls the daemon while its own thread is in here (the request
+    channel reports a reply during the thread's wait) runs a whole call of its own in the
+    middle of this thread's: the lock is re-entrant for it, and every update is made so a
+    nested one is never undone. The highest id answered only ever grows, in one C call;
+    a mark set or renewed is dropped again if a reply to it came meanwhile.
+
     Parameters
     ----------
     who : str
@@ -66,8 +74,12 @@ class AnswerWatch:
     def __init__(self, who: str) -> None:
         self.who = who
         self._silence: Silence | None = None
-        self._answered = 0  # the highest request id that got a reply
-        self._lock = threading.Lock()  # a poll and a background staging race on it
+        # [the highest request id that got a reply]: raised by heapq.heappushpop, which
+        # keeps the larger of the two in one C call (no handler can run in between).
+        self._answered = [0]
+        # Threads race on it (a poll and a background staging); re-entrant for a
+        # signal handler of the thread inside.
+        self._lock = threading.RLock()
 
     @property
     def mark(self) -> Silence | None:
@@ -77,7 +89,7 @@ class AnswerWatch:
     def heard(self, msg_id: int) -> None:
         """A reply to ``msg_id`` came (awaited, or late and dropped)."""
         with self._lock:
-            self._answered = max(self._answered, msg_id)
+            heapq.heappushpop(self._answered, msg_id)
             silence = self._silence
             if silence is None or msg_id < silence.msg_id:
                 return  # answered before the daemon went silent: says nothing about now
@@ -90,7 +102,7 @@ class AnswerWatch:
         """The ``msg_type`` request ``msg_id`` went unanswered for ``timeout`` seconds (or
         the daemon died): mark the connection, unless a later request was answered."""
         with self._lock:
-            if msg_id <= self._answered:
+            if msg_id <= self._answered[0]:
                 # this one or a later one was answered (its reply read by another thread
                 # while this one's wait was ending): the daemon only took long on it
                 return
@@ -99,6 +111,7 @@ class AnswerWatch:
             first = self._silence is None
             self._silence = Silence(msg_type, msg_id, timeout, time.monotonic(), error,
                                     rechecked=not first and self._silence.rechecked)  # unbroken
+            self._unless_answered(msg_id)
         if first:
             log.warning("%s; the other saves outstanding on this connection are given up "
                         "unless one short recheck is answered", error)
@@ -111,4 +124,11 @@ class AnswerWatch:
             if silence is None or silence.rechecked:
                 return None if silence is None else "silent"
             self._silence = replace(silence, rechecked=True)
+            self._unless_answered(silence.msg_id)
             return "recheck"
+
+    def _unless_answered(self, msg_id: int) -> None:
+        """Drop the mark just stored for ``msg_id`` if a reply to it or a later request
+        came since this caller looked (heard in a signal handler that ran meanwhile)."""
+        if self._answered[0] >= msg_id:
+            self._silence = None

@@ -69,12 +69,13 @@ def fill_skeleton(value: Any, tensors: Sequence) -> Any:
     return value
 
 
-#: ``_PACKED_REFS[i]`` is the packed reference to tensor ``i``. Append-only, grown under
-#: ``_PACKED_REFS_LOCK``: trainer threads flatten state dicts concurrently, and an entry
-#: stored at the wrong position would point a skeleton at the wrong tensor (a wrong
-#: checkpoint whose checksums all pass).
-_PACKED_REFS: list = []
-_PACKED_REFS_LOCK = threading.Lock()
+#: ``_PACKED_REFS[i]`` is the packed reference to tensor ``i``. Each entry is stored by one
+#: ``dict.setdefault`` (one C call, atomic under the GIL) at the key it was built from,
+#: with no lock: trainer threads flatten state dicts concurrently, and a signal handler
+#: may flatten one while its own thread is in here (a lock would deadlock it); an entry
+#: stored at the wrong key would point a skeleton at the wrong tensor (a wrong checkpoint
+#: whose checksums all pass).
+_PACKED_REFS: dict[int, msgpack.ExtType] = {}
 
 
 def packed_tensor_ref(index: int) -> msgpack.ExtType:
@@ -82,15 +83,13 @@ def packed_tensor_ref(index: int) -> msgpack.ExtType:
 
     A flatten of thousands of tensors puts these in its skeleton directly: msgpack packs
     them natively, where a :class:`TensorRef` costs a call of the encoder's hook each.
-    Safe to call from any thread.
+    Safe to call from any thread, and from a signal handler.
     """
-    if index < len(_PACKED_REFS):  # entries never change once appended: no lock to read
-        return _PACKED_REFS[index]
-    with _PACKED_REFS_LOCK:
-        # Each entry is built from its own position, never from a length read earlier.
-        for position in range(len(_PACKED_REFS), index + 1):
-            _PACKED_REFS.append(msgpack.ExtType(_EXT_TENSOR, position.to_bytes(8, "little")))
-    return _PACKED_REFS[index]
+    ref = _PACKED_REFS.get(index)
+    if ref is None:  # the first racer's entry stays; every one is built from its own key
+        ref = _PACKED_REFS.setdefault(
+            index, msgpack.ExtType(_EXT_TENSOR, index.to_bytes(8, "little")))
+    return ref
 
 
 def _default(obj: Any) -> Any:

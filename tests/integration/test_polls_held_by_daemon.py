@@ -259,6 +259,55 @@ def test_a_signal_handler_calls_the_daemon_while_its_thread_waits_on_a_held_poll
         "poll_awaited": True, "ping": daemon.pid, "phase": Phase.STAGING}
 
 
+#: A trainer whose SIGUSR1 handler calls the daemon, signalled while its main thread is
+#: inside the connection's record of replies (AnswerWatch.heard, under its lock): raised
+#: from a trace hook on heard's first line inside the lock, the signal's handler runs
+#: right there, as one that lands at that moment does.
+SIGNALLED_WHILE_A_REPLY_IS_RECORDED = """
+import json, signal, sys
+from ckptd.protocol import MessageType
+from ckpt_client.transport.connection import connect
+
+connection = connect(sys.argv[1], auto_start=False)
+seen, lines = {}, []
+
+def handler(signum, frame):
+    seen["ping"] = connection.call(MessageType.PING, timeout=30).pid
+
+def trace(frame, event, arg):
+    if frame.f_code.co_name != "heard" or "silence" not in frame.f_code.co_filename:
+        return None
+    def in_heard(frame, event, arg):
+        if event == "line":
+            lines.append(frame.f_lineno)
+            if len(lines) == 2:  # the first statement under the lock
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGUSR1)
+        return in_heard
+    return in_heard
+
+signal.signal(signal.SIGUSR1, handler)
+sys.settrace(trace)
+seen["own"] = connection.call(MessageType.PING, timeout=30).pid
+sys.settrace(None)
+print(json.dumps(seen))
+"""
+
+
+def test_a_signal_handler_calls_the_daemon_while_its_thread_records_a_reply(start_daemon):
+    """A signal lands while the main thread records a reply it read (the connection's
+    AnswerWatch, under its lock) and its handler calls the daemon: the handler's call is
+    answered (a plain lock there waited forever for the thread it had interrupted), and
+    so is the interrupted call."""
+    daemon = start_daemon()
+    child = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_WHILE_A_REPLY_IS_RECORDED, daemon.socket],
+        capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout.splitlines()[-1]) == {"ping": daemon.pid,
+                                                         "own": daemon.pid}
+
+
 def test_a_process_forked_while_a_thread_holds_the_socket_connects_afresh(start_daemon):
     """A process forks (a DataLoader worker, a process runner) while a thread of its
     parent holds the channel's turn and another waits on a held POLL: the child's

@@ -103,7 +103,7 @@ def test_packed_tensor_refs_grown_by_many_threads_at_once_each_name_their_own_po
 
     from ckptd.protocol import framing
 
-    monkeypatch.setattr(framing, "_PACKED_REFS", [])
+    monkeypatch.setattr(framing, "_PACKED_REFS", {})
     start = threading.Barrier(8)
     count = 3000
 
@@ -123,6 +123,6 @@ def test_packed_tensor_refs_grown_by_many_threads_at_once_each_name_their_own_po
     finally:
         sys.setswitchinterval(interval)
     assert len(framing._PACKED_REFS) == count
-    wrong = [position for position, ref in enumerate(framing._PACKED_REFS)
+    wrong = [position for position, ref in framing._PACKED_REFS.items()
              if protocol.unpack_value(protocol.pack_value(ref)) != TensorRef(position)]
     assert wrong == []
