@@ -12,8 +12,9 @@ Pattern: one socket, used by one thread at a time (ZeroMQ's rule), lent in turns
 long time for its reply (a POLL the daemon holds until a save changes phase) never keeps
 another thread's request or reply waiting for more than one slice. A signal handler that
 calls the daemon while its own thread waits on it (a launcher's "save now" signal during
-a blocking finalize) shares that thread's turn between socket operations instead of
-queueing behind it (:class:`Turns`).
+a blocking finalize) uses that thread's turn between socket operations instead of
+queueing behind it, and lends it to the threads waiting each time it gives it back
+(:class:`Turns`).
 """
 
 from __future__ import annotations
@@ -47,14 +48,22 @@ class Turns:
     blocking finalize waits on a held POLL for seconds): asking in line behind itself it
     would wait forever. So a thread's own handler is served first: while the thread holds
     the turn and is not in the middle of a socket operation (its holder marks those with
-    :meth:`busy`), the handler shares the turn (nested, as the thread is suspended
-    meanwhile); while it waits for its turn, the handler's request goes just ahead of
-    it. A handler that interrupts a socket operation cannot be served (a message half
-    sent or read would mix with its own): :meth:`__enter__` raises :class:`RuntimeError`.
+    :meth:`busy`), the handler uses the turn (nested, as the thread is suspended
+    meanwhile), and each time it gives it back the turn is lent to the threads waiting
+    then (one turn each: the handler's call may need them, a background stager's STAGED
+    say) before its thread takes it back, so the interrupted code goes on holding it.
+    While the thread waits for its turn, the handler's request goes just ahead of it. A
+    handler that interrupts a socket operation cannot be served (a message half sent or
+    read would mix with its own): :meth:`__enter__` raises :class:`RuntimeError`.
 
     An exception that interrupts a wait for a turn (KeyboardInterrupt, a launcher's
     signal exception) takes the thread's place out of the line and passes on any turn it
-    took; waiters recheck at short intervals, so a wake-up lost to one is never waited for.
+    took; waiters recheck at short intervals, so a wake-up lost to one is never waited
+    for. A thread taking its turn back from a lend waits on through such an exception and
+    raises it once it holds the turn again; giving a turn back clears it first. Python
+    checks for a pending signal on entering a function and after each call, so one that
+    lands in the few steps around this class's code (entering or leaving its methods, or
+    while another exception is handled) can still leave a turn held.
 
     Parameters
     ----------
@@ -67,17 +76,19 @@ class Turns:
     RECHECK_SECONDS = 0.1
 
     def __init__(self, on_event: Callable[[str], None] | None = None) -> None:
-        # Reentrant: a signal handler may ask while its thread is inside this class.
-        self._changed = threading.Condition(threading.RLock())
+        # Reentrant: a signal handler may ask while its thread is inside this class. A C
+        # lock: leaving it runs no Python code, where a signal's exception could land.
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._queue: deque = deque()  # one (token, thread) per request waiting, in order
         self._owner: int | None = None  # the thread holding the turn (one store: atomic)
-        self._nested = 0  # turns shared with the owner's own signal handlers
+        self._lent: list[int] = []  # per turn a handler uses nested in its thread's: who
         self._busy = False  # the owner is in the middle of a socket operation
         self.on_event = on_event
 
     def __enter__(self) -> "Turns":
         me = threading.get_ident()
-        with self._changed:
+        with self._lock:
             if self._owner == me:
                 if self._busy:
                     raise RuntimeError(
@@ -86,7 +97,7 @@ class Turns:
                         "the handler cannot use the connection now. Have the handler set a "
                         "flag (or hand the work to another thread) and make the call from "
                         "your loop")
-                self._nested += 1  # this thread is suspended in its own handler meanwhile
+                self._lent.append(me)  # this thread is suspended in its own handler meanwhile
                 return self
             token = (object(), me)
             # A request of this thread's signal handler goes just ahead of the thread's
@@ -96,33 +107,62 @@ class Turns:
                 self._queue.append(token)
             else:
                 self._queue.insert(mine, token)
-            if self.on_event is not None:
-                self.on_event("ask")
             try:
+                self._event("ask")
                 while self._owner is not None or self._queue[0] is not token:
                     self._changed.wait(self.RECHECK_SECONDS)
                 self._owner = me
                 self._queue.remove(token)
-                if self.on_event is not None:
-                    self.on_event("got")
+                self._event("got")
             except BaseException:  # interrupted: nobody must wait on a place or turn left
                 if token in self._queue:
                     self._queue.remove(token)
-                if self._owner == me and not self._nested:
+                if self._owner == me:
                     self._owner = None
                 self._changed.notify_all()
                 raise
         return self
 
     def __exit__(self, *exc_info) -> None:
-        with self._changed:
-            if self._nested:
-                self._nested -= 1
-                return
-            self._busy = False
-            self._owner = None
+        me = threading.get_ident()
+        if self._lent and self._lent[-1] == me:
+            self._lend_and_take_back(me)
+            return
+        self._busy = False
+        self._owner = None  # first: free whatever lands below (waiters recheck anyway)
+        with self._lock:
             if self._queue:
                 self._changed.notify_all()  # the head of the queue goes next
+
+    def _lend_and_take_back(self, me: int) -> None:
+        """A signal handler's turn, nested in its thread's, ends: the threads waiting now
+        take one turn each, then the thread takes its own back (before any later one)."""
+        interrupted: BaseException | None = None
+        with self._lock:
+            self._lent.pop()
+            if not self._queue or any(who == me for _, who in self._queue):
+                # Nobody to lend it to; or the handler landed while its thread was taking
+                # the turn (its place not yet out of the line): the thread keeps it.
+                return
+            token = (object(), me)
+            self._queue.append(token)
+            self._event("ask")
+            self._owner = None
+            self._changed.notify_all()
+            while self._owner is not None or self._queue[0] is not token:
+                try:
+                    self._changed.wait(self.RECHECK_SECONDS)
+                except BaseException as exc:  # the interrupted code needs its turn first
+                    interrupted = exc
+            self._owner = me
+            self._queue.remove(token)
+            self._event("got")
+        if interrupted is not None:
+            raise interrupted
+
+    def _event(self, what: str) -> None:
+        if self.on_event is not None:
+            self.on_event(what)
 
     def busy(self) -> "_Busy":
         """Mark, for the turn's holder, a socket operation that a signal handler of its

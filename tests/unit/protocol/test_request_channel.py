@@ -1,6 +1,9 @@
 """The request channel: replies matched to requests from several threads at once, error
 replies, timeouts, and giving up early."""
 
+import os
+import signal
+import sys
 import threading
 
 import pytest
@@ -8,6 +11,15 @@ import zmq
 
 from conftest import wait_for
 from ckptd import protocol
+
+
+def shut_down(stop, responder, channel, server, context) -> None:
+    """Stop a test's responder thread, then close both ends and their context."""
+    stop.set()
+    responder.join(5)
+    channel.close()
+    server.close(linger=0)
+    context.term()
 
 
 def test_threads_sharing_a_channel_each_get_their_own_reply():
@@ -45,11 +57,7 @@ def test_threads_sharing_a_channel_each_get_their_own_reply():
         thread.start()
     for thread in askers:
         thread.join(60)
-    stop.set()
-    responder.join(5)
-    channel.close()
-    server.close(linger=0)
-    context.term()
+    shut_down(stop, responder, channel, server, context)
     assert not errors
     assert results == {(n, k): n * 100 + k for n in range(4) for k in range(20)}
 
@@ -139,3 +147,70 @@ def test_the_socket_is_lent_in_the_order_threads_asked_for_it():
     for thread in others:
         thread.join(10)
     assert order == ["b", "c", "a, asking again"]
+
+
+def test_a_signal_handlers_call_that_needs_another_threads_request_is_answered():
+    """The main thread waits on a reply the peer holds (a held POLL) when a real signal's
+    handler calls through the channel, and the peer answers that call only once another
+    thread's request arrived (a background stager's STAGED): the handler lends its
+    thread's turn between slices, so the other thread's request goes out and every call
+    is answered. Holding the turn for the whole handler, the other thread's request and
+    so the handler's reply waited for a call timeout."""
+    context = zmq.Context()
+    server = context.socket(zmq.ROUTER)
+    server.bind("inproc://channel-lent-turn")
+    channel = protocol.Channel("inproc://channel-lent-turn", context)
+    got_b, stop = threading.Event(), threading.Event()
+
+    def peer():  # answers c at once, b once c was answered, and a once b was
+        held, answered = {}, set()
+        while not stop.is_set():
+            if not server.poll(20):
+                continue
+            routing_id, *frames = server.recv_multipart()
+            msg = protocol.decode(frames)
+            held[msg.type] = (routing_id, msg.id)
+            if msg.type == "b":
+                got_b.set()
+            for kind, after in (("c", None), ("b", "c"), ("a", "b")):
+                if kind in held and (after is None or after in answered):
+                    routing, msg_id = held.pop(kind)
+                    server.send_multipart([routing, *protocol.encode("reply", msg_id,
+                                                                     {"k": kind})])
+                    answered.add(kind)
+
+    seen, errors = {}, []
+
+    def handler(signum, frame):
+        seen["b"] = channel.call("b", timeout=10).body["k"]
+
+    def other_thread():
+        try:
+            wait_for(lambda: main_waits(), 10, "the main thread waiting for a's reply")
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert got_b.wait(10), "the handler's request never arrived"
+            seen["c"] = channel.call("c", timeout=10).body["k"]
+        except BaseException as exc:  # the test reads it
+            errors.append(exc)
+
+    main = threading.main_thread()
+
+    def main_waits():
+        frame = sys._current_frames().get(main.ident)
+        while frame is not None and frame.f_code.co_name != "_receive":
+            frame = frame.f_back
+        return frame is not None
+
+    responder = threading.Thread(target=peer, daemon=True)
+    responder.start()
+    previous = signal.signal(signal.SIGUSR1, handler)
+    helper = threading.Thread(target=other_thread, daemon=True)
+    try:
+        helper.start()
+        seen["a"] = channel.call("a", timeout=30).body["k"]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        helper.join(30)
+        shut_down(stop, responder, channel, server, context)
+    assert not errors
+    assert seen == {"a": "a", "b": "b", "c": "c"}

@@ -157,3 +157,41 @@ def test_an_exception_right_after_a_thread_took_its_turn_passes_the_turn_on():
     second.join(30)
     assert not second.is_alive(), "b waits forever for a turn nobody holds"
     assert got == ["interrupted", "b"]
+
+
+def test_a_signal_handler_using_its_threads_turn_lends_it_to_the_threads_waiting():
+    """A thread holds the turn (between socket operations) when its signal handler calls
+    in, and that call needs another thread to take a turn (a background stager's STAGED
+    that the daemon waits for): each time the handler gives the turn back, the threads
+    waiting take theirs, and the interrupted thread holds the turn again when its handler
+    returns, with nobody else holding it. Queued behind its own thread for the whole
+    handler, the other thread waited forever."""
+    turns = Turns()
+    holders, other_took = [], threading.Event()
+
+    def other():
+        with turns:
+            holders.append(("other", turns._owner == threading.get_ident()))
+            other_took.set()
+
+    def holder_interrupted_by_its_handler():
+        me = threading.get_ident()
+        with turns:  # waiting between socket operations, say on a held POLL's reply
+            helper = threading.Thread(target=other, daemon=True)
+            helper.start()
+            wait_for(lambda: turns.waiting == 1, 10, "the other thread in line")
+            # The handler: slices at the socket until the other thread's turn came
+            slices = 0
+            while not other_took.is_set() and slices < 1000:
+                with turns:
+                    slices += 1
+            # The handler returned: did the other thread get its turn meanwhile, and
+            # does this thread hold the turn again?
+            outcome = other_took.is_set(), turns._owner == me
+        helper.join(30)
+        return outcome
+
+    assert finishes(holder_interrupted_by_its_handler) == {"returned": (True, True)}
+    assert holders == [("other", True)]
+    assert finishes(lambda: turns.__enter__() and turns.__exit__(None, None, None)) \
+        == {"returned": None}, "the turn was given back"
