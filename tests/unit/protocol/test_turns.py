@@ -195,3 +195,38 @@ def test_a_signal_handler_using_its_threads_turn_lends_it_to_the_threads_waiting
     assert holders == [("other", True)]
     assert finishes(lambda: turns.__enter__() and turns.__exit__(None, None, None)) \
         == {"returned": None}, "the turn was given back"
+
+
+def test_an_exception_landing_as_a_turn_is_given_back_leaves_it_free():
+    """A KeyboardInterrupt lands in the first Python call the giving back of a turn makes
+    (where a signal's exception is raised, on entering a function) while another thread
+    waits: the turn is free all the same and the other thread takes it."""
+    turns = Turns()
+    turns.__enter__()
+    got = []
+
+    def take():
+        with turns:
+            got.append("other")
+
+    other = threading.Thread(target=take, daemon=True)
+    other.start()
+    wait_for(lambda: turns.waiting == 1, 10, "the other thread in line")
+    raised = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and not raised and frame.f_back is not None \
+                and frame.f_back.f_code is Turns.__exit__.__code__:
+            raised.append(frame.f_code.co_name)
+            raise KeyboardInterrupt
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            turns.__exit__(None, None, None)
+    finally:
+        sys.settrace(None)
+    other.join(30)
+    assert raised, "giving the turn back made no Python call for the exception to land in"
+    assert got == ["other"], "the turn stayed with nobody"
