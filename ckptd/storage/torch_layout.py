@@ -37,7 +37,7 @@ from ckptd.storage.torch_format import (PAGE_ALIGNMENT, raw_tensor, write_archiv
 from ckptd.storage.torch_pickle import pickle_skeleton
 from ckptd.storage.torch_zip import END_RECORDS_SIZE, GATHER_BELOW, ArchiveWriter
 
-__all__ = ["torch_layout_size", "write_torch_layout"]
+__all__ = ["TorchLayout", "torch_layout_size", "write_torch_layout"]
 
 _DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
 # Pieces under this size are joined with their neighbours into one write of up to
@@ -190,21 +190,69 @@ def _body_for(skeleton: bytes, specs: tuple, head: _Head) -> _Body:
     return body
 
 
+class TorchLayout:
+    """One file :func:`write_torch_layout` writes, prepared once: its templates are looked
+    up (made if new) here, so the writer that allocates the file first (:attr:`size`) and
+    then writes it (:meth:`write`) normalizes the specs and looks the templates up once."""
+
+    def __init__(self, skeleton: bytes, specs: Sequence[Sequence], buffers: Sequence[Any],
+                 alignment: int = PAGE_ALIGNMENT) -> None:
+        self.skeleton, self.buffers, self.alignment = skeleton, buffers, alignment
+        self.specs = tuple((dtype, tuple(shape), nbytes) for dtype, shape, nbytes in specs)
+        self.head = _head_for(skeleton, self.specs, buffers, alignment)
+        self._body: _Body | None = None
+
+    @property
+    def body(self) -> _Body:
+        if self._body is None:
+            self._body = _body_for(self.skeleton, self.specs, self.head)
+        return self._body
+
+    @property
+    def size(self) -> int:
+        """The file's size, before it is written.
+
+        A direct writer allocates the whole file before its first write: space allocated as
+        the writes go waits for every write in flight (the file's end records, a few KiB
+        after its last tensor, waited for that tensor's write to finish when only the
+        tensors' bytes were allocated up front).
+        """
+        head = self.head
+        # every storage, the head's prefix and its central entries appear once in the groups
+        return (self.body.literal_bytes + len(head.prefix) + len(head.central)
+                + sum(self.specs[index][2] for index in head.storages))
+
+    def write(self, stream: Any, max_write: int | None = None) -> int:
+        """Write the file to ``stream`` (see :func:`write_torch_layout`); returns its size."""
+        head, buffers = self.head, self.buffers
+        views = [memoryview(buffers[index]).cast("B") for index in head.storages]
+        if any(view.nbytes >= 8 and view[:4] == _DESCRIPTOR_SIGNATURE for view in views):
+            tensors = [raw_tensor(buffer, dtype, shape)
+                       for buffer, (dtype, shape, _) in zip(buffers, self.specs)]
+            return write_torch_file(stream, unpack_value(self.skeleton), tensors,
+                                    max_write=max_write, alignment=self.alignment)
+        table = views + [head.prefix, head.central]
+        written = 0
+        for group in self.body.groups:
+            if type(group) is int:
+                view = views[group]
+                step = max_write or view.nbytes
+                for start in range(0, view.nbytes, step):
+                    stream.write(view[start:start + step])
+                written += view.nbytes
+            else:
+                piece = b"".join([table[item] if type(item) is int else item for item in group])
+                stream.write(piece)
+                written += len(piece)
+        return written
+
+
 def torch_layout_size(skeleton: bytes, specs: Sequence[Sequence], buffers: Sequence[Any],
                       alignment: int = PAGE_ALIGNMENT) -> int:
     """The size of the file :func:`write_torch_layout` writes for these arguments, before
-    it is written (from the same templates, made here if new: the write then reuses them).
-
-    A direct writer allocates the whole file before its first write: space allocated as the
-    writes go waits for every write in flight (the file's end records, a few KiB after its
-    last tensor, waited for that tensor's write to finish when only the tensors' bytes were
-    allocated up front).
-    """
-    specs = tuple((dtype, tuple(shape), nbytes) for dtype, shape, nbytes in specs)
-    head = _head_for(skeleton, specs, buffers, alignment)
-    # every storage, the head's prefix and its central entries appear once in the groups
-    return (_body_for(skeleton, specs, head).literal_bytes + len(head.prefix)
-            + len(head.central) + sum(specs[index][2] for index in head.storages))
+    it is written (:attr:`TorchLayout.size`; a writer doing both uses one
+    :class:`TorchLayout`)."""
+    return TorchLayout(skeleton, specs, buffers, alignment).size
 
 
 def write_torch_layout(stream: Any, skeleton: bytes, specs: Sequence[Sequence],
@@ -231,26 +279,4 @@ def write_torch_layout(stream: Any, skeleton: bytes, specs: Sequence[Sequence],
     int
         The file's size.
     """
-    specs = tuple((dtype, tuple(shape), nbytes) for dtype, shape, nbytes in specs)
-    head = _head_for(skeleton, specs, buffers, alignment)
-    views = [memoryview(buffers[index]).cast("B") for index in head.storages]
-    if any(view.nbytes >= 8 and view[:4] == _DESCRIPTOR_SIGNATURE for view in views):
-        tensors = [raw_tensor(buffer, dtype, shape)
-                   for buffer, (dtype, shape, _) in zip(buffers, specs)]
-        return write_torch_file(stream, unpack_value(skeleton), tensors,
-                                max_write=max_write, alignment=alignment)
-    body = _body_for(skeleton, specs, head)
-    table = views + [head.prefix, head.central]
-    written = 0
-    for group in body.groups:
-        if type(group) is int:
-            view = views[group]
-            step = max_write or view.nbytes
-            for start in range(0, view.nbytes, step):
-                stream.write(view[start:start + step])
-            written += view.nbytes
-        else:
-            piece = b"".join([table[item] if type(item) is int else item for item in group])
-            stream.write(piece)
-            written += len(piece)
-    return written
+    return TorchLayout(skeleton, specs, buffers, alignment).write(stream, max_write)

@@ -41,7 +41,7 @@ from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StopWriter, WriteB
 from ckptd.storage.layout import file_size, item_start, storage_alignment
 from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT, RawTensor, raw_tensor,
                                         write_tensor_file)
-from ckptd.storage.torch_layout import torch_layout_size, write_torch_layout
+from ckptd.storage.torch_layout import TorchLayout
 
 log = logging.getLogger(__name__)
 
@@ -178,12 +178,10 @@ class Writer:
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
         # A save with the structure of an earlier one serializes nothing per tensor, and its
         # size is known before a byte is written: all of it is allocated at once.
-        size = torch_layout_size(job.skeleton, specs, buffers, PAGE_ALIGNMENT)
+        layout = TorchLayout(job.skeleton, specs, buffers, PAGE_ALIGNMENT)
         return write_file_atomically(
-            job.path, lambda f: write_torch_layout(f, job.skeleton, specs, buffers,
-                                                   max_write=max_write,
-                                                   alignment=PAGE_ALIGNMENT), direct=True,
-            progress=self.step, size_hint=size)
+            job.path, lambda f: layout.write(f, max_write), direct=True,
+            progress=self.step, size_hint=layout.size)
 
     def write_items(self, job: WriteItems, frames: list) -> dict:
         """Items one after the other; records where each one landed.
