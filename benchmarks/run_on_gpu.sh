@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/run_on_gpu.sh tests    # setup, pytest -m gpu, 50 saves: GPU memory flat?
 #   bash benchmarks/run_on_gpu.sh bench    # setup, bench_save (CUDA methods), bench_ranks
+#   bash benchmarks/run_on_gpu.sh ranks    # setup, bench_ranks alone (RANKS, REPEATS)
 #   bash benchmarks/run_on_gpu.sh extra    # expandable segments; two trainers on one GPU
 #
 # The machine has torch but not our other dependencies, and reaches no package index:
@@ -50,8 +51,10 @@ tests)
     python3 -c "import pytest_timeout" 2>/dev/null && timeout_flag="--timeout 120"
     step pytest_gpu "${CAP_TESTS:-200}" python3 -m pytest -m gpu -v -p no:cacheprovider \
         $timeout_flag -rfEs tests/gpu
-    step gpu_saves "${CAP_SAVES:-150}" python3 benchmarks/bench_gpu_saves.py --size-gib 1 --profile \
-        --workdir /dev/shm --out "$OUT/RESULTS_GPU_saves.md"
+    # The daemon's device worker profiles itself too (CKPTD_CUDA_PROFILE): its time is
+    # not in the trainer's profile.
+    CKPTD_CUDA_PROFILE="$OUT/cuda_profile" step gpu_saves "${CAP_SAVES:-150}" python3 benchmarks/bench_gpu_saves.py --size-gib 1 --profile \
+        --saves "${SAVES:-50}" --workdir /dev/shm --out "$OUT/RESULTS_GPU_saves.md"
     ;;
 bench)
     facts >"$OUT/facts_bench.txt" 2>&1
@@ -63,6 +66,11 @@ bench)
         --ranks 1,2,4,8 --repeats 3 --workdir /dev/shm \
         --out "$OUT/RESULTS_GPU_ranks.md"
     ;;
+ranks)
+    step bench_ranks "${CAP_RANKS:-120}" python3 benchmarks/bench_ranks.py --size-gib 2 \
+        --ranks "${RANKS:-1,2,4,8}" --repeats "${REPEATS:-3}" --workdir /dev/shm \
+        --out "$OUT/RESULTS_GPU_ranks.md"
+    ;;
 extra)
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step gpu_saves_expandable \
         "${CAP_SAVES:-150}" python3 benchmarks/bench_gpu_saves.py --size-gib 1 \
@@ -72,5 +80,5 @@ extra)
         --repeats 3 --workdir /dev/shm --out "$OUT/RESULTS_GPU_ranks_expandable.md"
     ;;
 *)
-    echo "usage: $0 tests|bench|extra" >&2; exit 2 ;;
+    echo "usage: $0 tests|bench|ranks|extra" >&2; exit 2 ;;
 esac

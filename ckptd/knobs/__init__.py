@@ -26,7 +26,7 @@ __all__ = [
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
     "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES", "DIRECT_ALLOCATE_BYTES", "CHECKSUM",
-    "CUDA_REGISTER_CHUNK_BYTES", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL", "PEER_TIMEOUT",
+    "CUDA_REGISTER_CHUNK_BYTES", "CUDA_PROFILE", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL", "PEER_TIMEOUT",
     "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW", "PEER_IO_THREADS",
     "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_RECEIVE_SLICE_BYTES",
@@ -142,6 +142,12 @@ CHECKSUM = _knob(
     "Algorithm of new checksum records: crc32c (the CPU's CRC instruction) or crc32 (zlib)")
 CUDA_REGISTER_CHUNK_BYTES = _knob(
     "CUDA_REGISTER_CHUNK_BYTES", 64 << 30, int, "Bytes page-locked per cudaHostRegister call")
+# Diagnostics for a GPU lease: the device worker's own time, which no trainer-side profile
+# sees (it runs in the daemon, on its own thread).
+CUDA_PROFILE = _knob(
+    "CUDA_PROFILE", "", str,
+    "If set, a path: each CUDA device worker profiles its staging (cProfile) and writes "
+    "the top functions to <path>.<device> when the daemon stops")
 NUMA_PLACEMENT = _knob(
     "NUMA_PLACEMENT", True, parse_bool,
     "Cut the staging pool into one region per NUMA node; stage near each GPU or rank")

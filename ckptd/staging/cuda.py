@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from ckptd import protocol
+from ckptd import knobs, protocol
 from ckptd.mailbox import Mailbox
 from ckptd.protocol import ErrorCode
 from ckptd.staging.copy_views import part_copies
@@ -146,6 +146,20 @@ class _DeviceWorker:
 
     def _run(self) -> None:
         self.torch.cuda.set_device(self.device)
+        path = knobs.CUDA_PROFILE.get()
+        if not path:
+            return self._serve()
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        try:
+            profile.runcall(self._serve)
+        finally:
+            with open(f"{path}.{self.device}", "w") as out:
+                pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(30)
+
+    def _serve(self) -> None:
         while True:
             item = self.jobs.get()
             if item is _STOP:
