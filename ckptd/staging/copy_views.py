@@ -1,13 +1,17 @@
-"""The copies of one part of a CUDA save, as (destination, source) tensor views.
+"""The copies of one part of a CUDA save, as (destination, source) tensor views, built once.
 
 Owns turning a part's buffer descriptions (the trainer's storage, element offset, size,
 stride, dtype) into views of the opened storages and of the staging pool, checked against
 what the request declared, so the device worker issues the whole part as one
 ``torch._foreach_copy_`` instead of a Python loop of view-building and ``copy_`` calls per
-tensor (about 50 µs a tensor on an H100, where the copies themselves take a fraction of
-that). A contiguous tensor is copied as its bytes: a slice of a byte view of its storage
+tensor. A contiguous tensor is copied as its bytes: a slice of a byte view of its storage
 (one per storage, however many tensors share it) into a slice of the pool, no dtype views;
 any other keeps its dtype, size and stride.
+
+Building and checking a view costs ~20 µs a tensor in Python, several times the copy of a
+typical tensor on an H100; a training job saves the same parameters into the same place
+save after save, so :class:`ReusedViews` keeps each trainer's views from its last save
+and rebuilds only the entries whose description, place or storage changed.
 
 Device-agnostic (only tensor views; no stream, event or CUDA call), so it is tested on the
 CPU with storages standing in for opened exports.
@@ -19,8 +23,10 @@ import math
 from typing import Callable
 
 from ckptd import protocol
+from ckptd.protocol.ipc import ipc_export_id
+from ckptd.staging.exports import storage_key
 
-__all__ = ["part_copies"]
+__all__ = ["part_copies", "ReusedViews"]
 
 
 def _contiguous(size: list, stride: list) -> bool:
@@ -30,6 +36,41 @@ def _contiguous(size: list, stride: list) -> bool:
             return False
         expected *= dim
     return True
+
+
+def _copy_of(torch, spec: dict, start: int, declared: int, pool_tensor, storage,
+             byte_views: dict) -> tuple:
+    """``(destination, source)`` of one buffer, checked (see :func:`part_copies`)."""
+    name = spec.get("dtype")
+    if name not in protocol.BUFFER_DTYPES or name == "bytes":
+        raise ValueError(f"unsupported dtype {name!r} in a CUDA IPC description")
+    dtype = getattr(torch, name)
+    size, stride, first = list(spec["size"]), list(spec["stride"]), int(spec["offset"])
+    nbytes = math.prod(size) * dtype.itemsize
+    if nbytes != declared:
+        raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {declared} "
+                         "bytes the request declared; refusing to write past its extent")
+    # Checked here, not left to torch: a byte slice would be cut short silently, and
+    # set_ grows a resizable storage instead of refusing.
+    if first < 0 or any(step < 0 for step in stride) or len(stride) != len(size):
+        raise ValueError(f"IPC tensor with offset {first} and strides {stride} for size "
+                         f"{size}: not a tensor's layout")
+    reach = (first + sum((dim - 1) * step for dim, step in zip(size, stride)) + 1
+             if nbytes else 0) * dtype.itemsize
+    if reach > storage.nbytes():
+        raise ValueError(f"IPC tensor of {nbytes} bytes at element {first} reaches byte "
+                         f"{reach} of its storage of {storage.nbytes()} bytes")
+    destination = pool_tensor[start:start + nbytes]
+    if _contiguous(size, stride):
+        whole = byte_views.get(id(storage))
+        if whole is None:
+            whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            byte_views[id(storage)] = whole
+        begin = first * dtype.itemsize
+        return destination, whole[begin:begin + nbytes]
+    source = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, first, size,
+                                                                      stride)
+    return destination.view(dtype).view(size), source
 
 
 def part_copies(torch, specs: list, starts: list, expected: list, pool_tensor,
@@ -61,37 +102,65 @@ def part_copies(torch, specs: list, starts: list, expected: list, pool_tensor,
     destinations, sources = [], []
     byte_views: dict[int, object] = {}  # id(storage) -> uint8 tensor over all of it
     for spec, start, declared in zip(specs, starts, expected):
-        name = spec.get("dtype")
-        if name not in protocol.BUFFER_DTYPES or name == "bytes":
-            raise ValueError(f"unsupported dtype {name!r} in a CUDA IPC description")
-        dtype = getattr(torch, name)
-        size, stride, first = list(spec["size"]), list(spec["stride"]), int(spec["offset"])
-        nbytes = math.prod(size) * dtype.itemsize
-        if nbytes != declared:
-            raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {declared} "
-                             "bytes the request declared; refusing to write past its extent")
-        storage = storage_of(spec)
-        # Checked here, not left to torch: a byte slice would be cut short silently, and
-        # set_ grows a resizable storage instead of refusing.
-        if first < 0 or any(step < 0 for step in stride) or len(stride) != len(size):
-            raise ValueError(f"IPC tensor with offset {first} and strides {stride} for size "
-                             f"{size}: not a tensor's layout")
-        reach = (first + sum((dim - 1) * step for dim, step in zip(size, stride)) + 1
-                 if nbytes else 0) * dtype.itemsize
-        if reach > storage.nbytes():
-            raise ValueError(f"IPC tensor of {nbytes} bytes at element {first} reaches byte "
-                             f"{reach} of its storage of {storage.nbytes()} bytes")
-        destination = pool_tensor[start:start + nbytes]
-        if _contiguous(size, stride):
-            whole = byte_views.get(id(storage))
-            if whole is None:
-                whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-                byte_views[id(storage)] = whole
-            begin = first * dtype.itemsize
-            sources.append(whole[begin:begin + nbytes])
-        else:
-            sources.append(torch.empty(0, dtype=dtype, device=storage.device).set_(
-                storage, first, size, stride))
-            destination = destination.view(dtype).view(size)
+        destination, source = _copy_of(torch, spec, start, declared, pool_tensor,
+                                       storage_of(spec), byte_views)
         destinations.append(destination)
+        sources.append(source)
     return destinations, sources
+
+
+class ReusedViews:
+    """One trainer's copy views on one device, kept from its last save for the next.
+
+    An entry is reused when the new save describes the same buffer (an equal description:
+    the same export, hence the same storage, view and dtype), puts it at the same place in
+    the pool with the same declared size, and the export is still held open as the same
+    storage; every other entry is built and checked afresh. Only views over exports held
+    open are kept (:meth:`keep_held`), so the cache never keeps a storage, and so an
+    export's release, alive that the export bookkeeping dropped.
+    """
+
+    def __init__(self) -> None:
+        # Per entry of the last part: (spec, start, declared, export, storage, dst, src),
+        # or None where it was forgotten.
+        self._last: list = []
+
+    def copies(self, torch, specs: list, starts: list, expected: list, pool_tensor,
+               mappings) -> tuple[list, list]:
+        """``(destinations, sources)`` of a part, like :func:`part_copies`, reusing what
+        the last part of this trainer built; ``mappings`` is the save's
+        :class:`~ckptd.staging.exports.SaveMappings` (it opens, or finds held, each export
+        and records that the save used it)."""
+        last = self._last if len(self._last) == len(specs) else ()
+        held = mappings.exports.get
+        used = mappings.used
+        entries, destinations, sources = [], [], []
+        byte_views: dict[int, object] = {}
+        for i, (spec, start, declared) in enumerate(zip(specs, starts, expected)):
+            entry = last[i] if last else None
+            if (entry is None or entry[0] != spec or entry[1] != start or entry[2] != declared
+                    or held(entry[3]) is not entry[4]):
+                storage = mappings.storage(spec)
+                entry = (spec, start, declared, ipc_export_id(spec), storage,
+                         *_copy_of(torch, spec, start, declared, pool_tensor, storage,
+                                   byte_views))
+            else:  # what mappings.storage would have recorded for it
+                used[entry[3]] = (storage_key(spec), entry[4])
+            entries.append(entry)
+            destinations.append(entry[5])
+            sources.append(entry[6])
+        self._last = entries
+        return destinations, sources
+
+    @property
+    def exports(self) -> set:
+        """The export ids whose storages the kept views reference (tests, diagnostics)."""
+        return {entry[3] for entry in self._last if entry is not None}
+
+    def keep_held(self, holds: Callable) -> None:
+        """Forget the entries whose export is no longer held open (``holds(export id)``),
+        keeping the others at their places (a temporary saved once must not cost the
+        views of the parameters around it)."""
+        self._last = [entry if entry is not None and holds(entry[3]) else None
+                      for entry in self._last]
+

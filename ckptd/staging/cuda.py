@@ -41,7 +41,7 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.mailbox import Mailbox
 from ckptd.protocol import ErrorCode
-from ckptd.staging.copy_views import part_copies
+from ckptd.staging.copy_views import ReusedViews
 from ckptd.staging.exports import OpenExports, SaveMappings, export_id, stage_part
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ class _Part:
 
     job: CudaJob
     indices: list
+    events: frozenset  # the trainer's ready events on this device (one a save, normally)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class _DeviceWorker:
         torch.cuda.set_device(device)  # the context exists before any handle is opened
         self.stream = torch.cuda.Stream(device)
         self._exports: dict[int, OpenExports] = {}  # trainer pid -> its exports held open
+        self._views: dict[int, ReusedViews] = {}    # trainer pid -> its last save's views
         self.jobs: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"ckptd-cuda-{device}", daemon=True)
         self.thread.start()
@@ -165,6 +167,7 @@ class _DeviceWorker:
             if item is _STOP:
                 return
             if isinstance(item, _Forget):
+                self._views.pop(item.pid, None)
                 self._exports.pop(item.pid, None)  # dropping the storages pays their releases
                 continue
             if isinstance(item, _Release):
@@ -178,10 +181,11 @@ class _DeviceWorker:
         error = code = None
         kept: tuple = ()
         job = item.job
+        exports = self._exports.setdefault(job.pid, OpenExports())
+        views = self._views.setdefault(job.pid, ReusedViews())
         try:
-            held = stage_part(self._exports.setdefault(job.pid, OpenExports()),
-                              [job.specs[i] for i in item.indices], self._open,
-                              lambda mappings: self._copy(item, mappings))
+            held = stage_part(exports, [job.specs[i] for i in item.indices], self._open,
+                              lambda mappings: self._copy(item, mappings, views))
             kept = tuple(i for i in item.indices if export_id(job.specs[i]) in held)
         except Exception as exc:  # reported to the trainer, never kills the thread
             error, code = staging_failure(exc, item.job.pid)
@@ -190,33 +194,34 @@ class _DeviceWorker:
             elif not isinstance(exc, InterruptedError):
                 log.exception("CUDA staging of request %d on device %d failed",
                               item.job.request_id, self.device)
+        finally:  # views over storages no longer held open must not keep them mapped
+            views.keep_held(exports.holds)
         self.stager.part_done(item.job, error, code, kept)
 
-    def _copy(self, part: _Part, mappings: SaveMappings) -> None:
+    def _copy(self, part: _Part, mappings: SaveMappings, views: ReusedViews) -> None:
         """Copy the part into its extent; synchronized before it returns or raises, so
         nothing still reads the trainer's memory or writes the extent afterwards."""
         if self.stager.is_cancelled(part.job.request_id):
             raise InterruptedError("the save was aborted before its copy started")
         try:
-            self._copy_buffers(part, mappings)
+            self._copy_buffers(part, mappings, views)
         finally:
             self.stream.synchronize()
 
-    def _copy_buffers(self, part: _Part, mappings: SaveMappings) -> None:
+    def _copy_buffers(self, part: _Part, mappings: SaveMappings, views: ReusedViews) -> None:
         torch, job = self.torch, part.job
-        specs = [job.specs[i] for i in part.indices]
-        ready_events = {}  # the opened events are destroyed with this frame
-        for spec in specs:
-            handle = spec["ready_event"]
-            if handle not in ready_events:  # order the copies after the trainer's kernels
-                event = torch.cuda.Event.from_ipc_handle(self.device, handle)
-                self.stream.wait_event(event)
-                ready_events[handle] = event
-        # Every view built and checked before the first copy; then one call for the part.
-        destinations, sources = part_copies(
-            torch, specs, [job.base + job.offsets[i] for i in part.indices],
-            [job.buffers[i][2] for i in part.indices], self.stager.pool_tensor,
-            mappings.storage)
+        if None in part.events:
+            raise ValueError("a CUDA IPC description without its 'ready_event' handle: "
+                             "the daemon cannot order its copy after the trainer's kernels")
+        ready_events = [torch.cuda.Event.from_ipc_handle(self.device, handle)
+                        for handle in part.events]  # destroyed with this frame
+        for event in ready_events:  # order the copies after the trainer's kernels
+            self.stream.wait_event(event)
+        # Every view built (or reused) and checked before the first copy; then one call.
+        destinations, sources = views.copies(
+            torch, [job.specs[i] for i in part.indices],
+            [job.base + job.offsets[i] for i in part.indices],
+            [job.buffers[i][2] for i in part.indices], self.stager.pool_tensor, mappings)
         with torch.cuda.stream(self.stream):
             torch._foreach_copy_(destinations, sources,
                                  non_blocking=self.stager.pool.registered_with_cuda)
@@ -297,12 +302,17 @@ class CudaStager:
     def submit(self, job: CudaJob) -> None:
         """Queue a job; its parts go to the workers of their devices."""
         parts: dict[int, list] = {}
+        events: dict[int, set] = {}
         unknown = []
         for index, spec in enumerate(job.specs):
             if spec is None:
                 continue
             device = self.devices.get(spec.get("device_uuid"))
             (parts.setdefault(device, []) if device is not None else unknown).append(index)
+            # Taken out of the description: it changes every save, the rest does not
+            # (ReusedViews compares descriptions whole).
+            handle = spec.pop("ready_event", None)
+            events.setdefault(device, set()).add(handle if isinstance(handle, bytes) else None)
         if unknown:
             self.release(job.specs, job.pid)
             with self._lock:
@@ -313,7 +323,7 @@ class CudaStager:
         with self._lock:
             self._pending[job.request_id] = _Progress(len(parts))
         for device, indices in parts.items():
-            self.workers[device].jobs.put(_Part(job, indices))
+            self.workers[device].jobs.put(_Part(job, indices, frozenset(events[device])))
 
     def cancel(self, request_id: int) -> None:
         """The save was aborted: parts not started yet open nothing."""

@@ -47,6 +47,29 @@ def test_the_copy_is_ordered_after_the_producers_kernels(daemon, monkeypatch, ma
     assert torch.all(loaded["x"] == 7.0), "the daemon copied before the producer's kernels ran"
 
 
+def test_views_the_daemon_keeps_between_saves_copy_each_saves_values(daemon, monkeypatch):
+    # The daemon reuses a trainer's copy views while its descriptions repeat: every save
+    # must still hold its own values, also as entries around them change (a temporary, a
+    # storage seen through another view, a reordered or shorter state).
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    weight = torch.randn(256, 128, device="cuda")
+    bias = torch.randn(128, device="cuda")
+    steps = [lambda: {"w": weight, "b": bias, "tmp": weight[:4] * 2},
+             lambda: {"w": weight, "b": bias, "tmp": weight[:4] * 3},
+             lambda: {"w": weight.t(), "b": bias, "tmp": bias[:8] + 1},
+             lambda: {"b": bias, "w": weight},
+             lambda: {"w": weight, "b": bias, "tmp": weight[:4] * 2}]
+    for n, make in enumerate(steps * 2):
+        state = make()
+        expected = {k: v.cpu() for k, v in state.items()}
+        loaded, _ = save_and_load(state, os.path.join(daemon.roots[0], f"reuse{n}.pt"))
+        assert list(loaded) == list(expected)
+        for key in expected:
+            assert torch.equal(loaded[key], expected[key]), (n, key)
+        weight.add_(1)  # the optimizer step
+        bias.mul_(2)
+
+
 def test_mutating_right_after_the_save_returns_does_not_change_it(daemon, monkeypatch):
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     x = torch.full((1 << 20,), 3.0, device="cuda")

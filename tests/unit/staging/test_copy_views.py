@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ckptd.protocol import layout_extent
-from ckptd.staging.copy_views import part_copies
+from ckptd.staging.copy_views import ReusedViews, part_copies
+from ckptd.staging.exports import OpenExports, stage_part
 
 
 def spec_of(tensor: torch.Tensor, storage_id: int) -> dict:
@@ -84,3 +85,114 @@ def test_a_size_other_than_the_declared_one_is_refused():
     with pytest.raises(ValueError, match="does not match the 39 bytes"):
         part_copies(torch, [spec_of(tensor, 0)], [0], [39], pool,
                     lambda _: tensor.untyped_storage())
+
+
+# ------------------------------------------------------------ views kept from save to save
+
+class Trainer:
+    """Storages standing in for one trainer's exports: each export is opened (counted) at
+    most once while held, as a device worker opens them through SaveMappings."""
+
+    def __init__(self, tensors: dict) -> None:
+        self.tensors = dict(tensors)
+        self.counter = 0
+        self.exports: dict[str, int] = {}  # name -> its current export's counter slot
+        self.opened: list[int] = []
+        self.by_handle: dict[bytes, torch.Tensor] = {}
+        self.held = OpenExports()
+        self.views = ReusedViews()
+
+    def held_ids(self) -> set:
+        return {e for e in {(b"counters", n) for n in range(1, self.counter + 1)}
+                if self.held.holds(e)}
+
+    def spec(self, name: str, fresh: bool = False) -> dict:
+        tensor = self.tensors[name]
+        if fresh or name not in self.exports:
+            self.counter += 1
+            self.exports[name] = self.counter
+        self.by_handle[f"{name}:{id(tensor)}".encode()] = tensor  # a new tensor: new storage
+        return {**spec_of(tensor, 0), "handle": f"{name}:{id(tensor)}".encode(),
+                "storage_offset": 0,
+                "ref_counter_handle": b"counters", "ref_counter_offset": self.exports[name]}
+
+    def save(self, names: list, pool: torch.Tensor, base: int = 0, fresh: tuple = ()) -> list:
+        specs = [self.spec(name, name in fresh) for name in names]
+        nbytes = [self.tensors[n].numel() * self.tensors[n].element_size() for n in names]
+        offsets, _ = layout_extent(nbytes)
+        starts = [base + o for o in offsets]
+
+        def open_export(spec):
+            self.opened.append(spec["ref_counter_offset"])
+            return self.by_handle[spec["handle"]].untyped_storage()
+
+        def copy(mappings):
+            destinations, sources = self.views.copies(torch, specs, starts, nbytes, pool,
+                                                      mappings)
+            torch._foreach_copy_(destinations, sources)
+            copy.pairs = list(zip(destinations, sources))
+
+        try:
+            stage_part(self.held, specs, open_export, copy, release=lambda _: None)
+        finally:
+            self.views.keep_held(self.held.holds)
+        for name, start, n in zip(names, starts, nbytes):
+            flat = self.tensors[name].contiguous().reshape(-1).view(torch.uint8)
+            assert torch.equal(pool[start:start + n], flat), name
+        return copy.pairs
+
+
+def test_a_repeated_save_reuses_its_views_and_copies_the_new_values():
+    trainer = Trainer({"w": torch.randn(64, 33), "wt": torch.randn(33, 64).t(),
+                       "b": torch.ones(7, dtype=torch.bfloat16)})
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    names = ["w", "wt", "b"]
+    trainer.save(names, pool)
+    second = trainer.save(names, pool)  # the second save of a storage keeps it open
+    assert trainer.held.holds((b"counters", 1))
+    opened = len(trainer.opened)
+    for tensor in trainer.tensors.values():
+        tensor.add_(1)  # the optimizer step
+    third = trainer.save(names, pool)  # checks the new values landed
+    assert len(trainer.opened) == opened  # nothing opened again
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(second, third))
+
+
+def test_only_changed_entries_are_rebuilt_and_each_still_lands_right():
+    trainer = Trainer({"w": torch.randn(16, 16), "tmp": torch.randn(8), "b": torch.randn(5)})
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    trainer.save(["w", "tmp", "b"], pool)
+    before = trainer.save(["w", "tmp", "b"], pool)
+    trainer.tensors["tmp"] = torch.randn(8)  # a new temporary: a fresh export
+    after = trainer.save(["w", "tmp", "b"], pool, fresh=("tmp",))
+    assert after[0][1] is before[0][1] and after[2][1] is before[2][1]
+    assert after[1][1] is not before[1][1]
+    moved = trainer.save(["w", "tmp", "b"], pool, base=4096)  # another extent
+    assert all(a[0] is not b[0] for a, b in zip(moved, after))
+
+
+def test_views_over_exports_no_longer_held_are_forgotten():
+    # A view keeps its storage mapped, and a mapped export's release unpaid: the cache
+    # must not outlive the export bookkeeping's decision to drop a storage.
+    trainer = Trainer({"w": torch.randn(32), "tmp": torch.randn(8)})
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    trainer.save(["w", "tmp"], pool)
+    trainer.save(["w", "tmp"], pool)
+    assert trainer.views.exports == {(b"counters", 1), (b"counters", 2)}
+    trainer.tensors["tmp"] = torch.randn(8)  # a new temporary, saved once: not held
+    trainer.save(["w", "tmp"], pool, fresh=("tmp",))
+    assert trainer.views.exports == {(b"counters", 1)} == trainer.held_ids()
+
+
+def test_a_failed_copy_keeps_no_view_of_what_it_opened():
+    trainer = Trainer({"w": torch.randn(32), "bad": torch.randn(8)})
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    trainer.save(["w"], pool)
+    trainer.save(["w"], pool)
+    trainer.tensors["bad"] = torch.randn(8)
+    with pytest.raises(ValueError, match="reaches byte"):
+        original = trainer.spec
+        trainer.spec = lambda name, fresh=False: (
+            {**original(name, fresh), "offset": 5} if name == "bad" else original(name, fresh))
+        trainer.save(["w", "bad"], pool)
+    assert trainer.views.exports <= {(b"counters", 1)}
