@@ -157,5 +157,12 @@ def facts_of(source) -> BufferFacts:
                        source.numel() * source.element_size(), source.is_contiguous())
 
 
+_uuids: dict[int, str] = {}  # a process's device indices never change once CUDA is up
+
+
 def device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
+    """The UUID of local device ``index`` (asked of torch once: it is asked per tensor)."""
+    uuid = _uuids.get(index)
+    if uuid is None:
+        uuid = _uuids[index] = str(torch.cuda.get_device_properties(index).uuid)
+    return uuid
