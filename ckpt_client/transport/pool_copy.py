@@ -4,10 +4,10 @@ Owns the trainer's share of the copy: CPU tensors, byte items, and the CUDA tens
 daemon cannot open itself. Destination views are cached per (extent offset, layout): a
 training job saves the same structure into the same place again and again, and building
 thousands of views per save would cost more than copying small tensors. The CPU tensors
-of a save are copied by one ``torch._foreach_copy_`` call (it releases the GIL), so many
-small tensors cost little more than one. The copy runs without autograd: sources are the
-caller's own tensors (parameters included, never detached one by one), and a copy that
-autograd recorded would tie the pool to their graph.
+and byte items of a save are copied by one ``torch._foreach_copy_`` call (it releases the
+GIL), so many small buffers cost little more than one. The copy runs without autograd:
+sources are the caller's own tensors (parameters included, never detached one by one),
+and a copy that autograd recorded would tie the pool to their graph.
 """
 
 from __future__ import annotations
@@ -79,22 +79,22 @@ class PoolCopier:
                 torch._foreach_copy_(destinations, picked)
             return
         host_dst, host_src, device = [], [], False
-        for destination, source in zip(destinations, picked):
-            if isinstance(source, torch.Tensor):
-                if source.is_cuda:
-                    destination.copy_(source, non_blocking=True)
-                    device = True
-                else:
-                    host_dst.append(destination)
-                    host_src.append(source)
-            else:
-                data = source.getbuffer() if isinstance(source, io.BytesIO) else memoryview(source)
-                with warnings.catch_warnings():
-                    # torch warns that read-only buffers (bytes) could be written through
-                    # the tensor; this one is only read, as the source of the copy.
-                    warnings.simplefilter("ignore", UserWarning)
-                    destination.copy_(torch.frombuffer(data, dtype=torch.uint8))
+        with warnings.catch_warnings():
+            # torch warns that read-only buffers (bytes) could be written through the
+            # tensor; these are only read, as sources of the copy.
+            warnings.simplefilter("ignore", UserWarning)
+            for destination, source in zip(destinations, picked):
+                if type(source) in _PLAIN_TENSORS or isinstance(source, torch.Tensor):
+                    if source.is_cuda:
+                        destination.copy_(source, non_blocking=True)
+                        device = True
+                        continue
+                else:  # a byte item joins the one batched copy as a uint8 view
+                    source = torch.frombuffer(source.getbuffer() if isinstance(source, io.BytesIO)
+                                              else memoryview(source), dtype=torch.uint8)
+                host_dst.append(destination)
+                host_src.append(source)
         if host_dst:
-            torch._foreach_copy_(host_dst, host_src)  # one call for every CPU tensor
+            torch._foreach_copy_(host_dst, host_src)  # one call for every host buffer
         if device:
             torch.cuda.synchronize()
