@@ -399,19 +399,23 @@ class CkptdDcp(Method):
     ``own_planning``: with ``CKPTD_DCP_FAST_PLAN`` off, so the default planner plans
     through DCP's own calls, as the code did before its short route (the row that shows
     that change before and after in one run: the trainer cannot import two versions of
-    ckpt_client).
+    ckpt_client). ``copy_after_plan``: with ``CKPTD_DCP_GUESS_PLAN`` off, so a blocking
+    save copies after planning instead of beside it, as before the guessed copy.
     """
 
     kind = "async"
 
     def __init__(self, state: dict, enable_cache: bool = False, zero_stall: bool = False,
-                 own_planning: bool = False) -> None:
+                 own_planning: bool = False, copy_after_plan: bool = False) -> None:
         self.state = state
         self.enable_cache = enable_cache
         self.zero_stall = zero_stall
         self.own_planning = own_planning
+        self.knobs = {**({"DCP_FAST_PLAN": False} if own_planning else {}),
+                      **({"DCP_GUESS_PLAN": False} if copy_after_plan else {})}
         options = [o for o, on in (("enable_cache", enable_cache), ("zero_stall", zero_stall),
-                                   ("DCP's own planning", own_planning)) if on]
+                                   ("DCP's own planning", own_planning),
+                                   ("copy after planning", copy_after_plan)) if on]
         self.name = "ckptd dcp.async_save" + (f" ({', '.join(options)})" if options else "")
         self.queue = None
         self.daemon_pid = 0
@@ -426,7 +430,7 @@ class CkptdDcp(Method):
         from ckpt_client import dcp as ckpt_dcp
         from ckptd import knobs
 
-        with knobs.override(**({"DCP_FAST_PLAN": False} if self.own_planning else {})):
+        with knobs.override(**self.knobs):
             self.queue.schedule_async_request(
                 ckpt_dcp.async_save(self.state, path, enable_cache=self.enable_cache,
                                     zero_stall=self.zero_stall))

@@ -23,7 +23,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from ckpt_client.collectives import Group
 from ckpt_client.dcp.commit import commit_on_coordinator
 from ckpt_client.dcp.commit_handover import hand_over
-from ckpt_client.dcp.files import METADATA_NAME
+from ckpt_client.dcp.files import METADATA_NAME, resolve_items
+from ckpt_client.dcp.guessed_plan import GuessedCopy
+from ckpt_client.dcp.guessed_plan import remember as remember_plan
 from ckpt_client.dcp.planning import EarlyStaging, global_plan, plan_or_reuse
 from ckpt_client.dcp.stager import state_dicts_of
 from ckpt_client.dcp.writer import DaemonStorageWriter
@@ -89,19 +91,24 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     planner = planner or DefaultSavePlanner()
     writer = DaemonStorageWriter(checkpoint_id)
     group = Group(process_group)
-    local_plan, reuse = plan_or_reuse(state_dict, writer, planner, group, enable_cache)
+    # A blocking save copies with the previous save's plan while it plans (adopted only
+    # if the plan comes out the same): the planning overlaps the copy.
+    guess = None if zero_stall else GuessedCopy.start(state_dict, writer, planner, group)
     early = None
-    if reuse is None and EarlyStaging.worthwhile(planner, group):
-        try:
-            early = EarlyStaging(local_plan, writer, planner, group)
-        except (DaemonRequestError, DaemonUnavailableError):
-            early = None  # the direct staging below meets (and reports) the same refusal
     try:
+        local_plan, reuse = plan_or_reuse(state_dict, writer, planner, group, enable_cache)
+        if guess is None and reuse is None and EarlyStaging.worthwhile(planner, group):
+            try:
+                early = EarlyStaging(local_plan, writer, planner, group)
+            except (DaemonRequestError, DaemonUnavailableError):
+                early = None  # the direct staging below meets (and reports) the same refusal
         central_plan, metadata = global_plan(local_plan, writer, planner, group, enable_cache)
         final_plan = planner.finish_plan(central_plan)
     except BaseException as exc:
         if early is not None:
             early.drop(exc)
+        if guess is not None:
+            guess.drop(f"planning the save failed ({type(exc).__name__}: {exc})")
         raise
     planned = time.time()
     try:
@@ -110,6 +117,10 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
         if reuse is not None and saves is None:
             sources = reuse.sources(final_plan, state_dict, planner)
             buffers = reuse.buffers(final_plan, sources)
+        if guess is not None:
+            if sources is None:
+                sources = resolve_items(final_plan, planner)
+            saves = guess.adopt(final_plan, sources)
         saves = saves or writer.stage(final_plan, planner, zero_stall=zero_stall,
                                       sources=sources, buffers=buffers)
     except (DaemonRequestError, DaemonUnavailableError) as exc:
@@ -118,6 +129,11 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
         # The other ranks are about to wait in the completion collective: report the
         # refusal there, as a failure every rank raises, instead of raising alone.
         saves = (RefusedSave(group.rank, str(exc)),)
+    except BaseException as exc:
+        if guess is not None:
+            guess.drop(f"{type(exc).__name__}: {exc}")
+        raise
+    remember_plan(group, planner, state_dict, final_plan, reuse)
     if writer.connection.tiered and not zero_stall:
         hand_over(writer, saves, final_plan, metadata, group)
     spans.note(saves, "planning", started, planned)

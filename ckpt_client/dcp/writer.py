@@ -99,7 +99,8 @@ class DaemonStorageWriter(_StorageWriterBase):
     # ------------------------------------------------------------------ writing
     def stage(self, plan: SavePlan, planner: SavePlanner, zero_stall: bool = False,
               sources: list | None = None, hold: threading.Event | None = None,
-              buffers: list | None = None) -> tuple[DaemonSave, ...]:
+              buffers: list | None = None, caller_waits: bool = False
+              ) -> tuple[DaemonSave, ...]:
         """Hand this rank's items to the daemon; returns once they are staged (or queued,
         with ``zero_stall``).
 
@@ -109,7 +110,9 @@ class DaemonStorageWriter(_StorageWriterBase):
         made room (back-pressure). Only a single item larger than the whole pool is
         refused. ``sources``: the items' data when the caller resolved them already
         (``buffers``: their descriptions, if it has them too). ``hold`` (zero-stall
-        only): nothing reaches the writers before it is set.
+        only): nothing reaches the writers before it is set; ``caller_waits`` (zero-stall
+        only): the caller waits for staging before it returns (see
+        :func:`ckpt_client.transport.handover.stage`).
         """
         if sources is None:
             sources = resolve_items(plan, planner)
@@ -128,11 +131,15 @@ class DaemonStorageWriter(_StorageWriterBase):
                 files.append([f"{plan.storage_data.prefix}{token}_{number}{DCP_SUFFIX}",
                               [position[i] for i in group]])
                 number += 1
+            # One chunk of everything: the very lists (a save whose buffers are the very
+            # list of the save before finds its layout and pool views without a compare).
+            whole = len(chunks) == 1 and len(members) == len(sources)
             try:
                 saves.append(stage(connection, SaveFormat.DCP, self.path,
-                                   [sources[i] for i in members], files=files,
-                                   zero_stall=zero_stall, hold=hold,
-                                   buffers=[buffers[i] for i in members]))
+                                   sources if whole else [sources[i] for i in members],
+                                   files=files, zero_stall=zero_stall, hold=hold,
+                                   buffers=buffers if whole else [buffers[i] for i in members],
+                                   caller_waits=caller_waits))
             except BaseException:
                 for earlier in saves:  # a save is whole or nothing: drop the chunks before
                     earlier.abort(f"chunk {len(saves) + 1} of {len(chunks)} of the same save "

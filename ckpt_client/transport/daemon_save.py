@@ -50,8 +50,9 @@ class DaemonSave:
         The daemon's id for it (``None`` until a zero-stall save reached the daemon).
     path : str
     transport_bytes : dict
-        Bytes this rank copied through shared memory (``shm``) and bytes the daemon
-        copied from CUDA IPC handles (``cuda``).
+        Bytes this rank copied via shared memory (``shm``), the daemon via CUDA IPC (``cuda``).
+    copy_began : threading.Event
+        Set once this process's copy into the extent started, or staging ended without.
     """
 
     connection: DaemonConnection
@@ -64,6 +65,7 @@ class DaemonSave:
     spans: list = field(default_factory=list)  # the trainer's own [name, start, end] spans
     placements: dict | None = None  # tiered DCP: {file: [[start, length]]}, from the daemon
     _staged: threading.Event = field(default_factory=threading.Event, repr=False)
+    copy_began: threading.Event = field(default_factory=threading.Event, repr=False)
     _staging_error: str | None = None
     _cancelled: bool = False
     _copy_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -87,6 +89,7 @@ class DaemonSave:
                 else f"rank {self.rank}: staging {self.path} failed: {error}"
             self.last = RequestState(phase=Phase.FAILED, error=self._staging_error)
         self._staged.set()
+        self.copy_began.set()
 
     @property
     def staged(self) -> bool:
@@ -129,6 +132,7 @@ class DaemonSave:
             if self._cancelled:
                 return False
             self._copying = True
+            self.copy_began.set()
             return True
 
     def end_copy(self) -> None:
@@ -193,12 +197,9 @@ class DaemonSave:
         return self.last
 
     def _read_staged_reply(self) -> None:
-        """Read the reply to a STAGED sent without waiting, once a later POLL was answered:
-        the daemon answers such a STAGED at once (the trainer's copy was the only one), so
-        its reply came before the POLL's and this does not wait (a stopped daemon is met
-        by the POLL's own timeout). A refusal needs nothing here: the daemon refuses
-        STAGED only for a request that failed or that it does not know, and the POLL
-        reports exactly that."""
+        """Read the reply to a STAGED sent without waiting, once a later POLL was answered
+        (it came first: no wait). A refusal needs nothing here: the daemon refuses STAGED
+        only for a request that failed or it does not know, as the POLL reports."""
         msg_id, self.staged_reply = self.staged_reply, None
         if msg_id is None:
             return

@@ -339,7 +339,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
           allow_cuda_ipc: bool = True, zero_stall: bool = False,
           hold: threading.Event | None = None, ahead: SentAhead | None = None,
           buffers: list | None = None, on_cpu: bool = False,
-          remember: tuple | None = None) -> DaemonSave:
+          remember: tuple | None = None, caller_waits: bool = False) -> DaemonSave:
     """Hand ``sources`` to the daemon: staged on return, or (``zero_stall``) queued.
 
     Parameters
@@ -380,6 +380,11 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         (:func:`~ckpt_client.transport.sent_ahead.kind_of`, :attr:`Flattened.layout
         <ckpt_client.transport.flatten.Flattened.layout>`): its layout is remembered
         under its kind, for the next save of that kind to be sent ahead with.
+    caller_waits : bool
+        Zero-stall only: the caller itself waits for staging to end before it returns
+        (the copy runs in the background only to overlap the caller's own work): the
+        tensors are not detached, and STAGED's reply is left to the save's first poll,
+        as for a default save.
 
     Raises
     ------
@@ -391,7 +396,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
     """
     if hold is not None and not zero_stall:
         raise ValueError("stage(hold=...) needs zero_stall=True: the caller sets hold later")
-    if zero_stall:
+    if zero_stall and not caller_waits:
         # The copy runs after this call returns: take each tensor's storage as it is now.
         # A Parameter's ``.data`` may be rebound meanwhile (``module.half()``, ``.to()``,
         # ZeRO partitions) and the copy must not follow it to the new storage.
@@ -426,7 +431,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         # A tiered daemon finishes a save whose every rank's call returned, trainers or
         # not: that call may return only once the daemon has the STAGED in hand.
         job = StagingJob(save, body, sources, plan, events, hold,
-                         confirm=zero_stall or connection.tiered,
+                         confirm=(zero_stall and not caller_waits) or connection.tiered,
                          ahead=ahead.msg_id if ahead is not None else None, on_cpu=on_cpu)
         if zero_stall:
             handover.stager().submit(job)

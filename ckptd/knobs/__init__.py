@@ -37,7 +37,7 @@ __all__ = [
     "FLUSH_RETRY_START", "FLUSH_RETRY_CAP", "FLUSH_DEADLINE", "FLUSH_COMMIT_POLL",
     "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION", "WRITER_PROGRESS_INTERVAL",
     "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN", "LATE_RANK_GRACE", "SENT_AHEAD_KINDS",
-    "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT", "TORCH_BODIES_KEPT", "DCP_FAST_PLAN",
+    "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT", "TORCH_BODIES_KEPT", "DCP_FAST_PLAN", "DCP_GUESS_PLAN",
 ]
 
 
@@ -283,6 +283,11 @@ SENT_AHEAD_KINDS = _knob("SENT_AHEAD_KINDS", 8, int, "Kinds of torch state dicts
                          "connection whose layout is kept to send STAGE ahead (0: none)")
 DCP_FAST_PLAN = _knob("DCP_FAST_PLAN", True, parse_bool, "DCP saves with the default planner "
                       "plan the short way; 0: DCP's own planning (enable_cache still reuses plans)")
+# A blocking DCP save starts copying with the previous save's final plan while it plans,
+# and keeps the copy only if the plan it makes is the same (else it stages afresh).
+DCP_GUESS_PLAN = _knob("DCP_GUESS_PLAN", True, parse_bool, "A default DCP save copies with "
+                       "the previous save's plan while it plans (kept only if the plan is "
+                       "the same); 0: it copies after planning")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,

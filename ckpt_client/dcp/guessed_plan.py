@@ -1,0 +1,211 @@
+"""Copying a blocking DCP save with the previous save's plan while this one is planned.
+
+A training loop saves the same structure again and again, so the final plan of a group's
+previous save is almost always the final plan of this one. A blocking save therefore
+starts its copy into the daemon's pool at once, with that guess: each guessed item's
+value is looked up in *this* state dict by the path recorded for it, and the connection's
+background stager sends the STAGE and copies (``copy_`` releases the interpreter lock),
+holding the copied bytes back from the writers. The save then plans exactly as before:
+local plan, plan collectives, global plan; nothing is skipped. The copy is adopted only
+when the plan made is the guessed one, item for item under the same file prefix, and
+every item resolves to the very value that was copied (the same tensor object; for a
+non-tensor leaf, the same bytes). Anything else drops the guess unwritten (the daemon
+frees its extent; no byte of it reaches a writer) and stages the final plan the ordinary
+way. Planning so overlaps the copy instead of adding to it.
+
+A wrong guess costs a copy: the staging after it waits for the guessed copy to end. So
+a kind of state dict is guessed only while its plan holds: after a save whose plan
+differed from the remembered one, the next save copies after planning and re-arms the
+guess if its plan repeats; a guess whose plan matched but whose values did not (a
+planner that resolves items its own way) is never made again for that kind.
+
+Owns the remembered plans (per process group, planner class and kind of state dict, the
+torch format's sent-ahead kinds) and one save's guessed copy until adopted or dropped.
+Planning is :mod:`ckpt_client.dcp.planning`'s; staging is the writer's.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import operator
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from ckptd import knobs
+from ckpt_client.collectives import Group
+from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse
+from ckpt_client.dcp.writer import DaemonStorageWriter
+from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.transport.sent_ahead import kind_of
+
+log = logging.getLogger(__name__)
+
+#: Pickles non-tensor leaves as ``DefaultSavePlanner.transform_object`` does (stateless);
+#: only planners that resolve items exactly so are guessed for.
+_TRANSFORM = DefaultSavePlanner()
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: Kinds of state dicts remembered per process (a trainer saves a handful).
+_KEPT = 8
+#: Longest a save waits for its guessed copy to start before it plans. Waiting lets the
+#: background thread run its few milliseconds of Python (the STAGE's reply, the views)
+#: without queueing behind the planning for the interpreter lock; a daemon that makes
+#: the STAGE wait for space (earlier saves still writing) is planned beside instead.
+_COPY_START_WAIT_S = 0.05
+
+
+@dataclass
+class _Remembered:
+    plan: SavePlan            # the final plan of the kind's last save
+    paths: ReusablePlan       # finds each item's value again, by its recorded path
+    armed: bool               # the plan held (or was new): the next save guesses it
+    buffers: list | None = None  # the last guess's descriptions, kept while they repeat
+
+
+_remembered: dict = {}
+#: Kinds whose guess matched the plan but not the values: never guessed again.
+_never: set = set()
+
+
+def _key(group: Group, planner: SavePlanner, state_dict) -> tuple:
+    return (id(group.group), group.size, type(planner).__name__, kind_of(state_dict))
+
+
+def _same_plan(plan: SavePlan, other: SavePlan) -> bool:
+    if plan.storage_data != other.storage_data or len(plan.items) != len(other.items):
+        return False
+    # The short route hands out the very items of the previous save for the same inputs.
+    return all(map(operator.is_, plan.items, other.items)) or plan.items == other.items
+
+
+def _same_values(sources: list, guessed: list) -> bool:
+    if all(map(operator.is_, sources, guessed)):
+        return True
+    for new, old in zip(sources, guessed):
+        if new is not old and not (isinstance(new, io.BytesIO) and isinstance(old, io.BytesIO)
+                                   and new.getbuffer() == old.getbuffer()):
+            return False
+    return True
+
+
+def _plain_values(plan: SavePlan, paths: ReusablePlan, state_dict) -> bool:
+    """Whether each of ``plan``'s items is a plain tensor or a non-tensor leaf (a DTensor
+    item is its local shard, which a path does not lead to)."""
+    for item in plan.items:
+        value = state_dict
+        for element in paths.paths[item.index.fqn]:
+            value = value[element]
+        if isinstance(value, torch.Tensor) and type(value) not in _PLAIN_TENSORS:
+            return False
+    return True
+
+
+def remember(group: Group, planner: SavePlanner, state_dict, final_plan: SavePlan,
+             reused: ReusablePlan | None) -> None:
+    """``final_plan`` is what this save of ``state_dict`` was written with: the next save
+    of its kind may be copied with it while it plans.
+
+    ``reused``: the cached plan's paths when ``enable_cache`` reused the local plan (the
+    planner was then not set up).
+    """
+    if not knobs.DCP_GUESS_PLAN.get() or type(state_dict) is not dict \
+            or not planner_allows_reuse(planner):
+        return
+    key = _key(group, planner, state_dict)
+    if key in _never:
+        return
+    known = _remembered.get(key)
+    if known is not None and _same_plan(final_plan, known.plan):
+        known.armed = True
+        return
+    mappings = getattr(planner, "mappings", None) if reused is None else None
+    if reused is None and not isinstance(mappings, dict):
+        _remembered.pop(key, None)
+        return
+    try:
+        paths = reused or ReusablePlan(None, final_plan, state_dict, mappings)
+        guessable = _plain_values(final_plan, paths, state_dict)
+    except (KeyError, IndexError, TypeError):  # a key DCP's mappings cannot lead back to
+        guessable = False
+    if not guessable:
+        _remembered.pop(key, None)
+        return
+    _remembered.pop(key, None)
+    _remembered[key] = _Remembered(final_plan, paths, armed=known is None)
+    while len(_remembered) > _KEPT:
+        _remembered.pop(next(iter(_remembered)))
+
+
+class GuessedCopy:
+    """One blocking save's copy made with the remembered plan, until adopted or dropped."""
+
+    def __init__(self, key: tuple, known: _Remembered, sources: list, saves: tuple,
+                 release: threading.Event) -> None:
+        self.key = key
+        self.known = known
+        self.sources = sources
+        self.saves = saves
+        self.release = release
+
+    @classmethod
+    def start(cls, state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
+              group: Group) -> "GuessedCopy | None":
+        """Start copying ``state_dict`` with its kind's remembered plan; ``None`` if there
+        is none to guess with (or the daemon refused: the ordinary staging meets it)."""
+        if not knobs.DCP_GUESS_PLAN.get() or type(state_dict) is not dict \
+                or not planner_allows_reuse(planner):
+            return None
+        key = _key(group, planner, state_dict)
+        known = _remembered.get(key)
+        if known is None or not known.armed:
+            return None
+        plan = known.plan
+        try:
+            sources = known.paths.sources(plan, state_dict, _TRANSFORM)
+            buffers = known.paths.buffers(plan, sources)
+        except (KeyError, IndexError, TypeError, AttributeError):
+            known.armed = False  # the structure changed: plan first
+            return None
+        if known.buffers is not None and known.buffers == buffers:
+            buffers = known.buffers  # the very list: its layout and views are kept
+        known.buffers = buffers
+        release = threading.Event()
+        try:
+            saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=sources,
+                                 hold=release, buffers=buffers, caller_waits=True)
+        except (DaemonRequestError, DaemonUnavailableError):
+            return None
+        saves[0].copy_began.wait(_COPY_START_WAIT_S)
+        return cls(key, known, sources, saves, release)
+
+    def adopt(self, final_plan: SavePlan, sources: list) -> tuple | None:
+        """The guessed saves, staged, if they copied exactly ``final_plan``'s ``sources``;
+        else ``None`` (dropped unwritten: the caller stages the final plan)."""
+        if not _same_plan(final_plan, self.known.plan):
+            self.known.armed = False
+            return self.drop("the plan differs from the previous save's")
+        if not _same_values(sources, self.sources):
+            _never.add(self.key)
+            _remembered.pop(self.key, None)
+            return self.drop("the plan's items resolve to other values than those the "
+                             "previous save's paths led to")
+        self.release.set()
+        try:
+            for save in self.saves:
+                save.wait_staged()
+        except CheckpointException as exc:
+            # staged again, to fail exactly as a direct save does
+            return self.drop(f"the guessed copy failed ({exc})")
+        return self.saves
+
+    def drop(self, reason: str) -> None:
+        """Abort the guessed saves before any byte reaches a writer."""
+        log.debug("a DCP save's guessed copy dropped: %s", reason)
+        for save in self.saves:
+            save.abort(f"copied with the previous save's plan, dropped: {reason}")
+        self.release.set()  # after the aborts: the held jobs see them and stop unwritten
+        return None
