@@ -19,26 +19,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as DCP
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from conftest import wait_for
+from test_dcp_stage_ahead import GatedPlanner  # DCP's default planner, gated
 from ckpt_client import AsyncCallsQueue, dcp
 from ckptd.protocol import Phase
-
-
-class GatedPlanner(DefaultSavePlanner):
-    """DCP's default planner whose global planning waits for ``gate`` (or fails)."""
-
-    def __init__(self, gate: threading.Event, fail: bool = False) -> None:
-        super().__init__()
-        self.gate, self.fail, self.entered = gate, fail, threading.Event()
-
-    def create_global_plan(self, all_plans):
-        self.entered.set()
-        self.gate.wait(120)
-        if self.fail:
-            raise RuntimeError("global planning failed (test)")
-        return super().create_global_plan(all_plans)
 
 
 def training_state(step: int, dtype=torch.float32) -> dict:
