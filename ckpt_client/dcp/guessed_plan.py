@@ -170,6 +170,10 @@ class GuessedCopy:
         except (KeyError, IndexError, TypeError, AttributeError):
             known.armed = False  # the structure changed: plan first
             return None
+        if any(getattr(source, "is_cuda", False) for source in sources):
+            # Device tensors stage by their own route (the daemon copies them from IPC
+            # handles, with producer events): they are copied after planning, as before.
+            return None
         if known.buffers is not None and known.buffers == buffers:
             buffers = known.buffers  # the very list: its layout and views are kept
         known.buffers = buffers
