@@ -47,6 +47,7 @@ import workload  # noqa: E402
 #: held export and reuse the daemon's copy views; a training job lives in that state.
 WARMUPS = 2
 
+
 def worker(args: argparse.Namespace) -> None:
     """One rank: build its share, then time ``repeats`` bound copies and saves."""
     import torch.distributed as dist

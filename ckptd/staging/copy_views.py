@@ -20,11 +20,11 @@ CPU with storages standing in for opened exports.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from ckptd import protocol
-from ckptd.protocol.ipc import ipc_export_id
-from ckptd.staging.exports import storage_key
+from ckptd.protocol.ipc import ipc_export_id, release_ipc_counters
+from ckptd.staging.exports import OpenExports, SaveMappings, stage_part
 
 __all__ = ["part_copies", "ReusedViews"]
 
@@ -38,9 +38,19 @@ def _contiguous(size: list, stride: list) -> bool:
     return True
 
 
-def _copy_of(torch, spec: dict, start: int, declared: int, pool_tensor, storage,
-             byte_views: dict) -> tuple:
-    """``(destination, source)`` of one buffer, checked (see :func:`part_copies`)."""
+class _Layout(NamedTuple):
+    """What a description asks for, checked before its export is opened."""
+
+    dtype: object
+    size: list
+    stride: list
+    first: int    # the first element, in the storage
+    nbytes: int
+
+
+def _checked(torch, spec: dict, declared: int) -> _Layout:
+    """A description's layout, refused before anything of the trainer's is mapped: a
+    dtype that is no tensor's, bytes other than declared, a negative offset or stride."""
     name = spec.get("dtype")
     if name not in protocol.BUFFER_DTYPES or name == "bytes":
         raise ValueError(f"unsupported dtype {name!r} in a CUDA IPC description")
@@ -50,11 +60,18 @@ def _copy_of(torch, spec: dict, start: int, declared: int, pool_tensor, storage,
     if nbytes != declared:
         raise ValueError(f"IPC tensor of {nbytes} bytes does not match the {declared} "
                          "bytes the request declared; refusing to write past its extent")
-    # Checked here, not left to torch: a byte slice would be cut short silently, and
-    # set_ grows a resizable storage instead of refusing.
     if first < 0 or any(step < 0 for step in stride) or len(stride) != len(size):
         raise ValueError(f"IPC tensor with offset {first} and strides {stride} for size "
                          f"{size}: not a tensor's layout")
+    return _Layout(dtype, size, stride, first, nbytes)
+
+
+def _views(torch, layout: _Layout, start: int, pool_tensor, storage,
+           byte_views: dict) -> tuple:
+    """``(destination, source)`` of one checked layout over its opened storage."""
+    dtype, size, stride, first, nbytes = layout
+    # Checked here, not left to torch: a byte slice would be cut short silently, and
+    # set_ grows a resizable storage instead of refusing.
     reach = (first + sum((dim - 1) * step for dim, step in zip(size, stride)) + 1
              if nbytes else 0) * dtype.itemsize
     if reach > storage.nbytes():
@@ -91,7 +108,8 @@ def part_copies(torch, specs: list, starts: list, expected: list, pool_tensor,
     pool_tensor
         The staging pool as one uint8 tensor.
     storage_of : callable
-        ``spec -> storage`` (the opened export's ``UntypedStorage``).
+        ``spec -> storage`` (the opened export's ``UntypedStorage``), called only for a
+        description that passed the checks that need no storage.
 
     Raises
     ------
@@ -102,11 +120,24 @@ def part_copies(torch, specs: list, starts: list, expected: list, pool_tensor,
     destinations, sources = [], []
     byte_views: dict[int, object] = {}  # id(storage) -> uint8 tensor over all of it
     for spec, start, declared in zip(specs, starts, expected):
-        destination, source = _copy_of(torch, spec, start, declared, pool_tensor,
-                                       storage_of(spec), byte_views)
+        layout = _checked(torch, spec, declared)
+        destination, source = _views(torch, layout, start, pool_tensor, storage_of(spec),
+                                     byte_views)
         destinations.append(destination)
         sources.append(source)
     return destinations, sources
+
+
+class _Entry(NamedTuple):
+    """One buffer's views as the last save of a trainer built them."""
+
+    spec: dict
+    start: int
+    declared: int
+    export: tuple
+    storage: object
+    destination: object
+    source: object
 
 
 class ReusedViews:
@@ -115,52 +146,55 @@ class ReusedViews:
     An entry is reused when the new save describes the same buffer (an equal description:
     the same export, hence the same storage, view and dtype), puts it at the same place in
     the pool with the same declared size, and the export is still held open as the same
-    storage; every other entry is built and checked afresh. Only views over exports held
-    open are kept (:meth:`keep_held`), so the cache never keeps a storage, and so an
-    export's release, alive that the export bookkeeping dropped.
+    storage; every other entry is checked and built afresh. A view keeps its storage
+    mapped, and a mapped export's release unpaid, so only views over exports still held
+    open are kept from one save to the next (:meth:`stage`).
     """
 
     def __init__(self) -> None:
-        # Per entry of the last part: (spec, start, declared, export, storage, dst, src),
-        # or None where it was forgotten.
-        self._last: list = []
+        self._last: list = []  # per entry of the last part: an _Entry, or None (forgotten)
+
+    def stage(self, exports: OpenExports, specs: list, open_export, copy,
+              release: Callable = release_ipc_counters) -> set:
+        """:func:`~ckptd.staging.exports.stage_part` (``copy(mappings)`` calls
+        :meth:`copies`), then forget the views over whatever it did not keep open,
+        whether the part succeeded or failed. Returns the export ids kept open."""
+        try:
+            return stage_part(exports, specs, open_export, copy, release)
+        finally:
+            self._keep_held(exports)
 
     def copies(self, torch, specs: list, starts: list, expected: list, pool_tensor,
-               mappings) -> tuple[list, list]:
+               mappings: SaveMappings) -> tuple[list, list]:
         """``(destinations, sources)`` of a part, like :func:`part_copies`, reusing what
-        the last part of this trainer built; ``mappings`` is the save's
-        :class:`~ckptd.staging.exports.SaveMappings` (it opens, or finds held, each export
-        and records that the save used it)."""
+        the last part of this trainer built; ``mappings`` (the save's) opens, or finds
+        held, each export and records that the save used it."""
         last = self._last if len(self._last) == len(specs) else ()
-        held = mappings.exports.get
-        used = mappings.used
         entries, destinations, sources = [], [], []
         byte_views: dict[int, object] = {}
         for i, (spec, start, declared) in enumerate(zip(specs, starts, expected)):
             entry = last[i] if last else None
-            if (entry is None or entry[0] != spec or entry[1] != start or entry[2] != declared
-                    or held(entry[3]) is not entry[4]):
+            if (entry is None or entry.spec != spec or entry.start != start
+                    or entry.declared != declared or not mappings.reuse(entry.export, spec,
+                                                                        entry.storage)):
+                layout = _checked(torch, spec, declared)
                 storage = mappings.storage(spec)
-                entry = (spec, start, declared, ipc_export_id(spec), storage,
-                         *_copy_of(torch, spec, start, declared, pool_tensor, storage,
-                                   byte_views))
-            else:  # what mappings.storage would have recorded for it
-                used[entry[3]] = (storage_key(spec), entry[4])
+                entry = _Entry(spec, start, declared, ipc_export_id(spec), storage,
+                               *_views(torch, layout, start, pool_tensor, storage,
+                                       byte_views))
             entries.append(entry)
-            destinations.append(entry[5])
-            sources.append(entry[6])
+            destinations.append(entry.destination)
+            sources.append(entry.source)
         self._last = entries
         return destinations, sources
 
     @property
     def exports(self) -> set:
         """The export ids whose storages the kept views reference (tests, diagnostics)."""
-        return {entry[3] for entry in self._last if entry is not None}
+        return {entry.export for entry in self._last if entry is not None}
 
-    def keep_held(self, holds: Callable) -> None:
-        """Forget the entries whose export is no longer held open (``holds(export id)``),
-        keeping the others at their places (a temporary saved once must not cost the
-        views of the parameters around it)."""
-        self._last = [entry if entry is not None and holds(entry[3]) else None
-                      for entry in self._last]
-
+    def _keep_held(self, exports: OpenExports) -> None:
+        # Forgotten in place: a temporary saved once must not cost the views of the
+        # parameters around it.
+        self._last = [entry if entry is not None and exports.get(entry.export) is entry.storage
+                      else None for entry in self._last]

@@ -42,7 +42,7 @@ from ckptd import knobs, protocol
 from ckptd.mailbox import Mailbox
 from ckptd.protocol import ErrorCode
 from ckptd.staging.copy_views import ReusedViews
-from ckptd.staging.exports import OpenExports, SaveMappings, export_id, stage_part
+from ckptd.staging.exports import OpenExports, SaveMappings, export_id
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,8 @@ class _DeviceWorker:
         exports = self._exports.setdefault(job.pid, OpenExports())
         views = self._views.setdefault(job.pid, ReusedViews())
         try:
-            held = stage_part(exports, [job.specs[i] for i in item.indices], self._open,
-                              lambda mappings: self._copy(item, mappings, views))
+            held = views.stage(exports, [job.specs[i] for i in item.indices], self._open,
+                               lambda mappings: self._copy(item, mappings, views))
             kept = tuple(i for i in item.indices if export_id(job.specs[i]) in held)
         except Exception as exc:  # reported to the trainer, never kills the thread
             error, code = staging_failure(exc, item.job.pid)
@@ -194,8 +194,6 @@ class _DeviceWorker:
             elif not isinstance(exc, InterruptedError):
                 log.exception("CUDA staging of request %d on device %d failed",
                               item.job.request_id, self.device)
-        finally:  # views over storages no longer held open must not keep them mapped
-            views.keep_held(exports.holds)
         self.stager.part_done(item.job, error, code, kept)
 
     def _copy(self, part: _Part, mappings: SaveMappings, views: ReusedViews) -> None:

@@ -88,6 +88,14 @@ class SaveMappings:
         self.used[export] = (storage_key(spec), found)
         return found
 
+    def reuse(self, export: tuple, spec: dict, storage) -> bool:
+        """Record that the save uses ``storage``, found by the caller for ``spec``, if it
+        is still the one held open for ``export``; ``False`` (nothing recorded) if not."""
+        if self.exports.get(export) is not storage:
+            return False
+        self.used[export] = (storage_key(spec), storage)
+        return True
+
     def settle(self) -> set:
         """The save succeeded: keep what it shares with the one before (see
         :meth:`OpenExports.settle`); returns the kept export ids."""

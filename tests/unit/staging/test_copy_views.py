@@ -4,12 +4,15 @@ tensor's values in row-major order, whatever its storage, offset and strides."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from ckptd.protocol import layout_extent
 from ckptd.staging.copy_views import ReusedViews, part_copies
-from ckptd.staging.exports import OpenExports, stage_part
+from ckptd.staging.exports import OpenExports, SaveMappings
 
 
 def spec_of(tensor: torch.Tensor, storage_id: int) -> dict:
@@ -99,6 +102,7 @@ class Trainer:
         self.exports: dict[str, int] = {}  # name -> its current export's counter slot
         self.opened: list[int] = []
         self.by_handle: dict[bytes, torch.Tensor] = {}
+        self.mapped: dict[int, weakref.ref] = {}  # counter slot -> what open_export gave
         self.held = OpenExports()
         self.views = ReusedViews()
 
@@ -116,7 +120,8 @@ class Trainer:
                 "storage_offset": 0,
                 "ref_counter_handle": b"counters", "ref_counter_offset": self.exports[name]}
 
-    def save(self, names: list, pool: torch.Tensor, base: int = 0, fresh: tuple = ()) -> list:
+    def save(self, names: list, pool: torch.Tensor, base: int = 0, fresh: tuple = (),
+             fail_after_copies: bool = False) -> list:
         specs = [self.spec(name, name in fresh) for name in names]
         nbytes = [self.tensors[n].numel() * self.tensors[n].element_size() for n in names]
         offsets, _ = layout_extent(nbytes)
@@ -124,18 +129,23 @@ class Trainer:
 
         def open_export(spec):
             self.opened.append(spec["ref_counter_offset"])
-            return self.by_handle[spec["handle"]].untyped_storage()
+            # A storage of its own over the trainer's memory, as an IPC mapping is: it
+            # dies (its weak reference too) once no view and nothing else refers to it.
+            whole = torch.empty(0, dtype=torch.uint8).set_(
+                self.by_handle[spec["handle"]].untyped_storage())
+            storage = torch.from_numpy(whole.numpy()).untyped_storage()
+            self.mapped[spec["ref_counter_offset"]] = weakref.ref(storage)
+            return storage
 
         def copy(mappings):
             destinations, sources = self.views.copies(torch, specs, starts, nbytes, pool,
                                                       mappings)
+            if fail_after_copies:  # as a failing device copy or synchronize would
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
             torch._foreach_copy_(destinations, sources)
             copy.pairs = list(zip(destinations, sources))
 
-        try:
-            stage_part(self.held, specs, open_export, copy, release=lambda _: None)
-        finally:
-            self.views.keep_held(self.held.holds)
+        self.views.stage(self.held, specs, open_export, copy, release=lambda _: None)
         for name, start, n in zip(names, starts, nbytes):
             flat = self.tensors[name].contiguous().reshape(-1).view(torch.uint8)
             assert torch.equal(pool[start:start + n], flat), name
@@ -184,15 +194,54 @@ def test_views_over_exports_no_longer_held_are_forgotten():
     assert trainer.views.exports == {(b"counters", 1)} == trainer.held_ids()
 
 
-def test_a_failed_copy_keeps_no_view_of_what_it_opened():
-    trainer = Trainer({"w": torch.randn(32), "bad": torch.randn(8)})
+def test_a_copy_failing_after_its_views_were_built_leaves_nothing_mapped():
+    # The views of a failed part were built (the new export opened) before the copy
+    # failed: none may outlive the part, or the trainer's block stays pinned.
+    trainer = Trainer({"w": torch.randn(32), "new": torch.randn(8)})
     pool = torch.zeros(1 << 16, dtype=torch.uint8)
     trainer.save(["w"], pool)
     trainer.save(["w"], pool)
-    trainer.tensors["bad"] = torch.randn(8)
-    with pytest.raises(ValueError, match="reaches byte"):
-        original = trainer.spec
-        trainer.spec = lambda name, fresh=False: (
-            {**original(name, fresh), "offset": 5} if name == "bad" else original(name, fresh))
-        trainer.save(["w", "bad"], pool)
-    assert trainer.views.exports <= {(b"counters", 1)}
+    with pytest.raises(RuntimeError, match="illegal memory access") as failure:
+        trainer.save(["w", "new"], pool, fail_after_copies=True)
+    del failure  # its traceback's frames hold the part's locals (the worker drops them)
+    gc.collect()
+    assert trainer.views.exports == {(b"counters", 1)}
+    assert trainer.mapped[2]() is None, "the failed part's opened storage is still referenced"
+    assert trainer.held.holds((b"counters", 1))
+    trainer.save(["w"], pool)  # and the held view still serves
+
+
+def test_an_equal_description_declaring_fewer_bytes_is_checked_again():
+    # A reused view copies the bytes it was built for: a request that now declares fewer
+    # at the same place must be refused, not written past its extent.
+    trainer = Trainer({"w": torch.randn(32), "b": torch.randn(8)})
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    trainer.save(["w", "b"], pool)
+    trainer.save(["w", "b"], pool)
+    specs = [trainer.spec("w"), trainer.spec("b")]
+    mappings = SaveMappings(trainer.held, lambda spec: pytest.fail("held: nothing to open"))
+    with pytest.raises(ValueError, match="does not match the 28 bytes"):
+        trainer.views.copies(torch, specs, [0, 128], [128, 28], pool, mappings)
+
+
+@pytest.mark.parametrize("change, declared, message", [
+    (lambda spec: spec.update(dtype="evil"), 40, "unsupported dtype"),
+    (lambda spec: None, 39, "does not match the 39 bytes"),
+    (lambda spec: spec.update(stride=[-1]), 40, "not a tensor's layout"),
+])
+def test_a_bad_description_is_refused_before_its_export_is_opened(change, declared, message):
+    # Opening maps the trainer's memory (and may fail as a denial, which would send the
+    # trainer to shared memory): a description that is wrong in itself never gets there.
+    tensor = torch.arange(10, dtype=torch.float32)
+    spec = {**spec_of(tensor, 0), "handle": b"h", "storage_offset": 0,
+            "ref_counter_handle": b"c", "ref_counter_offset": 1}
+    change(spec)
+    pool = torch.zeros(8192, dtype=torch.uint8)
+
+    def never(_):
+        pytest.fail("the export was opened before its description was checked")
+    with pytest.raises(ValueError, match=message):
+        part_copies(torch, [spec], [0], [declared], pool, never)
+    with pytest.raises(ValueError, match=message):
+        ReusedViews().copies(torch, [spec], [0], [declared], pool,
+                             SaveMappings(OpenExports(), never))
