@@ -10,7 +10,9 @@
 - ``writer_process`` a writer process (``python -m ckptd.storage.writer_process``):
                      maps the staging pool, serializes and writes one file per job;
 - ``writer_pool``    the daemon side: starts writers, routes jobs, reaps the dead;
-- ``local_store``    the layout of node-local checkpoint parts, own and replicas.
+- ``local_store``    the layout of node-local checkpoint parts, own and replicas;
+- ``late_close``     a dropped file's name removed at once, its data freed by a
+                     background close (off the serve loop).
 
 Writers run in their own processes; the rest runs in the daemon (serve loop and
 replicator thread). Nothing here knows about ranks or requests.

@@ -35,6 +35,7 @@ import secrets
 
 from ckptd.checksum import TMP_MARKER, sidecar_path
 from ckptd.storage.directories import fsync_directory, open_directory
+from ckptd.storage.late_close import unlink_freeing_later
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +206,9 @@ def _put_back_record(path: str, previous: str) -> None:
 
 
 def drop_previous(previous: str) -> None:
-    """The save is done: the replaced file (and record) kept at ``previous`` go."""
+    """The save is done: the replaced file (and record) kept at ``previous`` go; the
+    names at once, the data in the background (freeing it takes tens of milliseconds a
+    GiB, and the daemon calls this from its serve loop)."""
     for name in (previous, _sidecar_previous(previous)):
-        try:
-            os.unlink(name)
-        except (FileNotFoundError, NotADirectoryError):
-            pass
+        unlink_freeing_later(name)
 
