@@ -4,8 +4,9 @@ Each node of a :class:`netbed.NetBed` gets a real ``ckptd serve`` started inside
 namespace, with ``--local-dir`` on the node's own tmpfs and ``--peer-listen
 tcp://0.0.0.0:PORT`` (so the daemon must advertise its node's interface address; the
 loopback fallback binds each node's own 127.77.x.y instead). Ranks are separate Python
-processes forked inside their node by a server there that imported torch once
-(``tests/nodeforks.py``), with ``GLOO_SOCKET_IFNAME`` and a rendezvous on rank 0's node
+processes forked by one server of this test process that imported torch once
+(``tests/nodeforks.py``), each entering its node's network namespace first, with
+``GLOO_SOCKET_IFNAME`` and a rendezvous on rank 0's node
 (:meth:`netbed.NetBed.rank_env`): gloo, the daemon socket and replication all cross the
 bed as they would cross a cluster.
 
@@ -16,6 +17,7 @@ by ``tests/integration/test_local_netbed.py`` and ``benchmarks/bench_local.py``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -23,14 +25,31 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 
 from ckptd.protocol import wait_until_ready
-from nodeforks import RANK_PATH, ROOT, TESTS_DIR, NodeForkServer
+from nodeforks import RANK_PATH, ROOT, TESTS_DIR, HostPopen, NodeForkServer
 
 READY_TIMEOUT = 120.0
+_forks: NodeForkServer | None = None
+_forks_lock = threading.Lock()
+
+
+def fork_server() -> NodeForkServer:
+    """This process's fork server, shared by every bed: started by the first ranks (or
+    again if it died), stopped when this process exits."""
+    global _forks
+    with _forks_lock:
+        if _forks is None or _forks.gone():
+            if _forks is None:
+                atexit.register(lambda: _forks and _forks.close())
+            log = os.path.join(tempfile.gettempdir(), f"bednodes-forks-{os.getpid()}.log")
+            _forks = NodeForkServer(HostPopen(), 0, log)
+        return _forks
 
 
 @dataclass
@@ -67,8 +86,6 @@ class BedNodes:
         self.listen = [self._listen_address(i) for i in range(len(bed.nodes))]
         self.procs: list = [None] * len(bed.nodes)
         self.started: list = []
-        #: Each node's fork server, started by the first ranks placed there.
-        self.forks: dict[int, NodeForkServer] = {}
         # Started together, then waited for: on a 32-node bed one at a time takes long.
         for i in range(len(bed.nodes)):
             self.launch(i)
@@ -139,10 +156,8 @@ class BedNodes:
         self.start(i)
 
     def stop_all(self) -> None:
-        """Stop every daemon ever started here and the fork servers (the bed kills what
-        is left)."""
-        for forks in self.forks.values():
-            forks.close()
+        """Stop every daemon ever started here (the bed kills what is left, the ranks
+        included)."""
         for proc in self.started:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -182,10 +197,7 @@ class BedNodes:
         """Run ``fn(rank, world_size, *args)`` on rank ``r`` inside node ``placement[r]``."""
         world = len(placement)
         port = self.bed.free_port(placement[0])
-        for node in sorted(set(placement)):  # started together: they import torch at once
-            if node not in self.forks:
-                self.forks[node] = NodeForkServer(
-                    self.bed, node, os.path.join(self.workdir, f"forks-n{node}.log"))
+        forks = fork_server()
         pids, results = [], []
         for rank, node in enumerate(placement):
             job = os.path.join(self.workdir, f"{name}-rank{rank}.job")
@@ -199,21 +211,22 @@ class BedNodes:
                    **self.bed.rank_env(node, rank, world, port, master=placement[0]),
                    "CKPTD_SOCKET": self.socket(node), "PYTHONPATH": ROOT,
                    "CKPTD_AUTO_START": "0"}
-            pids.append(self.forks[node].fork(
-                job, fn.__module__, env, os.path.join(self.workdir, f"{name}-rank{rank}.log")))
+            ns = self.bed.nodes[node].ns
+            pids.append(forks.fork(job, fn.__module__, env,
+                                   os.path.join(self.workdir, f"{name}-rank{rank}.log"),
+                                   netns=f"/run/netns/{ns}" if ns else None))
             results.append(result)
         deadline = time.monotonic() + timeout
         codes = []
         for rank, pid in enumerate(pids):
-            codes.append(self.forks[placement[rank]].wait(
-                pid, max(1.0, deadline - time.monotonic())))
+            codes.append(forks.wait(pid, max(1.0, deadline - time.monotonic())))
             if codes[-1] is None:
-                for other_rank, other in enumerate(pids):
+                for other in pids:
                     # a rank that ended was reaped: its pid may be another process's now
-                    if not self.forks[placement[other_rank]].exited(other):
+                    if not forks.exited(other):
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(other, signal.SIGKILL)
-                server = self.forks[placement[rank]].gone()
+                server = forks.gone()
                 raise AssertionError(f"{name}: " + (f"{server}; rank {rank} was not reported"
                                                     if server else
                                                     f"ranks gave no result within "

@@ -1,26 +1,32 @@
-"""A fork server inside one bed node: torch imported once, each rank forked from it.
+"""A fork server for bed ranks: torch imported once, each rank forked from it into its node.
 
 A rank started as a fresh ``python`` inside a node spent 2-3 s of CPU importing torch and
-the test module before doing anything; a four-node test starts sixteen of them on 2 cores.
-:class:`NodeForkServer` is started inside the node (``NetBed.popen``: its namespace, its
-environment), imports torch, ``torch.distributed``, ``ckpt_client`` and the module of
-the function the ranks run, and then only forks. Each forked rank gets a session of its
-own (the test kills its group on a timeout), its own log as stdout and stderr, and
-exactly the environment a rank started with ``NetBed.popen`` would have; the server ran
-nothing but those imports, so no rank inherits anything of another rank. The same
-pattern as the ``forkserver`` that ``tests/multirank.py`` forks single-host ranks from.
+the test module before doing anything; a four-node test starts sixteen of them on 2 cores,
+and a server per node still imported torch once per node and test (an eight-node bed:
+eight imports, ~10 s of the machine). :class:`NodeForkServer` imports torch,
+``torch.distributed``, ``ckpt_client`` and the module of the function the ranks run, and
+then only forks. ``tests/bednodes.py`` starts one on this host for the whole test process
+(:class:`HostPopen`, outside every bed); each forked rank first enters its node's network
+namespace (``setns``, the job's ``netns``: what ``ip netns exec`` does for a process
+started there), then gets a session of its own (the test kills its group on a timeout),
+its own log as stdout and stderr, and exactly the environment a rank started with
+``NetBed.popen`` would have. The server ran nothing but those imports, so no rank
+inherits anything of another rank or test. The same pattern as the ``forkserver`` that
+``tests/multirank.py`` forks single-host ranks from.
 
 Wire (pipes to the test process, one line each): the test writes a JSON job
-``{"id", "job", "env", "log", "module"}``; the server answers ``started ID PID`` for it,
-and ``exited PID CODE`` when that rank ends (``CODE`` as ``Popen.returncode``: negative
-for a signal). End of input stops the server; ranks still running are the bed's to kill.
-A fork whose ``started`` line did not come in time fails; the line carries its job's id,
-so when it comes late it is never taken for a later job's rank: that rank, which nobody
-waits for, is killed instead (:attr:`NodeForkServer.discarded`).
+``{"id", "job", "env", "log", "module", "netns"}``; the server answers ``started ID PID``
+for it, and ``exited PID CODE`` when that rank ends (``CODE`` as ``Popen.returncode``:
+negative for a signal). End of input stops the server; ranks still running are the bed's
+to kill (they are in its namespaces). A fork whose ``started`` line did not come in time
+fails; the line carries its job's id, so when it comes late it is never taken for a later
+job's rank: that rank, which nobody waits for, is killed instead
+(:attr:`NodeForkServer.discarded`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
@@ -37,6 +43,16 @@ ROOT = os.path.dirname(TESTS_DIR)
 RANK_PATH = [TESTS_DIR, os.path.join(TESTS_DIR, "integration"), os.path.join(ROOT, "benchmarks")]
 #: Seconds the server may take to import torch and answer its first job.
 START_TIMEOUT = 120.0
+_CLONE_NEWNET = 0x40000000
+
+
+class HostPopen:
+    """``popen`` as a bed node's, but on this host (no namespace): a session of its own,
+    ``env`` added to this process's environment. Where the shared fork server runs."""
+
+    def popen(self, node: int, argv: list, *, env: dict | None = None, **kwargs):
+        return subprocess.Popen(argv, env={**os.environ, **(env or {})},
+                                start_new_session=True, **kwargs)
 
 
 class NodeForkServer:
@@ -44,10 +60,10 @@ class NodeForkServer:
 
     Parameters
     ----------
-    bed : netbed.NetBed
-        A bed that is up.
+    bed : netbed.NetBed or HostPopen
+        Whose ``popen`` starts the server: a bed that is up, or this host.
     node : int
-        The node the server (and so every rank it forks) runs in.
+        The node (of ``bed``) the server runs in.
     log_path : str
         The server's own output (an import that failed, a traceback).
     """
@@ -103,15 +119,18 @@ class NodeForkServer:
             except ProcessLookupError:
                 pass
 
-    def fork(self, job_path: str, module: str, env: dict, log_path: str) -> int:
+    def fork(self, job_path: str, module: str, env: dict, log_path: str,
+             netns: str | None = None) -> int:
         """Fork a rank that runs ``bednodes`` job ``job_path`` (its function in ``module``)
-        with environment ``env`` and output to ``log_path``; returns its pid."""
+        with environment ``env`` and output to ``log_path``, in the network namespace
+        ``netns`` (a path such as ``/run/netns/NAME``; ``None``: the server's); returns its
+        pid."""
         with self._changed:
             self._next_id += 1
             job_id = self._next_id
             self._waiting.add(job_id)
         line = json.dumps({"id": job_id, "job": job_path, "module": module, "env": env,
-                           "log": log_path})
+                           "log": log_path, "netns": netns})
         try:
             with self._one_job:
                 self.proc.stdin.write(line.encode() + b"\n")
@@ -228,6 +247,8 @@ def _rank(job: dict, server_fds: tuple) -> None:
     """In the forked child: become a rank as ``NetBed.popen`` would have started it."""
     code = 1
     try:
+        if job.get("netns"):
+            _enter_netns(job["netns"])
         os.setsid()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -251,6 +272,19 @@ def _rank(job: dict, server_fds: tuple) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _enter_netns(path: str) -> None:
+    """Move this (single-threaded, just forked) process into the network namespace at
+    ``path``, as ``ip netns exec`` does (Python 3.11 has no ``os.setns``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"setns into {path}: {os.strerror(error)}")
+    finally:
+        os.close(fd)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,17 @@
 """The bed's fork server never hands a fork another fork's rank.
 
 A real fork server (``tests/nodeforks.py``: its own process, torch imported, ranks forked
-from it) started on this host by a stand-in for the bed's ``popen`` (the server does not
-care which namespace it runs in). The server is SIGSTOPped while a first job is sent, so
-that fork gives up; once it resumes, its ``started`` line comes late, after a second job
-was sent. Before, the second fork took that line for its own and returned the first
-job's rank. Each rank blocks opening its job file (a FIFO nobody writes), so its output
-(its own log) shows which job it runs.
+from it) started on this host, as the bed nodes' ranks use it. The server is SIGSTOPped
+while a first job is sent, so that fork gives up; once it resumes, its ``started`` line
+comes late, after a second job was sent. Before, the second fork took that line for its
+own and returned the first job's rank. Each rank blocks opening its job file (a FIFO
+nobody writes), so its output (its own log) shows which job it runs.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
 
@@ -21,16 +19,8 @@ import nodeforks
 from conftest import wait_for
 
 
-class HostBed:
-    """``popen`` as a bed node's, on this host: a session of its own, ``env`` added."""
-
-    def popen(self, node: int, argv: list, *, env: dict | None = None, **kwargs):
-        return subprocess.Popen(argv, env={**os.environ, **(env or {})},
-                                start_new_session=True, **kwargs)
-
-
 def test_a_late_started_line_is_discarded_not_taken_for_the_next_fork(tmp_path, monkeypatch):
-    server = nodeforks.NodeForkServer(HostBed(), 0, str(tmp_path / "server.log"))
+    server = nodeforks.NodeForkServer(nodeforks.HostPopen(), 0, str(tmp_path / "server.log"))
     ranks: list[int] = []
     try:
         jobs = {}
