@@ -27,6 +27,7 @@ job's rank: that rank, which nobody waits for, is killed instead
 from __future__ import annotations
 
 import ctypes
+import atexit
 import importlib
 import json
 import os
@@ -34,13 +35,16 @@ import select
 import signal
 import subprocess
 import sys
+import runpy
 import threading
 import traceback
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
-#: Where rank functions live: the test helpers, the integration tests, the benchmarks.
-RANK_PATH = [TESTS_DIR, os.path.join(TESTS_DIR, "integration"), os.path.join(ROOT, "benchmarks")]
+#: Where rank functions and trainer scripts live: the test helpers, the integration tests
+#: and their framework trainers, the benchmarks.
+RANK_PATH = [TESTS_DIR, os.path.join(TESTS_DIR, "integration"),
+             os.path.join(TESTS_DIR, "integration", "frameworks"), os.path.join(ROOT, "benchmarks")]
 #: Seconds the server may take to import torch and answer its first job.
 START_TIMEOUT = 120.0
 _CLONE_NEWNET = 0x40000000
@@ -125,12 +129,22 @@ class NodeForkServer:
         with environment ``env`` and output to ``log_path``, in the network namespace
         ``netns`` (a path such as ``/run/netns/NAME``; ``None``: the server's); returns its
         pid."""
+        return self._fork({"job": job_path, "module": module, "env": env, "log": log_path,
+                           "netns": netns})
+
+    def run_script(self, argv: list[str], module: str, env: dict, log_path: str) -> int:
+        """Fork a process that runs the script ``argv[0]`` (its module ``module``, imported
+        here first) as ``python ARGV...`` would, with environment ``env`` and output to
+        ``log_path``; returns its pid."""
+        return self._fork({"argv": [str(a) for a in argv], "module": module, "env": env,
+                           "log": log_path})
+
+    def _fork(self, job: dict) -> int:
         with self._changed:
             self._next_id += 1
             job_id = self._next_id
             self._waiting.add(job_id)
-        line = json.dumps({"id": job_id, "job": job_path, "module": module, "env": env,
-                           "log": log_path, "netns": netns})
+        line = json.dumps({**job, "id": job_id})
         try:
             with self._one_job:
                 self.proc.stdin.write(line.encode() + b"\n")
@@ -263,15 +277,41 @@ def _rank(job: dict, server_fds: tuple) -> None:
         os.close(devnull)
         os.environ.clear()
         os.environ.update(job["env"])
-        import bednodes
+        if "argv" in job:
+            code = _run_script(job["argv"])
+        else:
+            import bednodes
 
-        code = bednodes._rank_main(job["job"])
+            code = bednodes._rank_main(job["job"])
     except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _run_script(argv: list[str]) -> int:
+    """``python ARGV...`` from here on: the script as ``__main__`` (its directory first on
+    the path), then what the interpreter does at exit (join the threads that are not
+    daemons, run the exit handlers); returns the exit code."""
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    return code
 
 
 def _enter_netns(path: str) -> None:

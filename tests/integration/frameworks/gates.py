@@ -9,8 +9,8 @@ both sides wait on a file appearing, bounded.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
-import sys
 import time
 
 HOLD_TIMEOUT = 120.0
@@ -35,15 +35,48 @@ def reached(gate_dir: str, name: str) -> bool:
     return os.path.exists(os.path.join(gate_dir, f"{name}.reached"))
 
 
-def start_trainer(script: str, args: list[str], socket: str, log_path: str) -> subprocess.Popen:
-    """Run ``script`` (a module of this directory) with ``CKPTD_SOCKET`` set."""
+class Trainer:
+    """A trainer process forked by the tests' fork server (``tests/nodeforks.py``), as
+    ``subprocess.Popen`` is used: ``pid`` (it leads its own session and process group),
+    ``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``."""
+
+    def __init__(self, server, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.server.exited(self.pid):
+            self.returncode = self.server.wait(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server.wait(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"trainer {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # once reaped, its pid may be anyone's
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_trainer(script: str, args: list[str], socket: str, log_path: str) -> Trainer:
+    """Run ``script`` (a module of this directory) with ``CKPTD_SOCKET`` set, forked from
+    the tests' fork server, which imported torch and the script's own imports (the
+    framework: 2-4 s of CPU a trainer) once for the whole test process."""
     env = {**os.environ, "CKPTD_SOCKET": socket, "CKPTD_AUTO_START": "0",
            "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                           os.environ.get("PYTHONPATH", "")])}
-    log = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), script),
-                             *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    from bednodes import fork_server  # the test side only (trainers import this module too)
+
+    server = fork_server()
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), script)
+    pid = server.run_script([path, *args], os.path.splitext(script)[0], env, log_path)
+    return Trainer(server, pid)
 
 
 def run_trainer(script: str, args: list[str], socket: str, log_path: str,
