@@ -25,9 +25,9 @@ __all__ = [
     "UNCLAIMED_RESULT_SECONDS", "RECENT_REQUESTS", "RECENT_ERRORS", "TRACE_SAVES",
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
-    "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES", "DIRECT_ALLOCATE_BYTES", "CHECKSUM",
-    "CUDA_REGISTER_CHUNK_BYTES", "CUDA_PROFILE", "NUMA_PLACEMENT", "LEFTOVER_SWEEP_INTERVAL",
-    "PEER_TIMEOUT",
+    "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES", "DIRECT_ALLOCATE_BYTES", "WRITE_AHEAD",
+    "CHECKSUM", "CUDA_REGISTER_CHUNK_BYTES", "CUDA_PROFILE", "NUMA_PLACEMENT",
+    "LEFTOVER_SWEEP_INTERVAL", "PEER_TIMEOUT",
     "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW", "PEER_IO_THREADS",
     "REPLICATOR_TICK", "PEER_LINKS", "PEER_IDLE_TIMEOUT", "METRICS_INTERVAL", "PEER_STREAMS",
     "PEER_ENCRYPTION", "PEER_HANDSHAKE_TIMEOUT", "PEER_RECEIVE_SLICE_BYTES",
@@ -126,6 +126,10 @@ DIRECT_MIN_BYTES = _knob(
 DIRECT_ALLOCATE_BYTES = _knob(
     "DIRECT_ALLOCATE_BYTES", 8 << 20, parse_size,
     "Space allocated ahead of a file's direct writes, per step (0: none)")
+WRITE_AHEAD = _knob(
+    "WRITE_AHEAD", True, parse_bool,
+    "Send a save's writer jobs when its staging begins: its files are made ready (created, "
+    "allocated) while the trainer copies, and written once it is staged")
 # Torch-format files are written from templates kept per writer process: the archive's
 # head per skeleton (a job saves a few kinds of state dict) and its body per layout (each
 # holds a page of padding per tensor, a few MiB). Small tensors between large ones are

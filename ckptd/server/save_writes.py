@@ -1,7 +1,10 @@
 """A save's files: its writer jobs, their results, the files it replaced, and removal.
 
 Owns what each save format writes and where (:func:`jobs_for`), submitting those jobs to
-the writers, turning each writer result into a ``written`` entry for the lifecycle, the
+the writers (*ahead*, as soon as a save's staging begins, where its files are known then:
+:meth:`SaveWrites.write_ahead`; the writers make the files ready while the trainer copies
+and write them once the save is staged), turning each writer result into a ``written``
+entry for the lifecycle, the
 files a save replaced while it runs (kept under :mod:`ckptd.storage.previous` names:
 put back when the save fails, dropped once it is done), deleting what a failed or aborted
 save wrote, and how the writers last wrote under each root (``write_modes``, for
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
+from ckptd import knobs
 from ckptd.protocol import Phase, SaveFormat
 from ckptd.server.lifecycle import SaveLifecycle
 from ckptd.server.local_parts import clear_gaps, part_ranges
@@ -43,10 +48,76 @@ class SaveWrites:
         #: How the writers last wrote a checkpoint file under each root (or the local
         #: directory): "direct" or "buffered: <why>", for ``ckptd status``.
         self.write_modes: dict[str, str] = {}
+        #: The jobs sent ahead of each request still staging: (all of them, those whose
+        #: writer has not answered). A held job is answered only if its save stopped or
+        #: its writer died; then the save writes its files afresh once staged.
+        self._ahead: dict[int, tuple[list[WriteJob], list[WriteJob]]] = {}
+
+    @staticmethod
+    def goes_ahead(request: SaveRequest) -> bool:
+        """Whether ``request``'s writer jobs are sent when its staging begins: its files
+        are known then (not a local part, whose header the daemon completes once staged,
+        nor a tiered save, placed in the stage directory once staged)."""
+        return (knobs.WRITE_AHEAD.get() and not request.tiered
+                and request.format in (SaveFormat.TORCH, SaveFormat.DCP))
+
+    def write_ahead(self, request: SaveRequest) -> None:
+        """Send the writer jobs of a request whose staging just began, held
+        (:meth:`ckptd.storage.writer_pool.WriterPool.start` releases them in :meth:`write`)."""
+        if not self.goes_ahead(request) or request.id in self._ahead:
+            return
+        finished = self._job_done(request)
+        jobs: list[WriteJob] = []
+        alive: list[WriteJob] = []
+
+        def on_done(job: WriteJob, result: WriteResult) -> None:
+            if not job.held:
+                finished(job, result)
+            elif job in alive:  # answered while held: stopped, or its writer died
+                alive.remove(job)
+
+        keep = lambda path: request.previous.setdefault(path, previous_name(path))  # noqa: E731
+        try:
+            for job in jobs_for(request, on_done, keep=keep):
+                job.held = True
+                jobs.append(job)
+        except Exception:  # never fatal here: its jobs are made again once it is staged
+            log.exception("request %d (rank %d): its writer jobs could not be sent ahead",
+                          request.id, request.rank)
+            return
+        alive.extend(jobs)
+        self._ahead[request.id] = (jobs, alive)
+        for job in jobs:
+            self.daemon.writers.submit(job)
+
+    def _start_ahead(self, request: SaveRequest) -> int | None:
+        """Start the jobs sent ahead of ``request`` (None: none were, or not all of them
+        are still waiting: those are dropped and the files written afresh)."""
+        jobs, alive = self._ahead.pop(request.id, ([], []))
+        if not jobs or len(alive) < len(jobs):
+            for job in alive:
+                self.daemon.writers.cancel(job)
+            return None
+        request.jobs = list(jobs)
+        for job in jobs:
+            job.on_stuck = lambda job, pid: self._given_up(request, job, pid)
+            skeleton = request.format == SaveFormat.TORCH and not job.body.skeleton
+            self.daemon.writers.start(job, replace(job.body, skeleton=request.skeleton)
+                                      if skeleton else None)
+        return len(jobs)
+
+    def drop_ahead(self, request: SaveRequest) -> None:
+        """``request`` stopped before it was staged: its writers drop the jobs sent ahead
+        (each removes the temporary it made ready)."""
+        for job in self._ahead.pop(request.id, ([], []))[1]:
+            self.daemon.writers.cancel(job)
 
     def write(self, request: SaveRequest) -> int:
-        """Submit a staged request's writer jobs; returns how many (a tiered save's files
-        are written into the stage directory)."""
+        """Submit a staged request's writer jobs (start those sent ahead); returns how
+        many (a tiered save's files are written into the stage directory)."""
+        started = self._start_ahead(request)
+        if started is not None:
+            return started
         place = self.daemon.tier.place(request) if request.tiered else None
         keep = None if request.tiered else lambda path: request.previous.setdefault(
             path, previous_name(path))  # a tiered save's local copy replaces nothing
@@ -88,12 +159,14 @@ class SaveWrites:
     def cancel(self, request: SaveRequest) -> None:
         """A stopped save's writer jobs not answered yet: their files must not be renamed
         into place (those renamed already are removed when their results come)."""
+        self.drop_ahead(request)
         for job in request.jobs:
             self.daemon.writers.cancel(job)
 
     def remove_outputs(self, request: SaveRequest) -> None:
         """Delete what a failed or aborted save wrote (for a tiered save: also at the
         target, and the commits that needed it are abandoned)."""
+        self.drop_ahead(request)
         if request.tiered:
             self.daemon.tier.discard(request)
         for entry in request.written:

@@ -148,7 +148,11 @@ class SaveService:
         self.device.start(request)
         log.info("request %d (rank %d) staging %d bytes for %s (%s)", request.id, request.rank,
                  request.bytes_total, request.path, request.transport_summary())
-        return _extent_reply(request)
+        if not self.writes.goes_ahead(request):
+            return _extent_reply(request)
+        call.reply(_extent_reply(request))  # the trainer copies while the writers get ready
+        self.writes.write_ahead(request)
+        return DEFERRED
 
     def _admit(self, call: Call, body: Stage) -> SaveRequest:
         rank = self.ranks.of(call.routing_id)
@@ -295,6 +299,7 @@ class SaveService:
         self.device.start(request)
         if call is not None:
             call.reply(_extent_reply(request))
+        self.writes.write_ahead(request)
 
     def staged(self, request: SaveRequest) -> None:
         """Every byte is in the extent: answer a STAGED that waited for the device copy."""

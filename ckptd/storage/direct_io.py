@@ -220,14 +220,7 @@ class DirectFileWriter:
         self._allocated = 0     # bytes of the file allocated ahead (0: allocation stopped)
         self._allocate_step = knobs.DIRECT_ALLOCATE_BYTES.get() // PAGE * PAGE
         self._allocating = self._allocate_step > 0 and allocating_ahead_pays(fd)
-        if self._allocating and size_hint > 0:
-            # Whole pages: the last one is written padded, and allocating its tail later
-            # would wait for every write in flight (what allocating up front avoids).
-            ahead = -(-size_hint // PAGE) * PAGE
-            if fallocate(fd, 0, 0, ahead) == 0:
-                self._allocated = ahead
-            else:
-                self._allocating = False
+        self.reserve(size_hint)
         self._direct_from = knobs.DIRECT_MIN_BYTES.get()  # read once: a file has thousands of writes
 
     def fileno(self) -> int:
@@ -312,6 +305,18 @@ class DirectFileWriter:
             room = max(self._buffer_limit - len(_spare_buffers), 0)
             _spare_buffers.extend(self._spare[:room])
         self._spare = []
+
+    def reserve(self, size: int) -> None:
+        """The file will hold ``size`` bytes: allocate up to there now, before the first
+        write (a file made before its size was known got a guess; too much is cut by
+        :meth:`finish`). Whole pages: the last one is written padded, and allocating its
+        tail later would wait for every write in flight (what allocating up front avoids)."""
+        ahead = -(-size // PAGE) * PAGE
+        if self._allocating and ahead > self._allocated:
+            if fallocate(self._fd, 0, self._allocated, ahead - self._allocated) == 0:
+                self._allocated = ahead
+            else:
+                self._allocating = False
 
     def _allocate_to(self, end: int) -> None:
         """Allocate the file up to past ``end`` before a write reaches there (see the

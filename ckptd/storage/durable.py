@@ -308,6 +308,54 @@ class DurableFile:
         self.discard()  # no-op after commit; an abandoned or failed write leaves nothing
 
 
+class FileWrite:
+    """A checkpoint file made ready before its bytes are: the temporary created and its
+    space allocated now, its bytes written and committed by :meth:`run` later (a writer
+    job sent ahead of the end of staging does the first part while the trainer copies).
+
+    Parameters are those of :func:`write_file_atomically`. Leaving it unrun, call
+    :meth:`discard`: nothing of it stays.
+    """
+
+    def __init__(self, path: str, checksum: bool = True, direct: bool = False,
+                 size_hint: int = 0) -> None:
+        self.path = path
+        self.durable = DurableFile(path, checksum=checksum, direct=direct, size_hint=size_hint)
+
+    def reserve(self, size: int) -> None:
+        """The file will hold ``size`` bytes (known only now): allocate what is missing
+        before the first write, while no write of the file is in flight."""
+        if isinstance(self.durable.stream, DirectFileWriter):
+            self.durable.stream.reserve(size)
+
+    def run(self, write_body: Callable[[ChecksumWriter], Any],
+            progress: Callable[[str, int], None] | None = None) -> dict:
+        """Write the file through ``write_body(stream)`` and commit it; returns what
+        :func:`write_file_atomically` does."""
+        durable = self.durable
+        with durable:
+            durable.stream.progress = progress
+            if progress is not None:
+                progress("write", 0)
+            try:
+                write_body(durable.stream)
+            except Exception as exc:
+                error = durable.stream.error
+                if error is not None and error is not exc:
+                    raise error from exc  # keep the errno the serializer hid
+                raise
+            info = os.fstat(durable.stream.fileno())  # the same inode after the rename
+            synced_at = time.time()
+            result = durable.commit()
+        return {"path": self.path, "size": result.size, "crc32": result.value,
+                "algorithm": result.algorithm, "file_id": [info.st_dev, info.st_ino],
+                "write_mode": durable.write_mode, "synced_at": synced_at}
+
+    def discard(self) -> None:
+        """Remove the temporary: the file is not written after all."""
+        self.durable.discard()
+
+
 def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any],
                           checksum: bool = True, direct: bool = False,
                           progress: Callable[[str, int], None] | None = None,
@@ -327,21 +375,7 @@ def write_file_atomically(path: str, write_body: Callable[[ChecksumWriter], Any]
         from a later file at the same path; ``write_mode`` says how it was written;
         ``synced_at`` when making it durable began (for the timeline).
     """
-    with DurableFile(path, checksum=checksum, direct=direct, progress=progress,
-                     size_hint=size_hint) as durable:
-        try:
-            write_body(durable.stream)
-        except Exception as exc:
-            error = durable.stream.error
-            if error is not None and error is not exc:
-                raise error from exc  # keep the errno the serializer hid
-            raise
-        info = os.fstat(durable.stream.fileno())  # the same inode after the rename
-        synced_at = time.time()
-        result = durable.commit()
-    return {"path": path, "size": result.size, "crc32": result.value,
-            "algorithm": result.algorithm, "file_id": [info.st_dev, info.st_ino],
-            "write_mode": durable.write_mode, "synced_at": synced_at}
+    return FileWrite(path, checksum, direct, size_hint).run(write_body, progress)
 
 
 def write_small_file(path: str, data: bytes, *, checksum: bool = False, mode: int = 0o644,

@@ -5,7 +5,9 @@ sender builds it and the receiver checks it on arrival (:data:`JOB_TYPES` in the
 :data:`REPLY_TYPES` in the daemon); framed like every other ckptd message (msgpack
 header + raw frames) over a ZeroMQ PAIR socket per writer. A job names byte ranges of the
 staging pool as ``[offset, nbytes, dtype, shape]`` items; ``dtype == "bytes"`` means raw
-bytes. It must not hold handlers: each end keeps its own table.
+bytes. A job may be sent *ahead*, while its bytes are still being staged: the writer
+prepares its file (the temporary, its space) and writes it on :class:`StartJob`. It must
+not hold handlers: each end keeps its own table.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class WriteTorch(Body, message="write_torch"):
     tensors: list  # [offset, nbytes, dtype, shape] per tensor, in skeleton order
     nbytes: int
     previous: str = ""  # where to keep the file it replaces (ckptd.storage.previous)
+    ahead: bool = False  # sent before its bytes are staged: prepared, written on StartJob
 
 
 class WriteItems(Body, message="write_items"):
@@ -40,6 +43,7 @@ class WriteItems(Body, message="write_items"):
     nbytes: int
     stock: bool = False  # torch's zip CRCs, no checksum record (protocol.STOCK_FILES)
     previous: str = ""  # where to keep the file it replaces (ckptd.storage.previous)
+    ahead: bool = False  # sent before its bytes are staged: prepared, written on StartJob
 
 
 class WriteBytes(Body, message="write_bytes"):
@@ -59,6 +63,14 @@ class WriterReady(Body, message="writer_ready"):
 
 class StopWriter(Body, message="stop"):
     """Exit after the job in hand."""
+
+
+class StartJob(Body, message="start"):
+    """The bytes of the job sent ahead whose id this message carries are all staged now:
+    write its file. ``skeleton``: a torch file's, when its job went ahead without one (the
+    trainer sends it only with its STAGED)."""
+
+    skeleton: bytes = b""
 
 
 class CancelJob(Body, message="cancel"):
@@ -102,7 +114,7 @@ class WriteProgress(Body, message="progress"):
 JOB_PHASES = ("queued", "create", "write", "fsync", "commit")
 
 #: Jobs a writer executes, by message type (besides them the daemon sends only
-#: :class:`StopWriter` and :class:`CancelJob`).
+#: :class:`StartJob`, :class:`StopWriter` and :class:`CancelJob`).
 JOB_TYPES = {cls.message_type: cls for cls in (WriteTorch, WriteItems, WriteBytes)}
 #: What a writer may send back, by message type.
 REPLY_TYPES = {cls.message_type: cls for cls in (WriterReady, WriteProgress, WriteResult)}
@@ -129,6 +141,9 @@ class WriteJob:
     deadline: float | None = None
     deadline_of: str = ""  # the limit that set it, for the error: "CKPTD_SAVE_DEADLINE 7200s"
     cancelled: bool = False  # its save stopped: the writer is told to drop it
+    #: Sent ahead and not started yet (its bytes are still being staged): its writer has
+    #: only made its file ready, so it counts neither as load nor for the stall check.
+    held: bool = False
 
     @property
     def path(self) -> str:

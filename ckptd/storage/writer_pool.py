@@ -9,7 +9,9 @@ progress for the stall timeout (stuck in the kernel): its job fails, a fresh wri
 its place and its other jobs, and the stuck process is kept by
 :class:`ckptd.storage.stalls.StuckWriters` until it really exits. It knows files and byte
 ranges, not ranks or requests: each job carries its own completion callback. One writer's socket and process are a
-:class:`ckptd.storage.writer_slot.WriterSlot`.
+:class:`ckptd.storage.writer_slot.WriterSlot`. A job may be submitted *held* (sent ahead
+of the end of its staging: the writer makes its file ready) and started later
+(:meth:`WriterPool.start`); until then it is no writer's load and no stall.
 
 Pattern: one ZeroMQ PAIR socket per writer, bound here and polled by the serve loop.
 """
@@ -21,13 +23,13 @@ import logging
 import os
 import time
 from collections import deque
+from dataclasses import replace
 
 import zmq
 
 from ckptd import knobs, protocol
 from ckptd.storage import priority
-from ckptd.storage.jobs import (REPLY_TYPES, WriteJob, WriteProgress, WriterReady,
-                                WriteResult)
+from ckptd.storage.jobs import REPLY_TYPES, WriteJob, WriteProgress, WriterReady, WriteResult
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
 from ckptd.storage.stalls import StuckWriters, deadline_message, stall_message
 from ckptd.storage.writer_slot import WriterSlot
@@ -47,11 +49,12 @@ def pick_writer(job: WriteJob, live: list[WriterSlot],
     """
     free = [s for s in live if s not in kept]
     if job.deadline is not None and free:
-        idle = [s for s in free if not s.jobs]
+        idle = [s for s in free if not s.load]
         if not idle:
-            kept.append(min(free, key=lambda s: len(s.jobs)))
+            kept.append(min(free, key=lambda s: s.load))
             return None
         free = idle
+    # jobs sent ahead count here: they are its work once their saves are staged
     return min(free, key=lambda s: len(s.jobs)) if free else None
 
 
@@ -107,23 +110,11 @@ class WriterPool:
         slot.spawn(self.pool_path, self.pool_size, self.log_level, self.journal)
 
     def wait_ready(self, timeout: float) -> None:
-        """Block until every writer has mapped the pool and said so.
-
-        Raises
-        ------
-        RuntimeError
-            If a writer exits or does not report within ``timeout`` seconds.
-        """
+        """Block until every writer has mapped the pool and said so (``RuntimeError``: a
+        writer exited or did not report within ``timeout`` seconds)."""
         deadline = time.monotonic() + timeout
         for slot in self.slots:
-            while not slot.ready:
-                if slot.process.poll() is not None:
-                    raise RuntimeError(f"writer process {slot.index} exited with "
-                                       f"{slot.process.returncode} during start-up")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"writer process {slot.index} did not start in {timeout:.0f}s")
-                if slot.socket.poll(100):
-                    self.handle(slot.socket)
+            slot.wait_ready(deadline, timeout, self.handle)
 
     def submit(self, job: WriteJob) -> None:
         """Queue ``job`` for the live writer with the fewest jobs in flight.
@@ -138,9 +129,22 @@ class WriterPool:
         self._backlog.append(job)
         self._dispatch()
 
+    def start(self, job: WriteJob, body=None) -> None:
+        """``job`` was submitted held and its bytes are staged now: write it (``body``: its
+        body complete, when it went ahead without a torch file's skeleton)."""
+        if body is not None:
+            job.body = body
+        job.held = False  # still waiting here: it is sent as any job is
+        for slot in (s for s in self.slots if s.jobs.get(job.id) is job):
+            slot.start(job, b"" if body is None else body.skeleton)
+
     def cancel(self, job: WriteJob) -> None:
-        """Tell ``job``'s writer to drop it, its save stopped (:meth:`WriterSlot.cancel`)."""
+        """Tell ``job``'s writer to drop it, its save stopped (:meth:`WriterSlot.cancel`);
+        a held job not sent yet is just forgotten."""
         job.cancelled = True
+        if job.held and job in self._backlog:
+            self._backlog.remove(job)
+            return
         for slot in (s for s in self.slots if s.jobs.get(job.id) is job):
             slot.cancel(job.id)
 
@@ -161,15 +165,16 @@ class WriterPool:
             if slot is None:
                 waiting.append(job)
                 continue
+            body = replace(job.body, ahead=True) if job.held else job.body
             try:
                 slot.socket.send_multipart(
-                    protocol.encode(job.body.message_type, job.id, job.body.to_wire(), job.frames),
+                    protocol.encode(body.message_type, job.id, body.to_wire(), job.frames),
                     flags=zmq.NOBLOCK)
             except zmq.Again:  # its process went away after saying ready
                 slot.ready = False
                 self._backlog.appendleft(job)
                 continue
-            if not slot.jobs:
+            if not slot.load and not job.held:
                 slot.last_heard = time.monotonic()
             slot.jobs[job.id] = job
             job.writer = slot.index
@@ -232,9 +237,9 @@ class WriterPool:
             self._dispatch()  # a job waiting for a stuck writer's path may go now
         now = time.monotonic()
         for slot in list(self.slots):
-            if slot.jobs and now - slot.last_heard > timeout:  # it works through them in order
-                self._replace_stuck(slot, next(iter(slot.jobs.values())),
-                                    now - slot.last_heard, timeout)
+            working = [job for job in slot.jobs.values() if not job.held]
+            if working and now - slot.last_heard > timeout:  # it works through them in order
+                self._replace_stuck(slot, working[0], now - slot.last_heard, timeout)
 
     def check_deadlines(self) -> None:
         """Fail jobs past their own deadline (see :attr:`WriteJob.deadline`): one still

@@ -11,7 +11,9 @@ offsets, or the errno of the failure) goes back. A bad job never
 kills the writer; the writer exits when its daemon is gone, since nobody wants its results
 any more. A job whose save the daemon stopped meanwhile (:class:`CancelJob`, read ahead
 while the job runs, :class:`Inbox`) is not started, or is stopped before its rename: a
-save a trainer was told failed never shows at its path.
+save a trainer was told failed never shows at its path. A job sent *ahead* (while its
+bytes are still being staged) is made ready and parked (:mod:`ckptd.storage.file_jobs`)
+until its :class:`StartJob`; other jobs run meanwhile, and a cancel removes its temporary.
 
 Must not import torch: every writer would carry ~150 MB of it for nothing, since the bytes
 are already in the pool and only torch's file format is needed.
@@ -33,11 +35,11 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.aligned_mapping import AlignedMapping
 from ckptd.checksum import ChecksumWriter
-from ckptd.storage.durable import write_file_atomically
+from ckptd.storage.file_jobs import FileJob, ParkedJobs, Prepared
 from ckptd.storage.previous import keep_aside
 from ckptd.storage.priority import yield_to_trainers
-from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StopWriter, WriteBytes, WriteItems,
-                                WriteProgress, WriterReady, WriteResult, WriteTorch)
+from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StartJob, StopWriter, WriteBytes,
+                                WriteItems, WriteProgress, WriterReady, WriteResult, WriteTorch)
 from ckptd.storage.layout import file_size, item_start, storage_alignment
 from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT, RawTensor, raw_tensor,
                                         write_tensor_file)
@@ -85,10 +87,13 @@ class Inbox:
     ----------
     sock : zmq.Socket or None
         The channel to the daemon (None: jobs run in this process, nothing is cancelled).
+    parked : container of int
+        Ids of the jobs sent ahead and waiting for their start (their cancels count too).
     """
 
-    def __init__(self, sock: zmq.Socket | None) -> None:
+    def __init__(self, sock: zmq.Socket | None, parked=()) -> None:
         self.sock = sock
+        self.parked = parked
         self.waiting: deque = deque()  # decoded messages, or the ProtocolError of one
         self.cancelled: set[int] = set()  # ids of jobs the daemon dropped
         self.in_hand: int | None = None  # the job being executed
@@ -111,7 +116,7 @@ class Inbox:
             if msg.type == CancelJob.message_type:
                 # A cancel always follows its job on the channel, so the job is in hand,
                 # waiting here, or answered already (then there is nothing to drop).
-                if msg.id == self.in_hand or any(
+                if msg.id == self.in_hand or msg.id in self.parked or any(
                         isinstance(m, protocol.Message) and m.id == msg.id for m in self.waiting):
                     self.cancelled.add(msg.id)
             else:
@@ -146,7 +151,8 @@ class Writer:
 
     def __init__(self, pool_path: str, pool_size: int, sock: zmq.Socket | None = None) -> None:
         self.progress = ProgressReporter(sock)
-        self.inbox = Inbox(sock)
+        self.parked = ParkedJobs()
+        self.inbox = Inbox(sock, self.parked)
         fd = os.open(pool_path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             # huge-page-aligned: where the pool's pages are (or get folded into) huge
@@ -156,9 +162,12 @@ class Writer:
             os.close(fd)
         #: The pool's bytes (the writer lives as long as its process: never unmapped).
         self.pool = self._mapping.view
-        #: The writer channel's handler table: job type -> what writes its file.
-        self.handlers = {WriteTorch: self.write_torch, WriteItems: self.write_items,
-                         WriteBytes: self.write_bytes}
+        #: The writer channel's handler table: job type -> the file it writes.
+        self.handlers = {WriteTorch: self.torch_file, WriteItems: self.items_file,
+                         WriteBytes: self.bytes_file}
+        #: The size of the last torch file of each list of tensor specs: a job sent ahead
+        #: without its skeleton allocates that much (exact while only values change).
+        self._torch_sizes: dict[tuple, int] = {}
 
     def pool_bytes(self, offset: int, nbytes: int) -> memoryview:
         """The pool's bytes ``[offset, offset + nbytes)``, as a view: no copy."""
@@ -171,19 +180,29 @@ class Writer:
         """The tensor whose bytes are the pool's at ``offset``."""
         return raw_tensor(self.pool_bytes(offset, nbytes), dtype, shape)
 
-    def write_torch(self, job: WriteTorch, frames: list) -> dict:
+    def torch_file(self, job: WriteTorch, frames: list) -> FileJob:
         """One file ``torch.load(weights_only=True)`` reads: the skeleton, pool tensors."""
         buffers = [self.pool_bytes(offset, nbytes) for offset, nbytes, _, _ in job.tensors]
         specs = [(dtype, shape, nbytes) for _, nbytes, dtype, shape in job.tensors]
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
-        # A save with the structure of an earlier one serializes nothing per tensor, and its
-        # size is known before a byte is written: all of it is allocated at once.
-        layout = TorchLayout(job.skeleton, specs, buffers, PAGE_ALIGNMENT)
-        return write_file_atomically(
-            job.path, lambda f: layout.write(f, max_write), direct=True,
-            progress=self.step, size_hint=layout.size)
 
-    def write_items(self, job: WriteItems, frames: list) -> dict:
+        def complete(skeleton: bytes):
+            # A save with the structure of an earlier one serializes nothing per tensor,
+            # and its size is known before a byte is written: all of it is allocated at once.
+            layout = TorchLayout(skeleton, specs, buffers, PAGE_ALIGNMENT)
+            if len(self._torch_sizes) >= 8 and layout.specs not in self._torch_sizes:
+                self._torch_sizes.clear()
+            self._torch_sizes[layout.specs] = layout.size
+            return layout.size, lambda f: layout.write(f, max_write)
+
+        if job.skeleton:
+            size, body = complete(job.skeleton)
+            return FileJob(job.path, body, direct=True, size=size)
+        key = tuple((dtype, tuple(shape), nbytes) for dtype, shape, nbytes in specs)
+        guess = self._torch_sizes.get(key) or sum(nbytes for _, _, nbytes in specs)
+        return FileJob(job.path, None, direct=True, size=guess, complete=complete)
+
+    def items_file(self, job: WriteItems, frames: list) -> FileJob:
         """Items one after the other; records where each one landed.
 
         A tensor item is one complete torch archive, as DCP's ``FileSystemWriter`` writes
@@ -220,16 +239,13 @@ class Writer:
         # allocated at once (a direct file only)
         size = 0 if job.stock else file_size([[dtype, shape, nbytes]
                                               for _, nbytes, dtype, shape in job.items])
-        result = write_file_atomically(job.path, write_items, checksum=not job.stock,
-                                       direct=not job.stock, progress=self.step, size_hint=size)
-        result["items"] = placements
-        return result
+        return FileJob(job.path, write_items, checksum=not job.stock, direct=not job.stock,
+                       size=size, extra={"items": placements})
 
-    def write_bytes(self, job: WriteBytes, frames: list) -> dict:
+    def bytes_file(self, job: WriteBytes, frames: list) -> FileJob:
         """The message's raw frame as a file."""
         data = frames[0] if frames else b""
-        return write_file_atomically(job.path, lambda f: f.write(data), checksum=not job.stock,
-                                     progress=self.step)
+        return FileJob(job.path, lambda f: f.write(data), checksum=not job.stock)
 
     def step(self, phase: str, bytes_done: int) -> None:
         """The job in hand moved (reported); before its rename, it stops if the daemon
@@ -239,8 +255,25 @@ class Writer:
                           "failed) before its file was renamed into place")
         self.progress(phase, bytes_done)
 
-    def execute(self, msg: protocol.Message) -> WriteResult:
-        """Run one job; every failure becomes a result, never an exception."""
+    def prepare(self, msg: protocol.Message, ahead: bool = False) -> Prepared:
+        """Decode a job and make its file (``ahead``: ready, its bytes not staged yet);
+        never raises: a failure is kept for the job's result."""
+        prepared = Prepared(msg)
+        try:
+            if msg.type not in JOB_TYPES:
+                raise ValueError(f"{msg.type!r} is not a writer job")
+            prepared.job = JOB_TYPES[msg.type].from_wire(msg.body)
+            prepared.file = self.handlers[type(prepared.job)](prepared.job, msg.frames)
+            if ahead:
+                prepared.file.make_ready()
+        except Exception as exc:  # answered when the job runs
+            prepared.error = exc
+        return prepared
+
+    def execute(self, msg: protocol.Message, prepared: Prepared | None = None,
+                skeleton: bytes = b"") -> WriteResult:
+        """Run one job (``prepared``: made ready ahead; ``skeleton``: a torch file's, if
+        its job came without one); every failure becomes a result, never an exception."""
         path = msg.body.get("path") if isinstance(msg.body.get("path"), str) else None
         started, started_at = time.monotonic(), time.time()
         try:
@@ -249,12 +282,13 @@ class Writer:
             if self.inbox.is_cancelled(msg.id):
                 raise OSError(errno_mod.ECANCELED, "the daemon dropped this save (aborted or "
                               "failed) before its writer began the file", path)
-            if msg.type not in JOB_TYPES:
-                raise ValueError(f"{msg.type!r} is not a writer job")
-            job = JOB_TYPES[msg.type].from_wire(msg.body)
+            prepared = prepared or self.prepare(msg)
+            if prepared.error is not None:
+                raise prepared.error
+            job = prepared.job
             if getattr(job, "previous", ""):  # the daemon puts it back if the save fails
                 keep_aside(job.path, job.previous)
-            done = self.handlers[type(job)](job, msg.frames)
+            done = prepared.file.run(skeleton, self.step)
             result = WriteResult(ok=True, path=done["path"], size=done["size"],
                                  crc32=done["crc32"], algorithm=done["algorithm"],
                                  items=done.get("items"), file_id=done["file_id"],
@@ -267,17 +301,51 @@ class Writer:
         except Exception as exc:  # a bad job must not kill the writer
             log.exception("writer job %s failed", msg.id)
             result = WriteResult(ok=False, path=path, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if prepared is not None:
+                prepared.discard()  # a file made ahead whose job failed before it ran
         return WriteResult(**{**result.to_wire(), "seconds": time.monotonic() - started,
                               "started_at": started_at})
 
+    def start(self, msg: protocol.Message) -> WriteResult | None:
+        """A job sent ahead may run now (``msg``: its :class:`StartJob`); None when it was
+        dropped already (cancelled: its answer went out then)."""
+        prepared = self.parked.take(msg.id)
+        if prepared is None:
+            log.debug("start of job %d, which was answered already", msg.id)
+            return None
+        try:
+            skeleton = StartJob.from_wire(msg.body).skeleton
+        except protocol.ProtocolError as exc:
+            prepared.discard()
+            return WriteResult(ok=False, path=prepared.path, error=f"bad start: {exc.message}")
+        return self.execute(prepared.msg, prepared, skeleton)
+
+    def drop_cancelled(self, sock: zmq.Socket) -> None:
+        """Answer the jobs sent ahead whose cancel came: their temporaries go."""
+        for job_id in [i for i in self.parked.ids() if i in self.inbox.cancelled]:
+            prepared = self.parked.drop(job_id)
+            sock.send_multipart(protocol.encode(RESULT, job_id, WriteResult(
+                ok=False, errno=errno_mod.ECANCELED, path=prepared.path,
+                error="the daemon dropped this save (aborted or failed) before its bytes "
+                      "were staged").to_wire()))
+            self.inbox.done(job_id)
+
     def run(self, sock: zmq.Socket) -> None:
         """Serve jobs until told to stop or the daemon is gone."""
+        try:
+            self._serve(sock)
+        finally:
+            self.parked.drop_all()  # no temporary of a job never started stays
+
+    def _serve(self, sock: zmq.Socket) -> None:
         parent = os.getppid()
         sock.send_multipart(protocol.encode(WriterReady.message_type, 0,
                                             WriterReady(os.getpid()).to_wire()))
         self.inbox.sock = sock
         while True:
             msg = self.inbox.next(1000)
+            self.drop_cancelled(sock)
             if msg is None:
                 if os.getppid() != parent:  # the daemon is gone: nobody wants our results
                     return
@@ -289,8 +357,13 @@ class Writer:
                 continue
             if msg.type == StopWriter.message_type:
                 return
-            result = self.execute(msg)
-            sock.send_multipart(protocol.encode(RESULT, msg.id, result.to_wire()))
+            if msg.type in JOB_TYPES and msg.body.get("ahead") is True:
+                self.parked.park(msg.id, self.prepare(msg, ahead=True))
+                self.drop_cancelled(sock)  # its cancel may have come while it was prepared
+                continue
+            result = self.start(msg) if msg.type == StartJob.message_type else self.execute(msg)
+            if result is not None:
+                sock.send_multipart(protocol.encode(RESULT, msg.id, result.to_wire()))
             self.inbox.done(msg.id)
 
 

@@ -20,7 +20,7 @@ import zmq
 
 from ckptd import knobs, protocol
 from ckptd.storage.durable import remove_quietly
-from ckptd.storage.jobs import CancelJob, StopWriter
+from ckptd.storage.jobs import CancelJob, StartJob, StopWriter
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,11 @@ class WriterSlot:
         self.ready = False
 
     @property
+    def load(self) -> int:
+        """Jobs it works on or will: those sent ahead and not started only wait there."""
+        return sum(1 for job in self.jobs.values() if not job.held)
+
+    @property
     def alive(self) -> bool:
         """Whether its process runs."""
         return bool(self.process and self.process.poll() is None)
@@ -79,6 +84,36 @@ class WriterSlot:
                 flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+    def wait_ready(self, deadline: float, timeout: float, handle) -> None:
+        """Block until the writer says it is ready (its messages go to ``handle(socket)``).
+
+        Raises
+        ------
+        RuntimeError
+            If it exits, or does not report by ``deadline`` (monotonic; ``timeout``: for
+            the message).
+        """
+        while not self.ready:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"writer process {self.index} exited with "
+                                   f"{self.process.returncode} during start-up")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"writer process {self.index} did not start in {timeout:.0f}s")
+            if self.socket.poll(100):
+                handle(self.socket)
+
+    def start(self, job, skeleton: bytes = b"") -> None:
+        """Tell the writer to write ``job`` (a WriteJob), sent ahead: its bytes are staged
+        now (``skeleton``: a torch file's, if the job went without one)."""
+        if self.load == 1:  # it was idle: its stall clock starts now
+            self.last_heard = time.monotonic()
+        try:
+            self.socket.send_multipart(protocol.encode(
+                StartJob.message_type, job.id, StartJob(skeleton=skeleton).to_wire()),
+                flags=zmq.NOBLOCK)
+        except zmq.Again:  # its process is gone: the job fails when it is reaped
+            log.warning("writer %d did not take the start of job %d", self.index, job.id)
 
     def cancel(self, job_id: int) -> None:
         """Tell the writer to drop job ``job_id`` (its save stopped): not started, it is not

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from ckptd.storage.jobs import WriteBytes, WriteJob
+from ckptd.storage.jobs import WriteBytes, WriteItems, WriteJob
 from ckptd.storage.writer_pool import WriterPool
 
 from pool_fixtures import POOL_SIZE, pool_path  # noqa: F401 (fixture)
@@ -62,3 +62,39 @@ def test_a_deadline_job_is_not_starved_by_later_jobs(pool, tmp_path):
     assert results["a"].ok and results[".metadata"].ok
     assert commit.writer == first.writer
     assert os.path.exists(tmp_path / ".metadata")
+
+
+def serve_until(pool, done, what: str) -> None:
+    """Play the serve loop for every writer until ``done()``."""
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        for slot in pool.slots:
+            if slot.socket.poll(20):
+                pool.handle(slot.socket)
+
+
+def test_jobs_sent_ahead_spread_over_the_writers_and_hold_no_commit_back(pool, tmp_path):
+    # Held jobs (sent ahead while their saves stage) go one to each writer, as their files
+    # will be written side by side; but a writer holding only those is idle: a commit with
+    # a deadline goes at once and is written while they wait for their start.
+    results = {}
+    held = []
+    for name in ("f0.distcp", "f1.distcp"):
+        made = WriteJob(WriteItems(str(tmp_path / name), name, [[0, 16, "bytes", [16]]], 16),
+                        lambda j, result, name=name: results.__setitem__(name, result))
+        made.held = True
+        pool.submit(made)
+        held.append(made)
+    assert {made.writer for made in held} == {0, 1}
+    commit = job(tmp_path, ".metadata", results, deadline=time.monotonic() + 60)
+    pool.submit(commit)
+    assert commit.writer in (0, 1)
+    serve_until(pool, lambda: ".metadata" in results, "the commit")
+    assert results[".metadata"].ok and set(results) == {".metadata"}
+    for made in held:
+        pool.start(made)
+    serve_until(pool, lambda: len(results) == 3, "the jobs started")
+    assert all(result.ok for result in results.values())
+    assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".ckptd-sum")) == \
+        [".metadata", "f0.distcp", "f1.distcp"]

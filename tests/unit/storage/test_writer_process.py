@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptd import protocol
-from ckptd.storage.jobs import CancelJob, WriteItems, WriteTorch
+from ckptd.storage.jobs import CancelJob, StartJob, WriteItems, WriteTorch
 from ckptd.storage.layout import file_size
 from ckptd.storage.writer_process import ProgressReporter, Writer
 
@@ -291,3 +291,56 @@ def test_a_cancel_of_a_job_already_answered_is_not_kept(writer, tmp_path, channe
     assert writer_side.poll(5000)
     writer.inbox.read_ahead()
     assert writer.inbox.cancelled == set() and not writer.inbox.waiting
+
+
+def ahead(job) -> dict:
+    """A job's body as the daemon sends it ahead of the end of its staging."""
+    return {**job.to_wire(), "ahead": True}
+
+
+def test_a_job_sent_ahead_is_made_ready_and_written_on_its_start(writer, tmp_path, channel):
+    # A torch job sent without its skeleton (the trainer sends that with STAGED): its file
+    # is created and allocated from a guess of its size, and written whole on its start.
+    daemon_side, writer_side = channel
+    path = tmp_path / "ahead.pt"
+    tensors = [put(writer, 0, torch.arange(5, dtype=torch.int64)), put(writer, 4096, torch.ones(3))]
+    job = WriteTorch(str(path), b"", tensors, 64)
+    skeleton = protocol.pack_value({"a": protocol.TensorRef(0), "b": [protocol.TensorRef(1)]})
+    daemon_side.send_multipart(protocol.encode(job.message_type, 4, ahead(job)))
+    writer.inbox.sock = writer_side
+    writer.parked.park(4, writer.prepare(writer.inbox.next(5000), ahead=True))
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".ckptd-tmp")]  # made ready
+    start = protocol.decode(protocol.encode(StartJob.message_type, 4,
+                                            StartJob(skeleton=skeleton).to_wire()))
+    result = writer.start(start)
+    assert result.ok and result.size == os.path.getsize(path)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["a"], torch.arange(5)) and torch.equal(loaded["b"][0], torch.ones(3))
+    assert sorted(os.listdir(tmp_path)) == ["ahead.pt", "ahead.pt.ckptd-sum"]
+
+
+@pytest.mark.parametrize("ending", ["cancel", "stop"])
+def test_a_job_sent_ahead_and_never_started_leaves_no_temporary(writer, tmp_path, channel,
+                                                                ending):
+    # Cancelled (its save stopped while staging): answered ECANCELED, its temporary gone,
+    # and the job after it runs; or the writer told to stop: nothing of it stays either.
+    daemon_side, writer_side = channel
+    path, job = previous_and_job(writer, tmp_path)
+    other = WriteItems(str(tmp_path / "next.distcp"), "next.distcp",
+                       [put(writer, 4096, torch.ones(2))], 8)
+    messages = [(job.message_type, 6, ahead(job))]
+    messages += [(CancelJob.message_type, 6, {}), (other.message_type, 7, other.to_wire())] \
+        if ending == "cancel" else []
+    for message_type, msg_id, body in [*messages, ("stop", 0, {})]:
+        daemon_side.send_multipart(protocol.encode(message_type, msg_id, body))
+    writer.run(writer_side)
+    replies = [protocol.decode(daemon_side.recv_multipart()) for _ in range(len(messages))]
+    results = {r.id: r.body for r in replies if r.type == "result"}
+    if ending == "cancel":
+        assert results[6]["ok"] is False and results[6]["errno"] == errno.ECANCELED
+        assert results[7]["ok"] is True
+    else:
+        assert results == {}
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", *(
+        ["next.distcp", "next.distcp.ckptd-sum"] if ending == "cancel" else [])]
