@@ -33,7 +33,8 @@ path (``CKPTD_WRITE_MODE=buffered``, zlib crc32 records: the path before O_DIREC
 ``/dev/shm`` pool; ``--before REV`` adds, for each pool and before the current code's rows,
 ckptd with its daemon and writers run from commit REV (exported with ``git archive``; the
 trainer's side stays this tree's, so REV must speak the same protocol): a change to the
-daemon or the writers, before and after in one run. A note after the table times the
+daemon or the writers, before and after in one run (``--rounds R``: the configurations
+take turns R times, so a drift of the disk's speed falls on both). A note after the table times the
 trainer's part, a memcpy of the state into a pre-faulted buffer in each kind of memory.
 
 With ``--replication MIB``, instead: the CPU replication costs, in a two-node
@@ -412,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ckptd's configurations take turns this many times (repeats each)")
     parser.add_argument("--workdir", default="/var/tmp")
     parser.add_argument("--only", default="", help="comma-separated substrings of method names")
     parser.add_argument("--pools", default="shm,huge",
@@ -505,14 +508,17 @@ def run_methods(args, state: dict, tensors: list, total: int, pool_size: int, bo
 def run_ckptd(args, configurations: list, state: dict, bounds: dict, step, outdir: str,
               total: int, pool_size: int, huge_dir: str | None) -> tuple[list[str], list[str]]:
     """The rows of ckptd in each configuration ``(mode, checksum, pool directory, knobs,
-    tree of the code before or None)``."""
+    tree of the code before or None)``; with ``--rounds R`` the configurations take turns
+    R times (a fresh daemon each turn) and each row is over all its turns' saves, so a
+    drift of the disk's speed during the run falls on before and after alike."""
     wanted = [w for w in args.only.split(",") if w]
-    rows, notes = [], []
+    notes: list[str] = []
+    runs: dict[str, dict] = {}
 
     def keep(name: str) -> bool:
         return not wanted or any(w in name for w in wanted)
 
-    for mode, checksum, pool_dir, extra, tree in configurations:
+    for mode, checksum, pool_dir, extra, tree in configurations * args.rounds:
         os.environ["CKPTD_WRITE_MODE"], os.environ["CKPTD_CHECKSUM"] = mode, checksum
         os.environ["CKPTD_POOL_DIR"] = pool_dir
         os.environ.update(extra)
@@ -529,14 +535,16 @@ def run_ckptd(args, configurations: list, state: dict, bounds: dict, step, outdi
             notes.append(f"[{mode}, {checksum}, pool in {pages}]: {pool_pages(daemon)}")
             for name, method in zip(names, (m.CkptdTorch(state), m.CkptdDcp(state, enable_cache=True))):
                 if keep(name):
-                    rows.append(summary(name, measure(method, bounds, step, outdir, args.repeats,
-                                                      total, daemon)))
-                    print(rows[-1], flush=True)
+                    measured = measure(method, bounds, step, outdir, args.repeats, total, daemon)
+                    mine = runs.setdefault(name, {key: [] for key in measured})
+                    for key, values in measured.items():
+                        mine[key] += values
+                    print(summary(name, measured), flush=True)
         finally:
             daemon.stop()
             for key in ("CKPTD_POOL_DIR", *extra):
                 os.environ.pop(key, None)
-    return rows, notes
+    return [summary(name, measured) for name, measured in runs.items()], list(dict.fromkeys(notes))
 
 
 if __name__ == "__main__":
