@@ -505,6 +505,17 @@ def run_methods(args, state: dict, tensors: list, total: int, pool_size: int, bo
     return rows, notes
 
 
+def forget_connection(socket: str) -> None:
+    """Close this process's connection to a stopped daemon: it maps that daemon's pool, and
+    a tmpfs holds an unlinked file's pages for as long as one mapping stays (a second round
+    of turns ran the huge-page tmpfs out of space)."""
+    from ckpt_client.transport.connection import _connections
+
+    connection = _connections.get(socket)
+    if connection is not None:
+        connection.close()
+
+
 def run_ckptd(args, configurations: list, state: dict, bounds: dict, step, outdir: str,
               total: int, pool_size: int, huge_dir: str | None) -> tuple[list[str], list[str]]:
     """The rows of ckptd in each configuration ``(mode, checksum, pool directory, knobs,
@@ -541,6 +552,7 @@ def run_ckptd(args, configurations: list, state: dict, bounds: dict, step, outdi
                         mine[key] += values
                     print(summary(name, measured), flush=True)
         finally:
+            forget_connection(daemon.socket)
             daemon.stop()
             for key in ("CKPTD_POOL_DIR", *extra):
                 os.environ.pop(key, None)
