@@ -67,6 +67,16 @@ def phase_of(daemon, request_id: int) -> str | None:
     return next((r["phase"] for r in daemon.status()["requests"] if r["id"] == request_id), None)
 
 
+def copy_and_finish(daemon, conn, reply, path: str) -> None:
+    """The trainer's part of a save staged with :func:`stage_ahead`: its copy and STAGED;
+    the file it makes loads whole."""
+    conn.pool[reply.offset:reply.offset + 4096].copy_(TENSOR.view(torch.uint8))
+    conn.call(MessageType.STAGED, Staged(request_id=reply.request_id, copied_at=time.time()),
+              timeout=30)
+    wait_for(lambda: phase_of(daemon, reply.request_id) == "done", 30, "the save to be done")
+    assert torch.equal(torch.load(path, weights_only=True)["w"], TENSOR)
+
+
 def a_plain_save_still_works(daemon, monkeypatch, root) -> None:
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     checkpoint = TorchAsyncCheckpoint()
@@ -83,11 +93,7 @@ def test_a_save_staged_after_its_file_was_made_ready_is_written_whole(daemon):
     conn, reply = stage_ahead(daemon.socket, path)
     made_ready(root)
     assert not os.path.exists(path)
-    conn.pool[reply.offset:reply.offset + 4096].copy_(TENSOR.view(torch.uint8))
-    conn.call(MessageType.STAGED, Staged(request_id=reply.request_id, copied_at=time.time()),
-              timeout=30)
-    wait_for(lambda: phase_of(daemon, reply.request_id) == "done", 30, "the save to be done")
-    assert torch.equal(torch.load(path, weights_only=True)["w"], TENSOR)
+    copy_and_finish(daemon, conn, reply, path)
     assert sorted(os.listdir(root)) == ["ahead.pt", "ahead.pt.ckptd-sum"]
 
 
@@ -132,11 +138,7 @@ def test_a_save_whose_writer_died_while_its_job_waited_is_written_afresh(daemon)
     assert writer_pid in [w["pid"] for w in daemon.status()["writers"]]
     os.kill(writer_pid, signal.SIGKILL)
     wait_for(lambda: not temporaries(root), 30, "the dead writer's temporary to be swept")
-    conn.pool[reply.offset:reply.offset + 4096].copy_(TENSOR.view(torch.uint8))
-    conn.call(MessageType.STAGED, Staged(request_id=reply.request_id, copied_at=time.time()),
-              timeout=30)
-    wait_for(lambda: phase_of(daemon, reply.request_id) == "done", 30, "the save to be done")
-    assert torch.equal(torch.load(path, weights_only=True)["w"], TENSOR)
+    copy_and_finish(daemon, conn, reply, path)
     assert sorted(os.listdir(root)) == ["orphan.pt", "orphan.pt.ckptd-sum"]
 
 
