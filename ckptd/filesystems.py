@@ -2,7 +2,8 @@
 ``os.statvfs`` does not give.
 
 Owns the filesystem magic numbers the daemon decides by (a staging pool must be on tmpfs
-or hugetlbfs; allocating ahead does not pay on tmpfs) and the one call that reads them; it
+or hugetlbfs; allocating ahead does not pay on tmpfs; a dropped file's data may be freed
+late only where the kernel frees it in place) and the one call that reads them; it
 decides nothing itself.
 """
 
@@ -13,6 +14,9 @@ import os
 
 TMPFS_MAGIC = 0x01021994
 HUGETLBFS_MAGIC = 0x958458F6
+EXT4_MAGIC = 0xEF53  # ext2 and ext3 too
+XFS_MAGIC = 0x58465342
+BTRFS_MAGIC = 0x9123683E
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
