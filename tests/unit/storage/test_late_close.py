@@ -7,7 +7,6 @@ followed or opened, and on a FUSE mount (which would hide an open unlinked file 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 
@@ -16,9 +15,10 @@ import pytest
 from ckptd.storage.late_close import unlink_freeing_later, wait_for_closes
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import mounts  # noqa: E402
 from faultfs import FaultFS, fuse_unavailable  # noqa: E402
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+mounted = mounts.mounted  # the fixture, under its name here
 needs_fuse = pytest.mark.skipif(bool(fuse_unavailable()), reason=str(fuse_unavailable()))
 
 
@@ -50,20 +50,14 @@ def test_the_name_goes_at_once_and_the_file_is_closed_by_the_closer(tmp_path):
     assert open_deleted(path) == []
 
 
-@needs_root
-def test_the_space_comes_back_once_the_closes_are_done(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], check=True)
-    try:
-        for round_ in range(3):  # an overwrite loop on a filesystem that fits one file
-            write(mount / "ckpt.pt", 12 << 20)
-            assert unlink_freeing_later(str(mount / "ckpt.pt")), round_
-            wait_for_closes()
-            stats = os.statvfs(mount)
-            assert stats.f_bfree * stats.f_frsize >= 15 << 20, round_
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def test_the_space_comes_back_once_the_closes_are_done(mounted):
+    mount = mounted("tmpfs", "size=16m")
+    for round_ in range(3):  # an overwrite loop on a filesystem that fits one file
+        write(os.path.join(mount, "ckpt.pt"), 12 << 20)
+        assert unlink_freeing_later(os.path.join(mount, "ckpt.pt")), round_
+        wait_for_closes()
+        stats = os.statvfs(mount)
+        assert stats.f_bfree * stats.f_frsize >= 15 << 20, round_
 
 
 def test_a_missing_name_is_no_error(tmp_path):
