@@ -103,13 +103,6 @@ def _real_paths(state_dict: Any, mappings: dict) -> dict[str, tuple]:
     return paths
 
 
-def _lookup(state_dict: Any, path: tuple) -> Any:
-    value = state_dict
-    for key in path:
-        value = value[key]
-    return value
-
-
 class ReusablePlan:
     """The local plan of one save and how to find each item's value again.
 
@@ -132,18 +125,21 @@ class ReusablePlan:
         self.paths = _real_paths(state_dict, mappings)
         self._pickled: dict[str, tuple[tuple, bytes]] = {}  # fqn -> (exact key, bytes)
         self._described: dict[str, list] = {}  # fqn -> a tensor item's description
+        self._routed: tuple | None = None  # (plan, its items' routes): see _routes
 
     def sources(self, plan: SavePlan, state_dict: Any, planner: SavePlanner) -> list:
         """The data of each of ``plan``'s items in ``state_dict`` (which has this plan's
         structure): its tensors (not detached: the copy into the pool runs without
         autograd) and ``io.BytesIO``, as the planner would resolve."""
         sources = []
-        for item in plan.items:
-            fqn = item.index.fqn
-            value = _lookup(state_dict, self.paths[fqn])
-            if item.type != WriteItemType.BYTE_IO:
+        for item, path, is_bytes in self._routes(plan):
+            value = state_dict
+            for key in path:
+                value = value[key]
+            if not is_bytes:
                 sources.append(value)
                 continue
+            fqn = item.index.fqn
             # By the exact value (0.0 == -0.0, but they pickle apart) and torch.save's
             # settings, not by equality.
             key = exact_key(value)
@@ -159,6 +155,15 @@ class ReusablePlan:
                 self._pickled.pop(fqn, None)
             sources.append(data)
         return sources
+
+    def _routes(self, plan: SavePlan) -> list:
+        """Per item of ``plan``: the item, its path, whether it is a byte item (made once
+        per plan: a save resolves a thousand-odd items with it)."""
+        if self._routed is None or self._routed[0] is not plan:
+            byte_io, paths = WriteItemType.BYTE_IO, self.paths
+            self._routed = (plan, [(item, paths[item.index.fqn], item.type == byte_io)
+                                   for item in plan.items])
+        return self._routed[1]
 
     def buffers(self, plan: SavePlan, sources: list) -> list:
         """The ``[dtype, shape, nbytes]`` descriptions of :meth:`sources`' result: a
