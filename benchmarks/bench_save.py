@@ -446,7 +446,6 @@ def side_by_side(state: dict, copy: m.PreallocatedCopy) -> list[m.Method]:
     return [copy, m.DcpAsyncSave(state, "shared"), m.DcpAsyncSave(state, "async"),
             m.CkptdTorch(state), m.CkptdDcp(state), m.CkptdDcp(state, own_planning=True),
             m.CkptdDcp(state, copy_after_plan=True), m.CkptdDcp(state, enable_cache=True),
-            m.CkptdDcp(state, enable_cache=True, copy_after_plan=True),
             m.CkptdTorch(state, zero_stall=True), m.CkptdDcp(state, zero_stall=True),
             m.CkptdDcp(state, zero_stall=True, own_planning=True),
             m.CkptdDcp(state, enable_cache=True, zero_stall=True)]

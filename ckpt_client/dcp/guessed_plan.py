@@ -1,7 +1,8 @@
 """Copying a blocking DCP save with the previous save's plan while this one is planned.
 
 A training loop saves the same structure again and again, so the final plan of a group's
-previous save is almost always the final plan of this one. A blocking save therefore
+previous save is almost always the final plan of this one. A blocking save that plans
+(``enable_cache`` reuses its plan instead: little left to overlap) therefore
 starts its copy into the daemon's pool at once, with that guess: each guessed item's
 value is looked up in *this* state dict by the path recorded for it, and the connection's
 background stager sends the STAGE and copies (``copy_`` releases the interpreter lock),
@@ -104,6 +105,22 @@ def _plain_values(plan: SavePlan, paths: ReusablePlan, state_dict) -> bool:
     return True
 
 
+def _host_buffers(sources: list) -> tuple[list | None, list]:
+    """``sources`` as CPU tensors (a byte item as a uint8 view of its bytes: the copy is
+    then one batched call with no Python per item on the copying thread, which would
+    queue behind this thread's planning for the interpreter lock), and the byte items'
+    indices; ``None`` if a source is a device tensor."""
+    copied, byte_items = [], []
+    for index, source in enumerate(sources):
+        if type(source) is io.BytesIO:
+            byte_items.append(index)
+            source = torch.frombuffer(source.getbuffer(), dtype=torch.uint8)
+        elif source.is_cuda:
+            return None, byte_items
+        copied.append(source)
+    return copied, byte_items
+
+
 def remember(group: Group, planner: SavePlanner, state_dict, final_plan: SavePlan,
              reused: ReusablePlan | None) -> None:
     """``final_plan`` is what this save of ``state_dict`` was written with: the next save
@@ -166,21 +183,26 @@ class GuessedCopy:
         plan = known.plan
         try:
             sources = known.paths.sources(plan, state_dict, _TRANSFORM)
-            buffers = known.paths.buffers(plan, sources)
+            copied, byte_items = _host_buffers(sources)
         except (KeyError, IndexError, TypeError, AttributeError):
             known.armed = False  # the structure changed: plan first
             return None
-        if any(getattr(source, "is_cuda", False) for source in sources):
+        if copied is None:
             # Device tensors stage by their own route (the daemon copies them from IPC
             # handles, with producer events): they are copied after planning, as before.
             return None
-        if known.buffers is not None and known.buffers == buffers:
-            buffers = known.buffers  # the very list: its layout and views are kept
-        known.buffers = buffers
+        buffers = known.buffers
+        if buffers is None or len(buffers) != len(sources) or any(
+                buffers[i][2] != copied[i].numel() for i in byte_items):
+            # Only a byte item's size can change while the plan holds (a tensor's dtype
+            # and shape are part of its item): the kept list stays the very same one, so
+            # its layout and pool views are found without a compare.
+            buffers = known.buffers = known.paths.buffers(plan, sources)
         release = threading.Event()
         try:
-            saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=sources,
-                                 hold=release, buffers=buffers, caller_waits=True)
+            saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=copied,
+                                 hold=release, buffers=buffers, caller_waits=True,
+                                 on_cpu=True)
         except (DaemonRequestError, DaemonUnavailableError):
             return None
         saves[0].copy_began.wait(_COPY_START_WAIT_S)

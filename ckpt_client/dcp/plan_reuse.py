@@ -131,7 +131,7 @@ class ReusablePlan:
         """The data of each of ``plan``'s items in ``state_dict`` (which has this plan's
         structure): its tensors (not detached: the copy into the pool runs without
         autograd) and ``io.BytesIO``, as the planner would resolve."""
-        sources = []
+        sources, settings = [], None
         for item, path, is_bytes in self._routes(plan):
             value = state_dict
             for key in path:
@@ -143,7 +143,9 @@ class ReusablePlan:
             # By the exact value (0.0 == -0.0, but they pickle apart) and torch.save's
             # settings, not by equality.
             key = exact_key(value)
-            key = key if key is None else (save_settings(), key)
+            if key is not None:  # the settings read once a save: a config lookup each
+                settings = settings or save_settings()
+                key = (settings, key)
             kept = self._pickled.get(fqn)
             if key is not None and kept is not None and kept[0] == key:
                 sources.append(io.BytesIO(kept[1]))

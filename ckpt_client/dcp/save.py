@@ -92,8 +92,10 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     writer = DaemonStorageWriter(checkpoint_id)
     group = Group(process_group)
     # A blocking save copies with the previous save's plan while it plans (adopted only
-    # if the plan comes out the same): the planning overlaps the copy.
-    guess = None if zero_stall else GuessedCopy.start(state_dict, writer, planner, group)
+    # if the plan comes out the same): the planning overlaps the copy. A cached save has
+    # next to no planning to overlap (measured: the guess's own hand-off costs as much).
+    guess = None if zero_stall or enable_cache else \
+        GuessedCopy.start(state_dict, writer, planner, group)
     early = None
     try:
         local_plan, reuse = plan_or_reuse(state_dict, writer, planner, group, enable_cache)

@@ -99,8 +99,8 @@ class DaemonStorageWriter(_StorageWriterBase):
     # ------------------------------------------------------------------ writing
     def stage(self, plan: SavePlan, planner: SavePlanner, zero_stall: bool = False,
               sources: list | None = None, hold: threading.Event | None = None,
-              buffers: list | None = None, caller_waits: bool = False
-              ) -> tuple[DaemonSave, ...]:
+              buffers: list | None = None, caller_waits: bool = False,
+              on_cpu: bool = False) -> tuple[DaemonSave, ...]:
         """Hand this rank's items to the daemon; returns once they are staged (or queued,
         with ``zero_stall``).
 
@@ -112,7 +112,8 @@ class DaemonStorageWriter(_StorageWriterBase):
         (``buffers``: their descriptions, if it has them too). ``hold`` (zero-stall
         only): nothing reaches the writers before it is set; ``caller_waits`` (zero-stall
         only): the caller waits for staging before it returns (see
-        :func:`ckpt_client.transport.handover.stage`).
+        :func:`ckpt_client.transport.handover.stage`); ``on_cpu``: every source is a CPU
+        tensor (no CUDA export, no check of each source).
         """
         if sources is None:
             sources = resolve_items(plan, planner)
@@ -139,7 +140,7 @@ class DaemonStorageWriter(_StorageWriterBase):
                                    sources if whole else [sources[i] for i in members],
                                    files=files, zero_stall=zero_stall, hold=hold,
                                    buffers=buffers if whole else [buffers[i] for i in members],
-                                   caller_waits=caller_waits))
+                                   caller_waits=caller_waits, on_cpu=on_cpu))
             except BaseException:
                 for earlier in saves:  # a save is whole or nothing: drop the chunks before
                     earlier.abort(f"chunk {len(saves) + 1} of {len(chunks)} of the same save "

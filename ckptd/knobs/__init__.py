@@ -290,9 +290,9 @@ DCP_FAST_PLAN = _knob("DCP_FAST_PLAN", True, parse_bool, "DCP saves with the def
                       "plan the short way; 0: DCP's own planning (enable_cache still reuses plans)")
 # A blocking DCP save starts copying with the previous save's final plan while it plans,
 # and keeps the copy only if the plan it makes is the same (else it stages afresh).
-DCP_GUESS_PLAN = _knob("DCP_GUESS_PLAN", True, parse_bool, "A default DCP save copies with "
-                       "the previous save's plan while it plans (kept only if the plan is "
-                       "the same); 0: it copies after planning")
+DCP_GUESS_PLAN = _knob("DCP_GUESS_PLAN", True, parse_bool, "A blocking DCP save without "
+                       "enable_cache copies with the previous save's plan while it plans "
+                       "(kept only if the plan is the same); 0: it copies after planning")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,

@@ -91,15 +91,14 @@ def test_a_blocking_save_copies_with_the_previous_plan_while_it_plans(daemon, mo
     queue.close()
 
 
-@pytest.mark.parametrize("enable_cache", [False, True], ids=["uncached", "cached"])
-def test_a_changed_dtype_drops_the_guessed_copy_unwritten(daemon, monkeypatch, enable_cache):
+def test_a_changed_dtype_drops_the_guessed_copy_unwritten(daemon, monkeypatch):
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     root, queue = daemon.roots[0], AsyncCallsQueue()
     dtypes = {1: torch.float32, 2: torch.float32, 3: torch.float64, 4: torch.float64,
               5: torch.float64, 6: torch.float32}
     for step, dtype in dtypes.items():
         state = training_state(step, dtype)
-        save(queue, state, os.path.join(root, f"s{step}"), enable_cache=enable_cache)
+        save(queue, state, os.path.join(root, f"s{step}"))
         assert_loads(os.path.join(root, f"s{step}"), training_state(step, dtype))
     wait_for(lambda: all(r["phase"] in Phase.FINISHED for r in daemon.status()["requests"]),
              30, "every request to settle")
@@ -109,6 +108,20 @@ def test_a_changed_dtype_drops_the_guessed_copy_unwritten(daemon, monkeypatch, e
     # Step 4 follows a change, so it copies after planning; step 5's guess holds again.
     assert phases == {1: [Phase.DONE], 2: [Phase.DONE], 3: [Phase.ABORTED, Phase.DONE],
                       4: [Phase.DONE], 5: [Phase.DONE], 6: [Phase.ABORTED, Phase.DONE]}
+    queue.close()
+
+
+def test_a_cached_save_copies_after_its_plan_reuse(daemon, monkeypatch):
+    """``enable_cache`` reuses the plan (next to no planning to overlap): no guess, and a
+    changed dtype is planned and staged once."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    for step, dtype in ((1, torch.float32), (2, torch.float32), (3, torch.float64)):
+        save(queue, training_state(step, dtype), os.path.join(root, f"c{step}"),
+             enable_cache=True)
+        assert_loads(os.path.join(root, f"c{step}"), training_state(step, dtype))
+        assert [r["phase"] for r in requests_for(daemon, os.path.join(root, f"c{step}"))] \
+            == [Phase.DONE]
     queue.close()
 
 
