@@ -203,7 +203,8 @@ class GuessedCopy:
             saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=copied,
                                  hold=release, buffers=buffers, caller_waits=True,
                                  on_cpu=True)
-        except (DaemonRequestError, DaemonUnavailableError):
+        except (DaemonRequestError, DaemonUnavailableError, ValueError) as exc:
+            log.debug("no guessed copy: %s", exc)  # the ordinary staging meets it again
             return None
         saves[0].copy_began.wait(_COPY_START_WAIT_S)
         return cls(key, known, sources, saves, release)
