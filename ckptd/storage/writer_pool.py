@@ -30,6 +30,7 @@ import zmq
 from ckptd import knobs, protocol
 from ckptd.storage import priority
 from ckptd.storage.jobs import REPLY_TYPES, WriteJob, WriteProgress, WriterReady, WriteResult
+from ckptd.storage.late_close import wait_for_closes
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
 from ckptd.storage.stalls import StuckWriters, deadline_message, stall_message
 from ckptd.storage.writer_slot import WriterSlot
@@ -154,6 +155,11 @@ class WriterPool:
         one still writing, and the next) then rename in order, and the first one's
         cleanup can never take the second one's file (a job with a deadline: see
         :func:`pick_writer`)."""
+        if self._backlog:
+            # Files that finished saves replaced are freed by a background close; their
+            # space is back before a new file claims any (a filesystem that holds one
+            # checkpoint and the next must not see ENOSPC for a few milliseconds).
+            wait_for_closes()
         busy = {job.path for slot in self.slots for job in slot.jobs.values()}
         busy |= self.stuck.paths()  # until a stuck writer exits, its rename may still land
         waiting: deque[WriteJob] = deque()
