@@ -4,7 +4,9 @@ Each rank holds the ``training`` workload (``workload.py``) and runs
 ``ckpt_client.dcp.async_save`` (no cache) against one real ``ckptd serve`` started here,
 alternating, save by save, the current planning and DCP's own planning calls
 (``CKPTD_DCP_FAST_PLAN`` off: the code before its short route and packed plan
-collectives), so that drift in the machine's load falls on both alike. The ranks meet in
+collectives; with ``--before copy-after-planning``, ``CKPTD_DCP_GUESS_PLAN`` off instead: the
+copy after planning rather than beside it), so that drift in the machine's load falls on
+both alike. The ranks meet in
 a barrier before each save; then each copies its tensors into preallocated buffers (one
 ``torch._foreach_copy_``, after an untimed one): the memcpy bound of the same slot.
 Reported per rank: median call (min–max), median bound (min–max), ratio of the medians.
@@ -33,7 +35,13 @@ from ckptd.protocol import wait_until_ready  # noqa: E402
 from multirank import run_ranks, values  # noqa: E402
 
 
-def one_rank(rank: int, world: int, root: str, size_gib: float, saves: int) -> dict:
+#: --before: the knob each "before" save turns off, and the row's name.
+BEFORE = {"own-planning": ("DCP_FAST_PLAN", "DCP's own (before)"),
+          "copy-after-planning": ("DCP_GUESS_PLAN", "copy after planning (before)")}
+
+
+def one_rank(rank: int, world: int, root: str, size_gib: float, saves: int,
+             before: str = "own-planning") -> dict:
     import gc
 
     import torch
@@ -57,7 +65,7 @@ def one_rank(rank: int, world: int, root: str, size_gib: float, saves: int) -> d
             torch._foreach_copy_(copies, tensors)
             bound = time.perf_counter() - start
             path = os.path.join(root, f"{label}{number}")
-            with knobs.override(DCP_FAST_PLAN=fast):
+            with knobs.override(**{BEFORE[before][0]: fast}):
                 start = time.perf_counter()
                 request = dcp.async_save(state, path)
                 call = time.perf_counter() - start
@@ -81,6 +89,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--size-gib", type=float, default=0.25, help="state per rank")
     parser.add_argument("--saves", type=int, default=8, help="timed saves of each kind")
+    parser.add_argument("--before", choices=sorted(BEFORE), default="own-planning",
+                        help="what the alternated 'before' saves turn off")
     args = parser.parse_args()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="ckpt-bench-ranks-"))
     root = tmp / "root"
@@ -96,7 +106,8 @@ def main() -> int:
         if problem:
             raise SystemExit(f"ckptd {problem}; see {tmp / 'ckptd.log'}")
         results = values(run_ranks(one_rank, args.ranks, str(tmp / "ckptd.sock"), tmp,
-                                   args=(str(root), args.size_gib, args.saves), timeout=900))
+                                   args=(str(root), args.size_gib, args.saves, args.before),
+                                   timeout=900))
     finally:
         daemon.terminate()
         daemon.wait()
@@ -108,7 +119,7 @@ def main() -> int:
     for rank, result in enumerate(results):
         runs = result["runs"]
         bound = statistics.median(runs["bound"])
-        for label, name in (("after", "current"), ("before", "DCP's own (before)")):
+        for label, name in (("after", "current"), ("before", BEFORE[args.before][1])):
             print(f"| {rank} | {name} | {spread(runs[label])} | {spread(runs['bound'])} | "
                   f"{statistics.median(runs[label]) / bound:.2f}× |")
     return 0
