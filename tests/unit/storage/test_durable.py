@@ -36,6 +36,26 @@ def test_a_failed_write_leaves_nothing_and_keeps_the_previous_file(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.endswith(TMP_MARKER)]
 
 
+@pytest.mark.parametrize("fails_at", ["fsync", "commit"])
+def test_a_commit_stopped_after_its_record_was_written_leaves_the_old_file_and_record(
+        tmp_path, fails_at):
+    # The record is written and fsynced while the file's fsync runs, before either is
+    # renamed: a commit stopped then (the writer's cancel check at "commit", raised from
+    # the progress report; or anything at "fsync") leaves the old file with its own
+    # record, and no temporary of either.
+    path = tmp_path / "model.pt"
+    write_file_atomically(str(path), lambda s: s.write(b"old"))
+
+    def progress(phase, nbytes):
+        if phase == fails_at:
+            raise OSError(125, "the daemon dropped this save")
+
+    with pytest.raises(OSError, match="dropped"):
+        write_file_atomically(str(path), lambda s: s.write(b"the new bytes"), progress=progress)
+    assert path.read_bytes() == b"old" and verify_file(str(path)).size == 3
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", "model.pt.ckptd-sum"]
+
+
 def test_temporaries_are_hidden_attributed_and_unguessable(tmp_path):
     path = str(tmp_path / "f")
     first, second = DurableFile(path), DurableFile(path)
