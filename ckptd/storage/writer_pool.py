@@ -131,11 +131,9 @@ class WriterPool:
         self._dispatch()
 
     def start(self, job: WriteJob, body=None) -> None:
-        """``job`` was submitted held and its bytes are staged now: write it (``body``: its
-        body complete, when it went ahead without a torch file's skeleton)."""
-        if body is not None:
-            job.body = body
-        job.held = False  # still waiting here: it is sent as any job is
+        """``job``, submitted held, is staged now: write it (``body``: its body complete,
+        when it went ahead without a torch file's skeleton)."""
+        job.body, job.held = body or job.body, False  # if still waiting here: sent as any job
         for slot in (s for s in self.slots if s.jobs.get(job.id) is job):
             slot.start(job, b"" if body is None else body.skeleton)
 
