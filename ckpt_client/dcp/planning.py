@@ -27,6 +27,7 @@ import ckpt_client.dcp.plan_wire as plan_wire
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse, structure_of
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.errors import CheckpointException
+from ckpt_client.transport.daemon_save import abort_held
 
 
 @dataclasses.dataclass
@@ -163,9 +164,7 @@ class EarlyStaging:
         return self.saves
 
     def _abort(self, reason: str) -> None:
-        for save in self.saves:
-            save.abort(reason)
-        self.release.set()  # after the aborts: the held jobs see them and stop unwritten
+        abort_held(self.saves, self.release, reason)
         return None
 
     def drop(self, exc: BaseException) -> None:

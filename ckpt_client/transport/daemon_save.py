@@ -292,6 +292,25 @@ class DaemonSave:
         self.forget(delete_files=True)
 
 
+def abort_held(saves, release: threading.Event, reason: str) -> None:
+    """Abort ``saves``, staged with ``hold=release`` (their copied bytes held back from
+    the writers), and release them: their staging jobs end unwritten.
+
+    Every save is marked dropped before the daemon is told of any, and ``release`` is set
+    whatever happens meanwhile (an interrupt, an error): a job left held would keep the
+    connection's background stager, and the save's extent, until its wait runs out.
+    """
+    for save in saves:  # as abort() starts: a job stops before the daemon hears of it,
+        with save._copy_lock:  # or, held after its copy, once released
+            save._cancelled = True
+            save.drop_reason = save.drop_reason or reason
+    try:
+        for save in saves:
+            save.abort(reason)
+    finally:
+        release.set()
+
+
 def _warn_if_stale(rank: int, path: str, state: RequestState) -> None:
     if state.stale_of:
         log.warning("rank %d: the save of %s has the very bytes of the previous save %s "

@@ -170,10 +170,13 @@ class StagingJob:
         is what starts the writes, so a save dropped before it costs no disk I/O."""
         if self.hold is None:
             return
-        self.hold.wait()
+        limit = waits.staged_reply(self.save.connection.deadlines)  # the daemon gave up by then
+        if not self.hold.wait(limit):  # not for ever: this thread stages later saves too
+            self.save.abort(reason := f"the copy was not released to the writers within "
+                            f"{waits.as_text(limit)} (the saving call hung or was interrupted)")
+            raise InterruptedError(reason)
         if self.save._cancelled:  # abort() told the daemon: request_id was set by now
-            raise InterruptedError("the save was dropped before its bytes were released "
-                                   "to the writers")
+            raise InterruptedError("the save was dropped before its bytes went to the writers")
 
     def _again_through_shm(self, denial: DaemonRequestError) -> None:
         """The kernel refused the daemon our CUDA memory: stage this save (and, through
