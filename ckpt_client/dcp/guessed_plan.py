@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import operator
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,8 @@ from ckpt_client.collectives import Group
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.transport.daemon_save import abort_held
+from ckpt_client.transport.flatten import describe, dtype_name
 from ckpt_client.transport.sent_ahead import kind_of
 
 log = logging.getLogger(__name__)
@@ -50,13 +54,6 @@ log = logging.getLogger(__name__)
 #: only planners that resolve items exactly so are guessed for.
 _TRANSFORM = DefaultSavePlanner()
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-#: Kinds of state dicts remembered per process (a trainer saves a handful).
-_KEPT = 8
-#: Longest a save waits for its guessed copy to start before it plans. Waiting lets the
-#: background thread run its few milliseconds of Python (the STAGE's reply, the views)
-#: without queueing behind the planning for the interpreter lock; a daemon that makes
-#: the STAGE wait for space (earlier saves still writing) is planned beside instead.
-_COPY_START_WAIT_S = 0.05
 
 
 @dataclass
@@ -64,7 +61,10 @@ class _Remembered:
     plan: SavePlan            # the final plan of the kind's last save
     paths: ReusablePlan       # finds each item's value again, by its recorded path
     armed: bool               # the plan held (or was new): the next save guesses it
-    buffers: list | None = None  # the last guess's descriptions, kept while they repeat
+    buffers: list | None = None  # the plan's descriptions, kept while byte sizes repeat
+    #: The last guessed copy began within ``DCP_GUESS_COPY_WAIT``: the next save waits
+    #: that long for its copy to begin before it plans (else it plans at once).
+    wait_for_copy: bool = True
 
 
 _remembered: dict = {}
@@ -103,6 +103,27 @@ def _plain_values(plan: SavePlan, paths: ReusablePlan, state_dict) -> bool:
         if isinstance(value, torch.Tensor) and type(value) not in _PLAIN_TENSORS:
             return False
     return True
+
+
+def _described(plan: SavePlan, sources: list) -> list:
+    """The ``[dtype, shape, nbytes]`` of each of ``plan``'s items: a tensor's as the plan
+    records it, a byte item's as ``sources`` has it.
+
+    Never a tensor's as the value found at its path: the guess does not check that value
+    (its dtype or shape may have changed since the plan was made), and the copy must go
+    into views of the plan's layout. A changed value is then cast (or fails to copy)
+    there, and the plan this save makes differs from the guessed one, so the copy is
+    dropped; while the plans are equal, every value has the plan's dtype and shape.
+    """
+    buffers = []
+    for item, source in zip(plan.items, sources):
+        data = item.tensor_data
+        if data is None:
+            buffers.append(describe(source))
+            continue
+        dtype, shape = data.properties.dtype, list(data.chunk.sizes)
+        buffers.append([dtype_name(dtype), shape, math.prod(shape) * dtype.itemsize])
+    return buffers
 
 
 def _host_buffers(sources: list) -> tuple[list | None, list]:
@@ -153,7 +174,7 @@ def remember(group: Group, planner: SavePlanner, state_dict, final_plan: SavePla
         return
     _remembered.pop(key, None)
     _remembered[key] = _Remembered(final_plan, paths, armed=known is None)
-    while len(_remembered) > _KEPT:
+    while len(_remembered) > max(1, knobs.DCP_GUESS_KINDS.get()):
         _remembered.pop(next(iter(_remembered)))
 
 
@@ -161,12 +182,13 @@ class GuessedCopy:
     """One blocking save's copy made with the remembered plan, until adopted or dropped."""
 
     def __init__(self, key: tuple, known: _Remembered, sources: list, saves: tuple,
-                 release: threading.Event) -> None:
+                 release: threading.Event, sent_at: float) -> None:
         self.key = key
         self.known = known
         self.sources = sources
         self.saves = saves
         self.release = release
+        self.sent_at = sent_at  # monotonic time the save was handed to the stager
 
     @classmethod
     def start(cls, state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
@@ -192,13 +214,12 @@ class GuessedCopy:
             # handles, with producer events): they are copied after planning, as before.
             return None
         buffers = known.buffers
-        if buffers is None or len(buffers) != len(sources) or any(
-                buffers[i][2] != copied[i].numel() for i in byte_items):
-            # Only a byte item's size can change while the plan holds (a tensor's dtype
-            # and shape are part of its item): the kept list stays the very same one, so
-            # its layout and pool views are found without a compare.
-            buffers = known.buffers = known.paths.buffers(plan, sources)
-        release = threading.Event()
+        if buffers is None or any(buffers[i][2] != copied[i].numel() for i in byte_items):
+            # Only a byte item's size is not the plan's: the kept list stays the very
+            # same one while those hold, so its layout and pool views are found without
+            # a compare.
+            buffers = known.buffers = _described(plan, sources)
+        release, sent_at = threading.Event(), time.monotonic()
         try:
             saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=copied,
                                  hold=release, buffers=buffers, caller_waits=True,
@@ -206,33 +227,56 @@ class GuessedCopy:
         except (DaemonRequestError, DaemonUnavailableError, ValueError) as exc:
             log.debug("no guessed copy: %s", exc)  # the ordinary staging meets it again
             return None
-        saves[0].copy_began.wait(_COPY_START_WAIT_S)
-        return cls(key, known, sources, saves, release)
+        copy = cls(key, known, sources, saves, release, sent_at)
+        if known.wait_for_copy:
+            try:
+                saves[0].copy_began.wait(knobs.DCP_GUESS_COPY_WAIT.get())
+            except BaseException as exc:  # an interrupt: the held copy must not stay held
+                copy.drop(f"interrupted before planning ({type(exc).__name__})")
+                raise
+        return copy
 
     def adopt(self, final_plan: SavePlan, sources: list) -> tuple | None:
         """The guessed saves, staged, if they copied exactly ``final_plan``'s ``sources``;
         else ``None`` (dropped unwritten: the caller stages the final plan)."""
         if not _same_plan(final_plan, self.known.plan):
             self.known.armed = False
-            return self.drop("the plan differs from the previous save's")
+            return self._drop("the plan differs from the previous save's")
         if not _same_values(sources, self.sources):
             _never.add(self.key)
             _remembered.pop(self.key, None)
-            return self.drop("the plan's items resolve to other values than those the "
-                             "previous save's paths led to")
+            return self._drop("the plan's items resolve to other values than those the "
+                              "previous save's paths led to")
+        # What was staged is described by the guessed plan (_described), which is now the
+        # final plan: each item's dtype and shape are those the final plan records.
         self.release.set()
         try:
             for save in self.saves:
                 save.wait_staged()
         except CheckpointException as exc:
             # staged again, to fail exactly as a direct save does
-            return self.drop(f"the guessed copy failed ({exc})")
+            return self._drop(f"the guessed copy failed ({exc})")
+        self._note_copy_start()
         return self.saves
 
     def drop(self, reason: str) -> None:
-        """Abort the guessed saves before any byte reaches a writer."""
+        """The save failed (its planning, or its staging after the guess): abort the
+        guessed saves before any byte reaches a writer. The next save of the kind copies
+        after planning, and re-arms the guess if its plan is the remembered one."""
+        self.known.armed = False
+        return self._drop(reason)
+
+    def _drop(self, reason: str) -> None:
         log.debug("a DCP save's guessed copy dropped: %s", reason)
-        for save in self.saves:
-            save.abort(f"copied with the previous save's plan, dropped: {reason}")
-        self.release.set()  # after the aborts: the held jobs see them and stop unwritten
+        self._note_copy_start()
+        abort_held(self.saves, self.release,
+                   f"copied with the previous save's plan, dropped: {reason}")
         return None
+
+    def _note_copy_start(self) -> None:
+        """Whether the next guess of this kind waits for its copy to begin: only if this
+        one's STAGE was answered within the wait. One that waited for pool space (earlier
+        saves still writing) would have kept the save from planning the whole wait."""
+        accepted = self.saves[0].accepted_at
+        self.known.wait_for_copy = accepted is not None and \
+            accepted - self.sent_at <= knobs.DCP_GUESS_COPY_WAIT.get()

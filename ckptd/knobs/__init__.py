@@ -39,6 +39,7 @@ __all__ = [
     "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION", "WRITER_PROGRESS_INTERVAL",
     "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN", "LATE_RANK_GRACE", "SENT_AHEAD_KINDS",
     "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT", "TORCH_BODIES_KEPT", "DCP_FAST_PLAN", "DCP_GUESS_PLAN",
+    "DCP_GUESS_KINDS", "DCP_GUESS_COPY_WAIT",
 ]
 
 
@@ -293,6 +294,15 @@ DCP_FAST_PLAN = _knob("DCP_FAST_PLAN", True, parse_bool, "DCP saves with the def
 DCP_GUESS_PLAN = _knob("DCP_GUESS_PLAN", True, parse_bool, "A blocking DCP save without "
                        "enable_cache copies with the previous save's plan while it plans "
                        "(kept only if the plan is the same); 0: it copies after planning")
+# A trainer saves a handful of kinds of DCP state dicts (top-level keys) per process group.
+DCP_GUESS_KINDS = _knob("DCP_GUESS_KINDS", 8, int, "Kinds of DCP state dicts per process "
+                        "whose last final plan is kept to guess the next save's copy with")
+# Waiting lets the copying thread run its few milliseconds of Python (the STAGE's reply, the
+# pool views) before the planning competes with it for the interpreter lock. A save whose
+# copy did not begin within it (its STAGE waited for pool space) has the next save of its
+# kind plan at once instead, until a copy begins that soon again.
+DCP_GUESS_COPY_WAIT = _knob("DCP_GUESS_COPY_WAIT", 0.05, float, "Seconds a blocking DCP save "
+                            "waits for its guessed copy to begin before it plans")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,

@@ -144,3 +144,133 @@ def test_a_save_whose_planning_fails_drops_its_guessed_copy(daemon, monkeypatch)
     save(queue, training_state(4), os.path.join(root, "s4"))
     assert_loads(os.path.join(root, "s4"), training_state(4))
     queue.close()
+
+
+def tensors_state(step: int, dtype: torch.dtype, rows: int, kind: str) -> dict:
+    """One kind of state dict (its own top-level keys: the guess is remembered per kind)
+    with a tensor whose dtype or shape a test changes, and a leaf that changes each step."""
+    gen = torch.Generator().manual_seed(step)
+    return {kind: {"x": torch.randn(rows, 64, generator=gen, dtype=torch.float64).to(dtype),
+                   "y": torch.randn(8, generator=gen)}, f"{kind}_step": step}
+
+
+def assert_tensors_load(path: str, expected: dict, kind: str) -> None:
+    target = {kind: {k: torch.zeros_like(v) for k, v in expected[kind].items()},
+              f"{kind}_step": 0}
+    DCP.load(target, storage_reader=FileSystemReader(path))
+    for key, value in expected[kind].items():
+        got = target[kind][key]
+        assert got.dtype == value.dtype and got.shape == value.shape, (key, got.dtype, got.shape)
+        assert torch.equal(got, value), f"{path}: {key} differs by {(got - value).abs().max()}"
+    assert target[f"{kind}_step"] == expected[f"{kind}_step"]
+
+
+def stored_lengths(path: str) -> dict:
+    """Each item's stored length in bytes, by its fully qualified name."""
+    storage = FileSystemReader(path).read_metadata().storage_data
+    return {index.fqn: info.length for index, info in storage.items()}
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_failed_planning_leaves_no_stale_layout_for_the_next_guess(daemon, monkeypatch, change):
+    """A save whose tensor changed dtype (or shape) and whose planning then failed was
+    copied with the previous plan while it planned; the save after it, with the first
+    save's dtypes and shapes again, must be copied with the plan's layout, not with the
+    failed save's (a float64 tensor copied into float32 views is silently rounded)."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    root, queue, kind = daemon.roots[0], AsyncCallsQueue(), f"failed_{change}"
+    gate = threading.Event()
+    gate.set()
+    usual = {"dtype": torch.float64, "rows": 1}
+    odd = {"dtype": torch.float32, "rows": 1} if change == "dtype" else \
+        {"dtype": torch.float64, "rows": 4}
+    save(queue, tensors_state(1, kind=kind, **usual), os.path.join(root, "s1"),
+         planner=GatedPlanner(gate))
+    failing = os.path.join(root, "failing")
+    with pytest.raises(RuntimeError, match="global planning failed"):
+        dcp.async_save(tensors_state(2, kind=kind, **odd), failing,
+                       planner=GatedPlanner(gate, fail=True))
+    assert requests_for(daemon, failing), "no copy was guessed for the failing save"
+    for step in (3, 4):  # the first plans (the guess was disarmed), the second guesses
+        path = os.path.join(root, f"s{step}")
+        save(queue, tensors_state(step, kind=kind, **usual), path, planner=GatedPlanner(gate))
+        assert_tensors_load(path, tensors_state(step, kind=kind, **usual), kind)
+        assert [r["phase"] for r in requests_for(daemon, path)] == [Phase.DONE]
+        # Stock loading narrows a stored tensor to the chunk the metadata names, so a
+        # tensor stored with the failed save's larger shape would still load: the stored
+        # bytes of each item must be those of the first save, of the same shapes.
+        assert stored_lengths(path) == stored_lengths(os.path.join(root, "s1"))
+    queue.close()
+
+
+def test_a_dtype_changed_between_two_successful_saves_is_saved_exactly(daemon, monkeypatch):
+    """Each change of dtype is copied, under the guess, into the previous plan's layout
+    (a float64 tensor into float32 views is rounded, a float32 one into float64 views
+    widened): that copy must be dropped, and every save stored with its own dtype."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    root, queue, kind = daemon.roots[0], AsyncCallsQueue(), "changing"
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float64, torch.float64,
+              torch.float32]
+    lengths = {torch.float32: set(), torch.float64: set()}
+    for step, dtype in enumerate(dtypes, 1):
+        path = os.path.join(root, f"s{step}")
+        save(queue, tensors_state(step, dtype, 1, kind), path)
+        assert_tensors_load(path, tensors_state(step, dtype, 1, kind), kind)
+        lengths[dtype].add(stored_lengths(path)[f"{kind}.x"])
+    # Stock loading casts to the target's dtype (a float32 tensor stored widened loads
+    # exactly): each save's stored bytes must be those of its own dtype.
+    assert len(lengths[torch.float32]) == len(lengths[torch.float64]) == 1
+    assert min(lengths[torch.float64]) > min(lengths[torch.float32])
+    wait_for(lambda: all(r["phase"] in Phase.FINISHED for r in daemon.status()["requests"]),
+             30, "every request to settle")
+    aborted = [step for step in range(1, len(dtypes) + 1)
+               if Phase.ABORTED in [r["phase"] for r in
+                                    requests_for(daemon, os.path.join(root, f"s{step}"))]]
+    # A guess is made once a plan held (steps 2, 3, 5 and 6); those of steps 3 and 6 met
+    # a changed dtype.
+    assert aborted == [3, 6]
+    queue.close()
+
+
+def test_a_guessed_copy_never_released_does_not_keep_the_stager(start_daemon, monkeypatch):
+    """A blocking save whose planning hangs holds its guessed copy back from the writers.
+    The connection's background stager, which stages every later zero-stall save, must
+    give that copy up once the daemon's staging deadline has passed, not wait for ever;
+    the hung save, once its planning ends, stages its final plan the ordinary way."""
+    deadlines = {"CKPTD_STAGING_DEADLINE": "1", "CKPTD_SERVE_TICK": "0.05"}
+    daemon = start_daemon(env=deadlines)
+    for name, value in {**deadlines, "CKPTD_CALL_TIMEOUT": "3", "CKPTD_WAIT_MARGIN": "0",
+                        "CKPTD_SOCKET": daemon.socket}.items():
+        monkeypatch.setenv(name, value)
+    root, queue, kind = daemon.roots[0], AsyncCallsQueue(), "hung"
+    gate = threading.Event()
+    gate.set()
+    save(queue, tensors_state(1, torch.float32, 4, kind), os.path.join(root, "s1"),
+         planner=GatedPlanner(gate))
+
+    hung, path = threading.Event(), os.path.join(root, "s2")
+    planner, made = GatedPlanner(hung), []
+    call = threading.Thread(target=lambda: made.append(dcp.async_save(
+        tensors_state(2, torch.float32, 4, kind), path, planner=planner)))
+    call.start()
+    try:
+        assert planner.entered.wait(60), "the save never reached its global plan"
+        wait_for(lambda: requests_for(daemon, path), 30, "the guessed copy's request")
+        other = dcp.async_save(tensors_state(3, torch.float32, 4, "other"),
+                               os.path.join(root, "other"), zero_stall=True)
+        # Staged behind the held copy on the same background stager.
+        wait_for(lambda: all(s.staged for s in other.daemon_saves), 30,
+                 "the zero-stall save queued behind the held copy to be staged")
+        queue.schedule_async_request(other)
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert_tensors_load(os.path.join(root, "other"),
+                            tensors_state(3, torch.float32, 4, "other"), "other")
+    finally:
+        hung.set()
+        call.join(120)
+    queue.schedule_async_request(made[0])
+    queue.maybe_finalize_async_calls(blocking=True)
+    assert_tensors_load(path, tensors_state(2, torch.float32, 4, kind), kind)
+    assert sorted(r["phase"] for r in requests_for(daemon, path)) == \
+        sorted([Phase.FAILED, Phase.DONE])
+    queue.close()
