@@ -375,15 +375,15 @@ def test_a_give_up_after_the_daemon_handled_the_writers_result_still_leaves_noth
         checkpoint.close()
 
 
-def test_a_save_behind_a_stuck_zero_stall_save_ends_with_what_to_do(start_daemon):
+def test_a_save_behind_a_held_zero_stall_save_goes_on_once_the_hold_runs_out(start_daemon):
     """A zero-stall save whose bytes are copied but held (the early staging's ``hold``,
-    never released here) keeps the connection's background thread busy; a blocking save
-    on the same connection waits for it first, and that wait must end by itself (each
-    queued save's staging wait), naming the socket and what to do, not hang."""
+    never released here) keeps the connection's background thread busy; a blocking save on
+    the same connection waits for it first. The hold is bounded by the daemon's staging
+    deadline (the daemon has failed the held save by then): the held save is dropped,
+    saying why, and the save behind it is staged, not left to hang."""
     import threading
 
     from ckpt_client import connect
-    from ckpt_client.errors import StagingTimeoutError
     from ckpt_client.transport.handover import stage
     from ckptd import knobs
 
@@ -399,22 +399,20 @@ def test_a_save_behind_a_stuck_zero_stall_save_ends_with_what_to_do(start_daemon
 
             def blocking_save() -> None:
                 try:
-                    stage(connection, "torch", os.path.join(root, "next.pt"), [torch.ones(8)])
-                except StagingTimeoutError as exc:
-                    outcome["error"] = str(exc)
+                    outcome["save"] = stage(connection, "torch", os.path.join(root, "next.pt"),
+                                            [torch.ones(8)])
+                except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                    outcome["error"] = exc
 
             thread = threading.Thread(target=blocking_save, daemon=True)
             thread.start()
             thread.join(timeout=60)
             assert not thread.is_alive(), "the blocking save still waits for the held one"
-            message = outcome["error"]
-            assert "rank 0" in message and "1 of the 1 zero-stall save(s)" in message
-            assert f"ckptd status --socket {daemon.socket}" in message
-            assert "close(abort=True)" in message
-        finally:
-            hold.set()  # the held save goes on (the daemon has failed it by now)
-            with pytest.raises(CheckpointException):
+            assert "error" not in outcome, outcome.get("error")
+            with pytest.raises(CheckpointException, match="not released to the writers"):
                 stuck.wait_staged(timeout=30)
+        finally:
+            hold.set()
             connection.close()
 
 
