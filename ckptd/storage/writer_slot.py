@@ -106,6 +106,9 @@ class WriterSlot:
     def start(self, job, skeleton: bytes = b"") -> None:
         """Tell the writer to write ``job`` (a WriteJob), sent ahead: its bytes are staged
         now (``skeleton``: a torch file's, if the job went without one)."""
+        # The writer runs jobs in the order they become runnable, which for a held job is
+        # now: last in line, so the stall check blames the job really being written.
+        self.jobs[job.id] = self.jobs.pop(job.id)
         if self.load == 1:  # it was idle: its stall clock starts now
             self.last_heard = time.monotonic()
         try:

@@ -98,3 +98,24 @@ def test_jobs_sent_ahead_spread_over_the_writers_and_hold_no_commit_back(pool, t
     assert all(result.ok for result in results.values())
     assert sorted(n for n in os.listdir(tmp_path) if not n.endswith(".ckptd-sum")) == \
         [".metadata", "f0.distcp", "f1.distcp"]
+
+
+def test_a_held_job_started_goes_behind_the_jobs_its_writer_took_meanwhile(pool, tmp_path):
+    # A writer runs jobs in the order they become runnable; the stall check blames the
+    # first one in its line, so a held job started later must stand behind the ones its
+    # writer took while it waited (else a hung later job would be blamed on it).
+    results = {}
+    held = WriteJob(WriteItems(str(tmp_path / "h.distcp"), "h.distcp", [[0, 16, "bytes", [16]]],
+                               16), lambda j, result: results.__setitem__("h.distcp", result))
+    held.held = True
+    pool.submit(held)
+    others = [job(tmp_path, name, results) for name in ("b", "c")]
+    for made in others:
+        pool.submit(made)
+    beside = [made for made in others if made.writer == held.writer]
+    assert beside, "no plain job went to the held job's writer: the test shows nothing"
+    pool.start(held)
+    line = list(pool.slots[held.writer].jobs)
+    assert line[-1] == held.id and line[0] == beside[0].id
+    serve_until(pool, lambda: len(results) == 3, "the jobs")
+    assert all(result.ok for result in results.values())
