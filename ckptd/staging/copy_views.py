@@ -26,7 +26,7 @@ from ckptd import protocol
 from ckptd.protocol.ipc import ipc_export_id, release_ipc_counters
 from ckptd.staging.exports import OpenExports, SaveMappings, stage_part
 
-__all__ = ["part_copies", "ReusedViews"]
+__all__ = ["ReusedViews"]
 
 
 def _contiguous(size: list, stride: list) -> bool:
@@ -90,44 +90,6 @@ def _views(torch, layout: _Layout, start: int, pool_tensor, storage,
     return destination.view(dtype).view(size), source
 
 
-def part_copies(torch, specs: list, starts: list, expected: list, pool_tensor,
-                storage_of: Callable) -> tuple[list, list]:
-    """``(destinations, sources)`` of one part's buffers.
-
-    Parameters
-    ----------
-    torch
-        The torch module (imported by the daemon only where CUDA staging runs).
-    specs : list of dict
-        Each buffer's IPC description: ``dtype``, ``size``, ``stride`` and ``offset`` (in
-        elements, into its storage).
-    starts : list of int
-        Where each buffer's bytes go in the pool (absolute offsets).
-    expected : list of int
-        The bytes the request declared for each buffer.
-    pool_tensor
-        The staging pool as one uint8 tensor.
-    storage_of : callable
-        ``spec -> storage`` (the opened export's ``UntypedStorage``), called only for a
-        description that passed the checks that need no storage.
-
-    Raises
-    ------
-    ValueError
-        For a dtype that is not a tensor's, a description whose bytes differ from what the
-        request declared, or one that reaches past its storage: nothing is copied then.
-    """
-    destinations, sources = [], []
-    byte_views: dict[int, object] = {}  # id(storage) -> uint8 tensor over all of it
-    for spec, start, declared in zip(specs, starts, expected):
-        layout = _checked(torch, spec, declared)
-        destination, source = _views(torch, layout, start, pool_tensor, storage_of(spec),
-                                     byte_views)
-        destinations.append(destination)
-        sources.append(source)
-    return destinations, sources
-
-
 class _Entry(NamedTuple):
     """One buffer's views as the last save of a trainer built them."""
 
@@ -166,9 +128,32 @@ class ReusedViews:
 
     def copies(self, torch, specs: list, starts: list, expected: list, pool_tensor,
                mappings: SaveMappings) -> tuple[list, list]:
-        """``(destinations, sources)`` of a part, like :func:`part_copies`, reusing what
-        the last part of this trainer built; ``mappings`` (the save's) opens, or finds
-        held, each export and records that the save used it."""
+        """``(destinations, sources)`` of a part's buffers, reusing what the last part of
+        this trainer built.
+
+        Parameters
+        ----------
+        torch
+            The torch module (imported by the daemon only where CUDA staging runs).
+        specs : list of dict
+            Each buffer's IPC description: ``dtype``, ``size``, ``stride`` and ``offset`` (in
+            elements, into its storage).
+        starts : list of int
+            Where each buffer's bytes go in the pool (absolute offsets).
+        expected : list of int
+            The bytes the request declared for each buffer.
+        pool_tensor
+            The staging pool as one uint8 tensor.
+        mappings : SaveMappings
+            The save's: opens, or finds held, each export (only for a description that passed
+            the checks that need no storage) and records that the save used it.
+
+        Raises
+        ------
+        ValueError
+            For a dtype that is not a tensor's, a description whose bytes differ from what the
+            request declared, or one that reaches past its storage: nothing is copied then.
+        """
         last = self._last if len(self._last) == len(specs) else ()
         entries, destinations, sources = [], [], []
         byte_views: dict[int, object] = {}

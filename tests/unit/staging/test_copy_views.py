@@ -11,15 +11,23 @@ import pytest
 import torch
 
 from ckptd.protocol import layout_extent
-from ckptd.staging.copy_views import ReusedViews, part_copies
+from ckptd.staging.copy_views import ReusedViews
 from ckptd.staging.exports import OpenExports, SaveMappings
 
 
 def spec_of(tensor: torch.Tensor, storage_id: int) -> dict:
-    """The description a trainer sends for ``tensor`` (as its IPC spec names it)."""
+    """The description a trainer sends for ``tensor`` (as its IPC spec names it): one
+    export per storage."""
     return {"dtype": str(tensor.dtype).removeprefix("torch."), "size": list(tensor.shape),
             "stride": list(tensor.stride()), "offset": tensor.storage_offset(),
-            "storage": storage_id}
+            "storage": storage_id, "handle": str(storage_id).encode(), "storage_offset": 0,
+            "ref_counter_handle": b"counters", "ref_counter_offset": storage_id}
+
+
+def part_copies(torch, specs, starts, expected, pool, storage_of):
+    """A first save's views (nothing kept yet), each export opened by ``storage_of``."""
+    return ReusedViews().copies(torch, specs, starts, expected, pool,
+                                SaveMappings(OpenExports(), storage_of))
 
 
 def copy_part(tensors: list, base: int = 4096) -> tuple[torch.Tensor, list]:
@@ -242,6 +250,3 @@ def test_a_bad_description_is_refused_before_its_export_is_opened(change, declar
         pytest.fail("the export was opened before its description was checked")
     with pytest.raises(ValueError, match=message):
         part_copies(torch, [spec], [0], [declared], pool, never)
-    with pytest.raises(ValueError, match=message):
-        ReusedViews().copies(torch, [spec], [0], [declared], pool,
-                             SaveMappings(OpenExports(), never))
