@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from ckptd.protocol.errors import ErrorReply, ReplyTimeout
+from ckptd.protocol.errors import ErrorReply, ProtocolError, ReplyTimeout
 from ckptd.protocol.framing import Message, decode, encode
 from ckptd.protocol.names import MessageType
 
@@ -220,6 +220,7 @@ class Channel:
         self._lock = Turns()
         self._awaited: set[int] = set()       # ids some thread still waits for
         self._arrived: dict[int, Message] = {}  # their replies, when another thread read them
+        self._unread: list = []  # the frames of a reply read and not yet delivered
         #: Called with the id of every reply read off the socket, kept or discarded (during
         #: the caller's turn at the socket: it must not call the channel).
         self.on_reply: Callable[[int], None] | None = None
@@ -305,6 +306,7 @@ class Channel:
         deadline = time.monotonic() + seconds
         while True:
             with self._lock:
+                self._deliver()  # one a read interrupted by an exception left
                 if msg_id in self._arrived:
                     return self._arrived.pop(msg_id)
                 # Short polls during one turn at the socket, so other threads get theirs
@@ -321,22 +323,50 @@ class Channel:
         and keep it for its waiter; none if it is gone (a signal handler of this thread,
         sharing its turn, read it between the poll and now).
 
-        The reply is kept here, not handed back: an exception landing in the caller
-        right after this returns would lose it for whichever thread waits for it.
+        The frames are read into the channel's own list (:attr:`_unread`), not a local
+        one: an exception that lands anywhere after they were read (in decoding them, in
+        keeping the reply, or in the caller right after this returns) leaves them there,
+        and the next turn at the socket (any thread's) delivers them. A local list would
+        lose the reply for whichever thread waits for it.
         """
-        frames: list = []
+        self._deliver()  # one an interrupted read left: read next into an empty list
         try:
             with self._lock.busy():
-                self._recv_whole(frames)
+                self._recv_whole(self._unread)
         except self._zmq.Again:
             return
         finally:
-            if frames:  # also when interrupted: the message was read whole
-                reply = decode(frames)
-                if reply.id in self._awaited:
-                    self._arrived[reply.id] = reply
-                if self.on_reply is not None:
-                    self.on_reply(reply.id)
+            self._deliver()  # also when interrupted: the message was read whole
+
+    def _deliver(self) -> None:
+        """Keep the reply read into :attr:`_unread` for its waiter, tell :attr:`on_reply`,
+        then empty the list (the caller holds the turn).
+
+        Every step before the list is emptied can be done again: a signal's exception
+        that lands in one leaves the reply to be delivered by the next turn (kept twice
+        is kept once; ``on_reply`` may hear of it twice, never not at all).
+        """
+        frames = self._unread
+        if not frames:
+            return
+        try:
+            reply = decode(frames)
+        except ProtocolError:  # never readable: do not try it again at every turn
+            self._forget(frames)
+            raise
+        if reply.id in self._awaited:
+            self._arrived[reply.id] = reply
+        try:
+            if self.on_reply is not None:
+                self.on_reply(reply.id)
+        finally:
+            self._forget(frames)
+
+    def _forget(self, frames: list) -> None:
+        # A signal handler of this thread may have delivered this reply and read the next
+        # one meanwhile (it shares the turn between socket operations): keep that one.
+        if self._unread is frames:
+            self._unread = []
 
     def _recv_whole(self, frames: list) -> None:
         """Append one message's frames to ``frames`` (``zmq.Again`` if none waits); an
@@ -370,6 +400,7 @@ class Channel:
         """
         self._check_not_inherited()
         with self._lock:
+            self._deliver()  # one a read interrupted by an exception left
             while self.socket.poll(0):
                 self._read()
 

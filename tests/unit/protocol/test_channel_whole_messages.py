@@ -1,6 +1,7 @@
 """An exception that lands between two frames of a message (a signal handler's,
 KeyboardInterrupt) never leaves half a message on the channel's socket: the peer reads
-whole requests only, and a reply read in part is finished and kept for its waiter.
+whole requests only, and a reply read in part is finished and kept for its waiter. One
+that lands while a reply read whole is decoded and kept never loses it either.
 
 The exception is raised by a profile hook the moment the socket took (or gave) the first
 frame of a message, exactly where a signal handler's exception is raised: when the
@@ -9,6 +10,7 @@ call that moved the frame returns. A real ROUTER socket is the daemon's side.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -109,3 +111,68 @@ def test_a_reply_interrupted_between_frames_is_read_whole_and_kept_for_its_waite
     server.send_multipart([routing_id, *protocol.encode("reply", third, {"n": 3})])
     assert channel.wait(third, timeout=10).body == {"n": 3}, \
         "no leftover frame is read as a message of its own"
+
+
+def signal_at_the_nth_step_of_a_read(n: int, calls: list):
+    """A profile hook that raises SIGUSR1 at the ``n``-th step (a function of the channel
+    or of the framing code entered or left, a call from them returning: where Python runs
+    a pending signal's handler) once the channel began reading a reply; ``calls`` counts
+    the steps seen."""
+    state = {"reading": False}
+
+    def hook(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name == "_read":
+            state["reading"] = True
+        if not state["reading"] or not (code.co_qualname.startswith("Channel.")
+                                        or code.co_filename.endswith("framing.py")):
+            return
+        calls.append((code.co_qualname, event, getattr(arg, "__name__", None)))
+        if len(calls) == n:
+            sys.setprofile(None)
+            signal.raise_signal(signal.SIGUSR1)
+
+    return hook
+
+
+def test_a_reply_read_off_the_socket_reaches_its_waiter_wherever_a_signal_lands(pair):
+    """A real signal whose handler raises (KeyboardInterrupt) lands at each step of the
+    channel's reading a reply in turn, its decoding and keeping it for its waiter
+    included: the reply is never lost, its waiter gets it at once (lost, it waited for
+    the reply until its timeout)."""
+    server, channel = pair
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("a signal's handler raised")
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        n = 0
+        while True:
+            n += 1
+            msg_id = channel.send("ping", {"n": n})
+            assert server.poll(10_000)
+            routing_id, *frames = server.recv_multipart()
+            server.send_multipart([routing_id, *protocol.encode("reply", msg_id, {"n": n},
+                                                                [b"tail"])])
+            assert channel.socket.poll(10_000)
+            steps: list = []
+            sys.setprofile(signal_at_the_nth_step_of_a_read(n, steps))
+            try:
+                channel.collect()
+                interrupted = False
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                sys.setprofile(None)
+            where = steps[n - 1] if interrupted else "nowhere"
+            try:
+                reply = channel.wait(msg_id, timeout=2)
+            except protocol.ReplyTimeout:
+                pytest.fail(f"the reply was lost: the signal landed at {where}")
+            assert (reply.body, [bytes(f) for f in reply.frames]) == ({"n": n}, [b"tail"]), where
+            if not interrupted:
+                break
+        assert n > 10, f"the read took only {n} steps: the hook does not see it"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
