@@ -53,16 +53,32 @@ BEGIN, END, ABORT = "begin", "end", "abort"
 
 
 class _Connection:
-    """One connection of a lane and what it has in flight (guarded by the lane's lock)."""
+    """One connection of a lane (a slot redialed for the lane's life), what it has in
+    flight, and when bytes last moved on it (guarded by the lane's lock)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.channel: BulkConnection | None = None
         self.inflight: dict = {}   # (xfer, item) -> job
         self.broken: str | None = None
+        # When bytes last moved on a channel of this slot that is closed now: bytes that
+        # moved shortly before a connection closed still say the peer was there then.
+        self._moved_before = 0.0
 
     def chunks_in_flight(self) -> int:
         return sum(1 for (_, item) in self.inflight if isinstance(item, int))
+
+    def last_moved(self) -> float:
+        """When bytes last moved on this slot's connections, the closed ones included."""
+        if self.channel is None:
+            return self._moved_before
+        return max(self._moved_before, self.channel.last_activity)
+
+    def detach(self) -> None:
+        """The channel closed: keep when bytes last moved on it, then forget it."""
+        if self.channel is not None:
+            self._moved_before = max(self._moved_before, self.channel.last_activity)
+        self.channel = None
 
 
 class Lane:
@@ -134,10 +150,10 @@ class Lane:
                              name=f"ckptd-bulk-out-{self.address[0]}-{connection.index}").start()
 
     def last_activity(self) -> float:
-        """When bytes last moved on any of this lane's connections (0: never)."""
+        """When bytes last moved on any of this lane's connections, those since closed
+        included (0: never)."""
         with self.lock:
-            return max((c.channel.last_activity for c in self.connections
-                        if c.channel is not None), default=0.0)
+            return max((c.last_moved() for c in self.connections), default=0.0)
 
     def stop(self) -> None:
         """Close every connection; threads end."""
@@ -245,7 +261,7 @@ class Lane:
                 if not job.finished:
                     self.queue.appendleft((job, item))
             connection.inflight.clear()
-            connection.channel = None
+            connection.detach()
             if connection.broken and busy and not self.stopped:
                 self.last_error = connection.broken
                 log.info("bulk connection %d to %s broke (%s); resuming on the others",

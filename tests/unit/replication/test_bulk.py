@@ -30,6 +30,7 @@ from ckptd.replication.bulk_send import BulkSender
 from ckptd.replication.send_job import SendJob
 from ckptd.replication.bulk_wire import Begin
 from ckptd.replication.commands import Received, Sent
+from ckptd.replication.refusals import refusal_window
 from ckptd.replication.sealing import raw_key
 from ckptd.replication.transport import PeerStats
 from ckptd.storage.local_store import LocalStore
@@ -258,12 +259,12 @@ class Relay:
         self.socks: list[socket.socket] = []
         self.flowing = threading.Event()  # cleared: bytes are held, not forwarded
         self.flowing.set()
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
 
-    def _accept(self) -> None:
+    def _accept(self, server: socket.socket) -> None:
         while True:
             try:
-                near, _ = self.server.accept()
+                near, _ = server.accept()
             except OSError:
                 return  # refusing new connections now
             far = socket.create_connection(self.target)
@@ -288,9 +289,19 @@ class Relay:
         self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread; port closed
         self.server.close()
 
+    def accept_again(self) -> None:
+        """Listen on the same port again (the reject on the path has passed)."""
+        self.server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
+
     def close(self) -> None:
         for sock in self.socks:
             sock.close()
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        except OSError:
+            pass  # refusing new connections already
+        self.server.close()
 
 
 def test_a_refused_dial_does_not_end_a_push_that_moves_on_another_connection(pair):
@@ -323,6 +334,78 @@ def test_a_refused_dial_does_not_end_a_push_that_moves_on_another_connection(pai
                  "a redial to be refused")
         assert not staying.closed
         relay.flowing.set()
+        received, sent = events.next(Received), events.next(Sent)
+    relay.close()
+    assert received.ok and sent.ok, (received, sent)
+    assert open(session.part_path(3, 0), "rb").read() == data
+
+
+class TwoGates(BytesSource):
+    """A part whose chunks before ``second_at`` wait for ``gate``, the rest for ``gate2``."""
+
+    def __init__(self, data: bytes, second_at: int) -> None:
+        super().__init__(data, gate_at=0)
+        self.second_at, self.gate2 = second_at, threading.Event()
+
+    def frame(self, position: int):
+        if position >= self.second_at:
+            assert self.gate2.wait(TIMEOUT)
+        return super().frame(position)
+
+
+@pytest.mark.parametrize("pair", ["none"], indirect=True)  # the lane's judgement, not sealing
+def test_bytes_moved_on_a_connection_since_closed_count_against_refused_dials(pair):
+    """A push on two connections: one breaks and its redials are refused for longer than
+    the refusal window while the other carries on; then that one moves bytes and is
+    closed too, and a redial is refused at once. No connection is up, but bytes moved
+    just now: the peer is not judged gone, and the push completes once the path accepts
+    again. Before, a closed connection's bytes were forgotten with it, so "no byte moved
+    within the window" held and that refusal ended the push as lost."""
+    a, b, session, events, targets, listener, sender = pair
+    relay = Relay(listener.port)
+    data = os.urandom(4 * PART_FRAME_BYTES)
+    source = TwoGates(data, second_at=2 * PART_FRAME_BYTES)
+    with knobs.override(PEER_STREAMS=2, REPLICATION_WINDOW=1, PEER_TIMEOUT=3600.0,
+                        PEER_HANDSHAKE_TIMEOUT=0.75):
+        window = refusal_window()
+        job = SendJob(1, "push", "node-b", source, Begin("s", 0, 3), PeerStats())
+        sender.send(f"127.0.0.1:{relay.port}", b[1], "node-b", job)
+        lane = next(iter(sender._lanes.values()))
+
+        def both_carrying():
+            with lane.lock:
+                up = [c for c in lane.connections
+                      if c.channel is not None and c.chunks_in_flight()]
+                return up if len(up) == 2 else None
+
+        breaking, staying = wait_for(both_carrying, TIMEOUT, "a chunk on each connection")
+        relay.flowing.clear()  # the staying connection's chunk waits unacknowledged
+        relay.refuse_new()
+        source.gate.set()
+        breaking.channel.close()  # its chunk goes back to the queue; its redials are refused
+
+        def refused_for_a_window():
+            with lane.lock:
+                return (lane.refusals.count >= 3
+                        and time.monotonic() - lane.refusals.since >= window)
+
+        wait_for(refused_for_a_window, TIMEOUT, "redials refused for a whole window")
+        relay.flowing.set()  # the staying connection moves bytes: two chunks acknowledged
+        wait_for(lambda: len(job.acked) == 2, TIMEOUT, "two chunks acknowledged")
+        staying.channel.close()
+        source.gate2.set()  # its writer, waiting for the next chunk, finds it closed
+
+        def none_up():
+            with lane.lock:
+                return all(c.channel is None for c in lane.connections)
+
+        wait_for(none_up, TIMEOUT, "both connections closed")
+        with lane.lock:
+            before = lane.refusals.count
+        wait_for(lambda: job.finished or lane.refusals.count > before, TIMEOUT,
+                 "a redial refused with no connection up")
+        assert not job.finished, "bytes moved just now, on a connection since closed"
+        relay.accept_again()
         received, sent = events.next(Received), events.next(Sent)
     relay.close()
     assert received.ok and sent.ok, (received, sent)
