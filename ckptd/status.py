@@ -178,6 +178,7 @@ def render(doc: dict) -> str:
         *_pool_pages_line(pool),
         f"writers {sum(w['alive'] for w in doc['writers'])}/{len(doc['writers'])} alive, "
         f"{sum(w['jobs'] for w in doc['writers'])} job(s) in flight",
+        *_held_polls_line(doc),
         *_deadlines_line(doc),
         f"totals  {doc['totals']['saves_done']} saves done, {doc['totals']['saves_failed']} failed, "
         f"{_size(doc['totals']['bytes_written'])} written",
@@ -229,6 +230,14 @@ def _render_saves(doc: dict) -> list[str]:
                          f"({slowest['phase']}, {_size(slowest['bytes_done'])}, "
                          f"last progress {slowest['age_s']:.0f}s ago)")
     return lines
+
+
+def _held_polls_line(doc: dict) -> list[str]:
+    held = doc.get("held_polls")  # absent from older daemons
+    if held is None:
+        return []
+    return [f"polls   {held['held']} held until their save moves on, for "
+            f"{held['connections']} trainer connection(s)"]
 
 
 def _deadlines_line(doc: dict) -> list[str]:

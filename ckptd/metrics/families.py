@@ -212,6 +212,9 @@ def _ranks_and_writers(out: _Families, doc: dict) -> None:
     out.family("ckptd_stuck_writers", "gauge", "Writer processes given up on after a stalled "
                "write or fsync, until they exit (their staging bytes stay held).")
     out.sample(len(doc.get("stuck_writers", [])))
+    out.family("ckptd_held_polls", "gauge", "POLLs the daemon holds until the save they ask "
+               "about changes phase (trainer threads blocked on a save).")
+    out.sample(int((doc.get("held_polls") or {}).get("held", 0)))
 
 
 def _replication(out: _Families, doc: dict) -> None:

@@ -72,6 +72,12 @@ class HeldPolls:
     def __len__(self) -> int:
         return len(self._held)
 
+    def describe(self) -> dict:
+        """The status document's ``held_polls``: how many POLLs are held, and for how many
+        trainer connections (each a thread blocked on a save, waiting for its news)."""
+        return {"held": len(self._held),
+                "connections": len({held.call.routing_id for held in self._held})}
+
     def hold(self, call: Call, request_ids: list, seconds: float) -> None:
         """Park ``call`` (a POLL about ``request_ids``) for at most ``seconds``."""
         held = _Held(call, list(request_ids), time.monotonic() + seconds)

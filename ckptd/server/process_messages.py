@@ -126,6 +126,7 @@ class ProcessMessages:
             deadlines={**daemon.deadlines.enforced().to_wire(),
                        "stuck_after_s": knobs.STUCK_AFTER.get()},
             stuck_writers=daemon.writers.stuck.describe(),
+            held_polls=daemon.saves.polls.held.describe(),
             **daemon.local.status_sections(),
             tier=daemon.tier.describe() if daemon.tier is not None else None,
         )

@@ -77,7 +77,7 @@ class HeldPoll(threading.Thread):
 def a_held_poll(start_daemon, name: str, wait_seconds: float = 600.0, **options):
     """A daemon, a connection to it, a save staged by hand and a thread whose held POLL
     about it the daemon has read: ``(daemon, connection, request_id, poll)``."""
-    daemon = start_daemon(env=LONG_HOLDS, **options)
+    daemon = start_daemon(env={**LONG_HOLDS, **options.pop("env", {})}, **options)
     connection = connect(daemon.socket)
     request_id = stage_by_hand(connection, os.path.join(daemon.roots[0], name))
     poll = HeldPoll(connection, request_id, seen=Phase.STAGING, wait_seconds=wait_seconds)
@@ -114,6 +114,46 @@ def test_a_held_poll_waits_for_the_phase_change_while_other_calls_go_through(sta
         assert poll.error is None
     assert poll.state.phase == Phase.DONE and [w.path for w in poll.state.written] == [path]
     assert torch.load(path, weights_only=True)["w"].shape == (1024,)  # bytes: never copied
+
+
+def test_status_and_metrics_count_the_polls_held(start_daemon, tmp_path):
+    """``ckptd status`` (``--json`` and the table) and the ``ckptd_held_polls`` gauge show
+    the POLL the daemon holds while its save stays in staging, and none once the save
+    moved on and it was answered."""
+    from ckptd.status import query_status, render
+
+    textfile = str(tmp_path / "metrics" / "ckptd.prom")
+    os.makedirs(os.path.dirname(textfile))
+    daemon, connection, request_id, poll = a_held_poll(
+        start_daemon, "counted.pt", extra_args=["--metrics-textfile", textfile],
+        env={"CKPTD_METRICS_INTERVAL": "0.1"})
+    env = {k: v for k, v in os.environ.items() if k != "CKPTD_SOCKET"}
+    shown = subprocess.run([sys.executable, "-m", "ckptd", "status", "--socket", daemon.socket,
+                            "--json"], capture_output=True, text=True, timeout=60, env=env,
+                           stdin=subprocess.DEVNULL)
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert doc["held_polls"] == {"held": 1, "connections": 1}
+    assert "polls   1 held until their save moves on, for 1 trainer connection(s)" \
+        in render(doc).splitlines()
+
+    def exported() -> float | None:
+        try:
+            with open(textfile) as f:
+                lines = [line for line in f if line.startswith("ckptd_held_polls ")]
+        except FileNotFoundError:
+            return None
+        return float(lines[0].split()[1]) if lines else None
+
+    wait_for(lambda: exported() == 1, 30, "ckptd_held_polls 1 in the metrics textfile")
+    connection.call(MessageType.STAGED, Staged(request_id=request_id), timeout=30)
+    poll.join(60)
+    assert poll.error is None and poll.state.phase != Phase.STAGING
+    code, doc, why = query_status(daemon.socket)
+    assert code == 0, why
+    assert doc["held_polls"] == {"held": 0, "connections": 0}
+    wait_for(lambda: exported() == 0, 30, "ckptd_held_polls 0 in the metrics textfile")
+    connection.close()
 
 
 def test_a_held_poll_is_answered_unchanged_at_its_bound_and_at_once_without_a_wait(

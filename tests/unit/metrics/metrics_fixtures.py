@@ -63,7 +63,7 @@ def snapshot(ledger: Ledger, **overrides) -> dict:
                         "huge_page_bytes": 1 << 21},
                   writers=[{"index": 0, "pid": 1, "alive": True, "jobs": 1},
                            {"index": 1, "pid": 2, "alive": False, "jobs": 0}],
-                  peers=[], local_checkpoints=[])
+                  held_polls={"held": 3, "connections": 2}, peers=[], local_checkpoints=[])
     fields.update(overrides)
     return ledger.snapshot(**fields)
 

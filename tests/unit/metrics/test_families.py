@@ -25,6 +25,7 @@ def test_every_documented_family_is_rendered_and_parses(busy_ledger):
         "ckptd_local_part_copies": "gauge", "ckptd_local_parts_reduced_redundancy": "gauge",
         "ckptd_memory_tier_bytes": "gauge", "ckptd_stuck_saves": "gauge",
         "ckptd_stuck_writers": "gauge", "ckptd_phase_duration_seconds": "histogram",
+        "ckptd_held_polls": "gauge",
     }
     # prometheus_client strips the _total suffix from counter family names.
     assert {name: fam.type for name, fam in fams.items()} == expected
@@ -59,6 +60,7 @@ def test_values_follow_the_status_document(busy_ledger):
     assert value(fams, "ckptd_in_flight_bytes", state="written") == 300
     assert value(fams, "ckptd_recent_errors") == 1
     assert value(fams, "ckptd_stuck_saves") == 0 and value(fams, "ckptd_stuck_writers") == 0
+    assert value(fams, "ckptd_held_polls") == 3
     assert value(fams, "ckptd_replication_lag_seconds") == 0
     assert value(fams, "ckptd_last_success_timestamp_seconds") == 1040.0
     info = fams["ckptd_info"].samples[0].labels
