@@ -266,6 +266,12 @@ class GuessedCopy:
         self.known.armed = False
         return self._drop(reason)
 
+    def disarm(self) -> None:
+        """The save failed after its guessed copy was adopted or dropped (the daemon
+        refused the staging that followed): the next save of the kind copies after
+        planning, as after any failed save."""
+        self.known.armed = False
+
     def _drop(self, reason: str) -> None:
         log.debug("a DCP save's guessed copy dropped: %s", reason)
         self._note_copy_start()

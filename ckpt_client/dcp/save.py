@@ -112,7 +112,7 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
         if guess is not None:
             guess.drop(f"planning the save failed ({type(exc).__name__}: {exc})")
         raise
-    planned = time.time()
+    planned, refused = time.time(), False
     try:
         saves = early.adopt(final_plan, zero_stall) if early is not None else None
         sources = buffers = None
@@ -126,16 +126,19 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
         saves = saves or writer.stage(final_plan, planner, zero_stall=zero_stall,
                                       sources=sources, buffers=buffers)
     except (DaemonRequestError, DaemonUnavailableError) as exc:
+        if guess is not None:  # its copy is dropped already (adopt met the refusal first)
+            guess.disarm()
         if not group.distributed:
             raise
         # The other ranks are about to wait in the completion collective: report the
         # refusal there, as a failure every rank raises, instead of raising alone.
-        saves = (RefusedSave(group.rank, str(exc)),)
+        saves, refused = (RefusedSave(group.rank, str(exc)),), True
     except BaseException as exc:
         if guess is not None:
             guess.drop(f"{type(exc).__name__}: {exc}")
         raise
-    remember_plan(group, planner, state_dict, final_plan, reuse)
+    if not refused:  # a save whose staging failed must not arm the guess
+        remember_plan(group, planner, state_dict, final_plan, reuse)
     if writer.connection.tiered and not zero_stall:
         hand_over(writer, saves, final_plan, metadata, group)
     spans.note(saves, "planning", started, planned)

@@ -274,3 +274,38 @@ def test_a_guessed_copy_never_released_does_not_keep_the_stager(start_daemon, mo
     assert sorted(r["phase"] for r in requests_for(daemon, path)) == \
         sorted([Phase.FAILED, Phase.DONE])
     queue.close()
+
+
+def ranks_save_then_twice_refused(rank: int, world_size: int, root: str, outside: str) -> None:
+    """One save under the daemon's root, then two the daemon refuses (outside its roots),
+    then one under the root again, on every rank."""
+    from ckpt_client import CheckpointException
+
+    queue = AsyncCallsQueue()
+    save(queue, training_state(1), os.path.join(root, "s1"))
+    for name in ("refused-a", "refused-b"):
+        with pytest.raises(CheckpointException, match="outside the allowed roots"):
+            save(queue, training_state(2), os.path.join(outside, name))
+    save(queue, training_state(3), os.path.join(root, "s3"))
+    queue.close()
+
+
+def test_a_refused_distributed_save_disarms_the_guess(start_daemon, tmp_path):
+    """Two ranks (gloo): a save refused by the daemon (every rank's STAGE refused: the
+    ranks learn it in the completion collective) is a save whose staging failed, so the
+    next save of the kind plans before it copies, as after any failed save. The daemon
+    logs each STAGE it refuses: the first refused save sends two per rank (the guessed
+    copy's, and its own again after planning), the second one only its own. Before, the
+    refused save re-armed the guess, and every later refused save sent both."""
+    from multirank import run_ranks, values
+
+    daemon = start_daemon()
+    outside = str(tmp_path / "outside")
+    values(run_ranks(ranks_save_then_twice_refused, 2, daemon.socket, tmp_path,
+                     args=(daemon.roots[0], outside)))
+    log = daemon.log()
+    refused = {name: sum(1 for line in log.splitlines() if "refused a message" in line
+                         and os.path.join(outside, name) in line)
+               for name in ("refused-a", "refused-b")}
+    assert refused == {"refused-a": 4, "refused-b": 2}, refused
+    assert_loads(os.path.join(daemon.roots[0], "s3"), training_state(3))
