@@ -43,7 +43,7 @@ __all__ = [
     "ProtocolError", "TensorRef", "Message", "encode", "decode", "error_body",
     "pack_value", "packed_tensor_ref", "unpack_value", "fill_skeleton",
     # typed bodies of the client channel
-    "Body", "Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile",
+    "Body", "Hello", "Stage", "Staged", "Copied", "Poll", "Forget", "Abort", "CommitFile",
     "LocalSession", "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Empty",
     "Trace", "TraceSpans",
     # typed reply bodies of the client channel, and which request each answers

@@ -15,7 +15,7 @@ from ckptd.protocol.body import Body, check
 from ckptd.protocol.errors import ProtocolError
 from ckptd.protocol.names import BUFFER_DTYPES, ErrorCode, SaveFormat
 
-__all__ = ["Hello", "Stage", "Staged", "Poll", "Forget", "Abort", "CommitFile", "LocalSession",
+__all__ = ["Hello", "Stage", "Staged", "Copied", "Poll", "Forget", "Abort", "CommitFile", "LocalSession",
            "LocalInventory", "LocalFetch", "LocalCommit", "Handover", "Trace", "TraceSpans"]
 
 
@@ -128,6 +128,22 @@ class Staged(Body, message="staged"):
     request_id: int
     skeleton: bytes | None = None
     copied_at: float | None = None
+
+
+class Copied(Body, message="copied"):
+    """The trainer's copy into a request's extent is done up to ``through`` bytes from the
+    extent's start: those bytes hold their final values while the rest is still copied,
+    so the writers may write them (they rename nothing before STAGED). Sent without
+    waiting for its (empty) reply, a few times a large save; a daemon that cannot use it
+    yet (no writer job made ready, a device copy in the same request) answers and
+    ignores it.
+
+    ``skeleton``: a torch save's, on the first one, when its STAGE went ahead without it.
+    """
+
+    request_id: int
+    through: int = check(lambda v: v >= 0, "a byte count >= 0")
+    skeleton: bytes | None = None
 
 
 #: The longest a POLL may ask to be held, whatever the daemon's own cap (an hour: a

@@ -20,6 +20,7 @@ class MessageType:
     GOODBYE = "goodbye"
     STAGE = "stage"              # reserve an extent (CPU path) or stage CUDA handles
     STAGED = "staged"            # client finished copying into its extent
+    COPIED = "copied"            # client's copy reached a point of its extent (no wait)
     POLL = "poll"                # phase and results of requests
     FORGET = "forget"            # drop finished requests (and their files if failed)
     ABORT = "abort"              # drop in-flight requests of this rank

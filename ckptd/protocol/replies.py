@@ -231,6 +231,7 @@ REPLIES: dict[str, type] = {
     MessageType.TRACE_SPANS: TraceSpansReply,
     MessageType.STAGE: StageReply,
     MessageType.STAGED: StagedReply,
+    MessageType.COPIED: Empty,
     MessageType.POLL: PollReply,
     MessageType.FORGET: ForgetReply,
     MessageType.ABORT: AbortReply,

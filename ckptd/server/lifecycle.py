@@ -160,19 +160,10 @@ class SaveLifecycle:
 
     # ------------------------------------------------------------------ space
     def admit(self, request: SaveRequest, copiers: tuple[str, ...] = (CLIENT_COPY,)) -> bool:
-        """Give ``request`` staging space now, or queue it (back-pressure, FIFO).
-
-        Parameters
-        ----------
-        copiers : tuple of str
-            Who fills the extent (:data:`CLIENT_COPY`, :data:`DEVICE_COPY`, or both for a
-            mixed-transport save); each holds it until it reports with :meth:`copied`.
-
-        Returns
-        -------
-        bool
-            True when the extent is leased now (phase ``staging``), False when the request
-            waits for space (phase ``waiting_for_pool``).
+        """Give ``request`` staging space now (True: phase ``staging``), or queue it
+        (back-pressure, FIFO; False: phase ``waiting_for_pool``). ``copiers``: who fills
+        the extent (:data:`CLIENT_COPY`, :data:`DEVICE_COPY`, or both for a mixed-transport
+        save); each holds it until it reports with :meth:`copied`.
 
         Raises
         ------
@@ -239,6 +230,12 @@ class SaveLifecycle:
         self.effects.staged(request)
         if request.jobs_pending == 0:
             self._writers_finished(request)
+
+    def writing_early(self, request: SaveRequest, jobs: int) -> None:
+        """Writers began ``jobs`` files of ``request`` while it is copied (renaming none
+        before it is staged): from now they hold its extent and are its pending jobs."""
+        request.lease.hold(WRITERS)
+        request.jobs_pending = jobs
 
     def job_done(self, request: SaveRequest, path: str, ok: bool, written: dict | None,
                  nbytes: int, error: str | None = None, errno: int | None = None) -> None:

@@ -2,9 +2,9 @@
 
 Owns what each save format writes and where (:func:`jobs_for`), submitting those jobs to
 the writers (*ahead*, as soon as a save's staging begins, where its files are known then:
-:meth:`SaveWrites.write_ahead`; the writers make the files ready while the trainer copies
-and write them once the save is staged), turning each writer result into a ``written``
-entry for the lifecycle, the
+:meth:`SaveWrites.write_ahead`; the writers make the files ready while the trainer copies,
+start writing what it reports copied, :meth:`SaveWrites.copied`, and finish once the save
+is staged), turning each writer result into a ``written`` entry for the lifecycle, the
 files a save replaced while it runs (kept under :mod:`ckptd.storage.previous` names:
 put back when the save fails, dropped once it is done), deleting what a failed or aborted
 save wrote, and how the writers last wrote under each root (``write_modes``, for
@@ -18,8 +18,9 @@ import os
 from dataclasses import replace
 
 from ckptd import knobs
-from ckptd.protocol import Phase, SaveFormat
-from ckptd.server.lifecycle import SaveLifecycle
+from ckptd.protocol import Copied, ErrorCode, Phase, SaveFormat
+from ckptd.server.endpoint import RequestError
+from ckptd.server.lifecycle import DEVICE_COPY, SaveLifecycle
 from ckptd.server.local_parts import clear_gaps, part_ranges
 from ckptd.server.requests import SaveRequest
 from ckptd.storage.durable import remove_written
@@ -52,6 +53,9 @@ class SaveWrites:
         #: writer has not answered). A held job is answered only if its save stopped or
         #: its writer died; then the save writes its files afresh once staged.
         self._ahead: dict[int, tuple[list[WriteJob], list[WriteJob]]] = {}
+        #: Requests whose jobs started while the trainer copies (:meth:`copied`): the pool
+        #: offset up to which their writers were told the bytes are copied.
+        self._early: dict[int, int] = {}
 
     @staticmethod
     def goes_ahead(request: SaveRequest) -> bool:
@@ -90,27 +94,80 @@ class SaveWrites:
         for job in jobs:
             self.daemon.writers.submit(job)
 
-    def _start_ahead(self, request: SaveRequest) -> int | None:
-        """Start the jobs sent ahead of ``request`` (None: none were, or not all of them
-        are still waiting: those are dropped and the files written afresh)."""
-        jobs, alive = self._ahead.pop(request.id, ([], []))
-        if not jobs or len(alive) < len(jobs):
-            for job in alive:
-                self.daemon.writers.cancel(job)
-            return None
+    def copied(self, request: SaveRequest, body: Copied) -> None:
+        """The trainer's copy into ``request``'s extent got to ``body.through``: the jobs
+        sent ahead write up to there while it copies the rest.
+
+        At the first report they are started (if every one is still parked at its writer,
+        and a torch file's skeleton is known), each writer told how far the copy got;
+        later reports raise that. A writer writes what is copied, waits for the rest, and
+        renames nothing before the save is staged (:meth:`write` tells it then). From
+        the start the writers hold the extent and are the request's pending jobs
+        (:meth:`SaveLifecycle.writing_early`), so an abort, failure or deadline cancels
+        them as it would after staging. Anything else leaves the save to its STAGED.
+
+        Raises
+        ------
+        RequestError
+            BAD_REQUEST: a point past the extent, or a skeleton for a save of another format.
+        """
+        if request.extent is None or body.through > request.extent.length:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"request {request.id}: copied up to "
+                               f"byte {body.through} of a {request.bytes_total}-byte save")
+        if body.skeleton is not None and request.format != SaveFormat.TORCH:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"request {request.id} is a "
+                               f"{request.format} save: only torch saves have a skeleton")
+        if request.phase != Phase.STAGING or DEVICE_COPY in request.copiers:
+            return
+        if body.skeleton is not None:
+            request.skeleton = body.skeleton
+        through = request.extent.offset + body.through
+        if request.id in self._early:
+            if through > self._early[request.id]:
+                self._early[request.id] = through
+                for job in request.jobs:
+                    self.daemon.writers.staged_through(job, through)
+            return
+        jobs, alive = self._ahead.get(request.id, ([], []))
+        if (not jobs or len(alive) < len(jobs) or not all(map(self.daemon.writers.parked, jobs))
+                or (request.format == SaveFormat.TORCH and not request.skeleton)):
+            return
+        self._early[request.id] = through
+        self._start_jobs(request, jobs, through)
+        self.lifecycle.writing_early(request, len(jobs))
+
+    def _start_jobs(self, request: SaveRequest, jobs: list[WriteJob],
+                    through: int | None = None) -> None:
         request.jobs = list(jobs)
         for job in jobs:
             job.on_stuck = lambda job, pid: self._given_up(request, job, pid)
             skeleton = request.format == SaveFormat.TORCH and not job.body.skeleton
             self.daemon.writers.start(job, replace(job.body, skeleton=request.skeleton)
-                                      if skeleton else None)
+                                      if skeleton else None, through)
+
+    def _start_ahead(self, request: SaveRequest) -> int | None:
+        """Start the jobs sent ahead of ``request`` (None: none were, or not all of them
+        are still waiting: those are dropped and the files written afresh); those started
+        early (:meth:`copied`) hear that every byte is staged."""
+        jobs, alive = self._ahead.pop(request.id, ([], []))
+        if self._early.pop(request.id, None) is not None:
+            for job in request.jobs:  # those not answered yet
+                self.daemon.writers.staged_through(job, None)
+            return len(request.jobs)
+        if not jobs or len(alive) < len(jobs):
+            for job in alive:
+                self.daemon.writers.cancel(job)
+            return None
+        self._start_jobs(request, jobs)
         return len(jobs)
 
     def drop_ahead(self, request: SaveRequest) -> None:
         """``request`` stopped before it was staged: its writers drop the jobs sent ahead
         (each removes the temporary it made ready)."""
+        self._early.pop(request.id, None)  # those started are cancelled as request.jobs
         for job in self._ahead.pop(request.id, ([], []))[1]:
-            self.daemon.writers.cancel(job)
+            if not job.cancelled:
+                self.daemon.writers.cancel(job)
 
     def write(self, request: SaveRequest) -> int:
         """Submit a staged request's writer jobs (start those sent ahead); returns how

@@ -1,8 +1,8 @@
 """The save service: the client messages about saves, and the work each step needs.
 
 Handlers (registered on the client endpoint): ``stage`` (build a request, reserve or queue
-for staging space, or hand CUDA handles to the stager), ``staged`` (the trainer's copy is
-in), ``poll`` (:class:`ckptd.server.held_polls.PollAnswers`: at once, or once a request
+for staging space, or hand CUDA handles to the stager), ``copied`` (the trainer's copy got
+that far: writers may start), ``staged`` (the trainer's copy is in), ``poll`` (:class:`ckptd.server.held_polls.PollAnswers`: at once, or once a request
 it names changes phase), ``forget``, ``abort``, and ``commit_file`` / ``handover`` (a checkpoint's
 commit, by :class:`ckptd.server.file_commits.FileCommits`). It also implements
 :class:`ckptd.server.lifecycle.SaveEffects`: answering a queued STAGE, handing a staged
@@ -21,9 +21,9 @@ from __future__ import annotations
 import logging
 import time
 
-from ckptd.protocol import (Abort, AbortReply, CommitFile, ErrorCode, Forget, ForgetReply,
-                            Handover, Phase, Poll, SaveFormat, Stage, Staged, StagedReply,
-                            StageReply)
+from ckptd.protocol import (Abort, AbortReply, CommitFile, Copied, Empty, ErrorCode, Forget,
+                            ForgetReply, Handover, Phase, Poll, SaveFormat, Stage, Staged,
+                            StagedReply, StageReply)
 from ckptd.server.device_copies import DeviceCopies
 from ckptd.server.endpoint import DEFERRED, Call, RequestError
 from ckptd.server.file_commits import FileCommits
@@ -75,6 +75,13 @@ def _take_late_skeleton(request: SaveRequest, skeleton: bytes | None,
         raise refused
 
 
+def _staged_reply(request: SaveRequest) -> StagedReply:
+    """Every byte is staged; ``ipc_kept``: buffers whose CUDA export the daemon holds
+    open, which the trainer may send again (it exports the others afresh)."""
+    return StagedReply(request_id=request.id, phase=request.phase,
+                       ipc_kept=list(request.ipc_kept))
+
+
 def _extent_reply(request: SaveRequest) -> StageReply:
     """A STAGE's answer: the request and the extent it was leased."""
     return StageReply(request_id=request.id, offset=request.extent.offset,
@@ -116,7 +123,8 @@ class SaveService:
 
     def routes(self) -> dict:
         """Message body type -> handler, for the client endpoint."""
-        return {Stage: self.on_stage, Staged: self.on_staged, Poll: self.polls.on_poll,
+        return {Stage: self.on_stage, Copied: self.on_copied, Staged: self.on_staged,
+                Poll: self.polls.on_poll,
                 Forget: self.on_forget, Abort: self.on_abort,
                 CommitFile: self.commits.on_commit_file, Handover: self.commits.on_handover}
 
@@ -220,14 +228,13 @@ class SaveService:
         if request.phase == Phase.STAGING:  # the device copy answers it (staged())
             request.pending_reply = call
             return DEFERRED
-        return self._staged_reply(request)
+        return _staged_reply(request)
 
-    @staticmethod
-    def _staged_reply(request: SaveRequest) -> StagedReply:
-        """Every byte is staged; ``ipc_kept``: buffers whose CUDA export the daemon holds
-        open, which the trainer may send again (it exports the others afresh)."""
-        return StagedReply(request_id=request.id, phase=request.phase,
-                           ipc_kept=list(request.ipc_kept))
+    def on_copied(self, call: Call, body: Copied) -> Empty:
+        """The trainer's copy got to ``body.through`` (:meth:`SaveWrites.copied`); it does
+        not wait for this answer."""
+        self.writes.copied(self._own_request(call.routing_id, body.request_id), body)
+        return Empty()
 
     def on_forget(self, call: Call, body: Forget) -> ForgetReply:
         """Drop finished requests (and the files of failed ones, when asked)."""
@@ -305,7 +312,7 @@ class SaveService:
         """Every byte is in the extent: answer a STAGED that waited for the device copy."""
         call, request.pending_reply = request.pending_reply, None
         if call is not None:
-            call.reply(self._staged_reply(request))
+            call.reply(_staged_reply(request))
 
     def write(self, request: SaveRequest) -> int:
         """Submit a staged request's writer jobs (:class:`SaveWrites`)."""

@@ -68,9 +68,21 @@ class StopWriter(Body, message="stop"):
 class StartJob(Body, message="start"):
     """The bytes of the job sent ahead whose id this message carries are all staged now:
     write its file. ``skeleton``: a torch file's, when its job went ahead without one (the
-    trainer sends it only with its STAGED)."""
+    trainer sends it only with its STAGED or its first copy report).
+
+    ``through``: only the pool's bytes below this offset are staged yet (the trainer still
+    copies the rest): write them, wait for a :class:`StagedThrough` before writing bytes
+    past it, and rename nothing into place before one says all are."""
 
     skeleton: bytes = b""
+    through: int | None = None
+
+
+class StagedThrough(Body, message="staged_through"):
+    """The job started with ``through`` (whose id this message carries) may write the
+    pool's bytes below this ``through`` now; None: all of them, and commit its file."""
+
+    through: int | None = None
 
 
 class CancelJob(Body, message="cancel"):
@@ -110,11 +122,12 @@ class WriteProgress(Body, message="progress"):
     bytes_done: int = 0
 
 
-#: Phases of a job, in order (``queued``: sent to a writer, not started by it yet).
-JOB_PHASES = ("queued", "create", "write", "fsync", "commit")
+#: Phases of a job, in order (``queued``: sent to a writer, not started by it yet;
+#: ``staging``: written as far as the trainer's copy got, waiting for more of it).
+JOB_PHASES = ("queued", "create", "staging", "write", "fsync", "commit")
 
 #: Jobs a writer executes, by message type (besides them the daemon sends only
-#: :class:`StartJob`, :class:`StopWriter` and :class:`CancelJob`).
+#: :class:`StartJob`, :class:`StagedThrough`, :class:`StopWriter` and :class:`CancelJob`).
 JOB_TYPES = {cls.message_type: cls for cls in (WriteTorch, WriteItems, WriteBytes)}
 #: What a writer may send back, by message type.
 REPLY_TYPES = {cls.message_type: cls for cls in (WriterReady, WriteProgress, WriteResult)}

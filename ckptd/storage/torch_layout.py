@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import mmap
 from collections import OrderedDict
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from ckptd import knobs
 from ckptd.protocol import unpack_value
@@ -222,18 +222,27 @@ class TorchLayout:
         return (self.body.literal_bytes + len(head.prefix) + len(head.central)
                 + sum(self.specs[index][2] for index in head.storages))
 
-    def write(self, stream: Any, max_write: int | None = None) -> int:
-        """Write the file to ``stream`` (see :func:`write_torch_layout`); returns its size."""
+    def write(self, stream: Any, max_write: int | None = None,
+              staged: Callable[[int], None] | None = None) -> int:
+        """Write the file to ``stream`` (see :func:`write_torch_layout`); returns its size.
+
+        ``staged(i)``: returns once ``buffers[i]`` holds its final bytes (the file is
+        written while the trainer still copies): every buffer is waited for before a byte
+        of it is read, so the check for a descriptor's signature is made buffer by buffer
+        too, and a tensor that has one turns the rest of the file, once every buffer is
+        staged, into :func:`write_torch_file`'s (the same bytes up to there).
+        """
         head, buffers = self.head, self.buffers
         views = [memoryview(buffers[index]).cast("B") for index in head.storages]
-        if any(view.nbytes >= 8 and view[:4] == _DESCRIPTOR_SIGNATURE for view in views):
-            tensors = [raw_tensor(buffer, dtype, shape)
-                       for buffer, (dtype, shape, _) in zip(buffers, self.specs)]
-            return write_torch_file(stream, unpack_value(self.skeleton), tensors,
-                                    max_write=max_write, alignment=self.alignment)
+        if staged is None and any(_signed(view) for view in views):
+            return self._as_torch_file(stream, max_write)
         table = views + [head.prefix, head.central]
         written = 0
         for group in self.body.groups:
+            if staged is not None and self._signed_when_staged(group, views, staged):
+                for index in range(len(buffers)):
+                    staged(index)
+                return self._as_torch_file(_From(stream, written), max_write)
             if type(group) is int:
                 view = views[group]
                 step = max_write or view.nbytes
@@ -245,6 +254,48 @@ class TorchLayout:
                 stream.write(piece)
                 written += len(piece)
         return written
+
+    def _signed_when_staged(self, group, views: list, staged: Callable[[int], None]) -> bool:
+        """Wait for the buffers ``group`` reads; whether one starts with the signature."""
+        signed = False
+        for item in (group,) if type(group) is int else group:
+            if type(item) is int and item < len(views):
+                staged(self.head.storages[item])
+                signed = signed or _signed(views[item])
+        return signed
+
+    def _as_torch_file(self, stream: Any, max_write: int | None) -> int:
+        tensors = [raw_tensor(buffer, dtype, shape)
+                   for buffer, (dtype, shape, _) in zip(self.buffers, self.specs)]
+        return write_torch_file(stream, unpack_value(self.skeleton), tensors,
+                                max_write=max_write, alignment=self.alignment)
+
+
+def _signed(view: memoryview) -> bool:
+    """Whether a tensor's bytes start like a zip data descriptor (torch counts such a
+    write in the serialization id, which the templates do not)."""
+    return view.nbytes >= 8 and view[:4] == _DESCRIPTOR_SIGNATURE
+
+
+class _From:
+    """A stream that drops the first ``skip`` bytes written to it: those are in the file
+    already (the same bytes, written from the templates)."""
+
+    def __init__(self, stream: Any, skip: int) -> None:
+        self.stream, self.skip, self.position = stream, skip, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.position += view.nbytes
+        if self.skip >= view.nbytes:
+            self.skip -= view.nbytes
+            return view.nbytes
+        self.stream.write(view[self.skip:])
+        self.skip = 0
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.position
 
 
 def torch_layout_size(skeleton: bytes, specs: Sequence[Sequence], buffers: Sequence[Any],

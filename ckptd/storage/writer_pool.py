@@ -62,20 +62,10 @@ def pick_writer(job: WriteJob, live: list[WriterSlot],
 class WriterPool:
     """Starts ``count`` writer processes and routes jobs and results.
 
-    Parameters
-    ----------
-    count : int
-        Number of writer processes.
-    context : zmq.Context
-        The daemon's context (sockets are polled by the serve loop).
-    runtime_dir : str
-        Private directory for the writers' ipc endpoints.
-    pool_path, pool_size
-        The staging pool the writers map.
-    log_level : str
-        Passed on to the writers.
-    journal : WrittenDirectories, optional
-        Where the directories jobs write into are noted (swept after a crash).
+    ``context``: the daemon's (the serve loop polls the sockets); ``runtime_dir``: private,
+    for the writers' ipc endpoints; ``pool_path``, ``pool_size``: the staging pool the
+    writers map; ``log_level``: theirs; ``journal``: where the directories jobs write
+    into are noted (swept after a crash).
     """
 
     def __init__(self, count: int, context: zmq.Context, runtime_dir: str,
@@ -93,12 +83,9 @@ class WriterPool:
         self._generation = 0  # a replacement writer gets a fresh endpoint
         self._watch = self._unwatch = lambda sock: None  # the serve loop's, once attached
         self.stuck = StuckWriters()
-        self.slots: list[WriterSlot] = [self._new_slot(index) for index in range(count)]
+        self.slots = [WriterSlot.bind(context, runtime_dir, i, 0) for i in range(count)]
         for slot in self.slots:
             self._spawn(slot)
-
-    def _new_slot(self, index: int) -> WriterSlot:
-        return WriterSlot.bind(self.context, self.runtime_dir, index, self._generation)
 
     def attach(self, watch, unwatch) -> None:
         """Have the serve loop poll every writer socket, now and as writers are replaced:
@@ -130,12 +117,27 @@ class WriterPool:
         self._backlog.append(job)
         self._dispatch()
 
-    def start(self, job: WriteJob, body=None) -> None:
+    def start(self, job: WriteJob, body=None, through: int | None = None) -> None:
         """``job``, submitted held, is staged now: write it (``body``: its body complete,
-        when it went ahead without a torch file's skeleton)."""
+        when it went ahead without a torch file's skeleton). ``through``: only the pool's
+        bytes below it are staged yet (a job :meth:`parked` only; see
+        :meth:`staged_through`)."""
         job.body, job.held = body or job.body, False  # if still waiting here: sent as any job
-        for slot in (s for s in self.slots if s.jobs.get(job.id) is job):
-            slot.start(job, b"" if body is None else body.skeleton)
+        if (slot := self._slot_of(job)) is not None:
+            slot.start(job, b"" if body is None else body.skeleton, through)
+
+    def staged_through(self, job: WriteJob, through: int | None) -> None:
+        """``job``, started while its bytes were staged, may write the pool's bytes below
+        ``through`` (None: all; only then does it rename its file into place)."""
+        if (slot := self._slot_of(job)) is not None:
+            slot.staged_through(job.id, through)
+
+    def parked(self, job: WriteJob) -> bool:
+        """Whether ``job``, submitted held, waits at its writer (not in the backlog)."""
+        return job.held and self._slot_of(job) is not None
+
+    def _slot_of(self, job: WriteJob) -> WriterSlot | None:
+        return next((s for s in self.slots if s.jobs.get(job.id) is job), None)
 
     def cancel(self, job: WriteJob) -> None:
         """Tell ``job``'s writer to drop it, its save stopped (:meth:`WriterSlot.cancel`);
@@ -143,8 +145,7 @@ class WriterPool:
         job.cancelled = True
         if job.held and job in self._backlog:
             self._backlog.remove(job)
-            return
-        for slot in (s for s in self.slots if s.jobs.get(job.id) is job):
+        elif (slot := self._slot_of(job)) is not None:
             slot.cancel(job.id)
 
     def _dispatch(self) -> None:
@@ -279,7 +280,7 @@ class WriterPool:
 
         self.stuck.add(slot.process, job, close_socket)
         self._generation += 1
-        fresh = self._new_slot(slot.index)
+        fresh = WriterSlot.bind(self.context, self.runtime_dir, slot.index, self._generation)
         self.slots[self.slots.index(slot)] = fresh
         self._watch(fresh.socket)
         self._spawn(fresh)
@@ -295,9 +296,8 @@ class WriterPool:
         return len(self._backlog) + sum(len(s.jobs) for s in self.slots)
 
     def describe(self) -> list[dict]:
-        """Per-writer state for status."""
-        return [{"index": s.index, "pid": s.process.pid if s.process else None,
-                 "alive": s.alive, "jobs": len(s.jobs)} for s in self.slots]
+        """Per-writer state for status (:meth:`WriterSlot.describe`)."""
+        return [slot.describe() for slot in self.slots]
 
     def stop(self, timeout: float = 5.0) -> None:
         """Ask writers to exit; kill those that do not, and remove their leftovers."""

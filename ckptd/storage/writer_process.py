@@ -10,10 +10,13 @@ start on a 4 KiB boundary of the file, as they do in the pool), and the result (
 offsets, or the errno of the failure) goes back. A bad job never
 kills the writer; the writer exits when its daemon is gone, since nobody wants its results
 any more. A job whose save the daemon stopped meanwhile (:class:`CancelJob`, read ahead
-while the job runs, :class:`Inbox`) is not started, or is stopped before its rename: a
-save a trainer was told failed never shows at its path. A job sent *ahead* (while its
-bytes are still being staged) is made ready and parked (:mod:`ckptd.storage.file_jobs`)
-until its :class:`StartJob`; other jobs run meanwhile, and a cancel removes its temporary.
+while the job runs, :class:`~ckptd.storage.writer_channel.Inbox`) is not started, or is
+stopped before its rename: a save a trainer was told failed never shows at its path. A job
+sent *ahead* (while its bytes are still being staged) is made ready and parked
+(:mod:`ckptd.storage.file_jobs`) until its :class:`StartJob`; other jobs run meanwhile,
+and a cancel removes its temporary. A start may come while the trainer still copies: the
+job then reads no buffer of the pool before the daemon says it is staged
+(:class:`~ckptd.storage.jobs.StagedThrough`), and renames nothing before all are.
 
 Must not import torch: every writer would carry ~150 MB of it for nothing, since the bytes
 are already in the pool and only torch's file format is needed.
@@ -28,7 +31,7 @@ import logging
 import os
 import signal
 import time
-from collections import deque
+from typing import Callable
 
 import zmq
 
@@ -37,9 +40,10 @@ from ckptd.aligned_mapping import AlignedMapping
 from ckptd.checksum import ChecksumWriter
 from ckptd.storage.file_jobs import FileJob, ParkedJobs, Prepared
 from ckptd.storage.previous import keep_aside
+from ckptd.storage.writer_channel import ALL, Inbox, ProgressReporter
 from ckptd.storage.priority import yield_to_trainers
-from ckptd.storage.jobs import (JOB_TYPES, RESULT, CancelJob, StartJob, StopWriter, WriteBytes,
-                                WriteItems, WriteProgress, WriterReady, WriteResult, WriteTorch)
+from ckptd.storage.jobs import (JOB_TYPES, RESULT, StartJob, StopWriter, WriteBytes, WriteItems,
+                                WriterReady, WriteResult, WriteTorch)
 from ckptd.storage.layout import file_size, item_start, storage_alignment
 from ckptd.storage.torch_format import (DEFAULT_ALIGNMENT, PAGE_ALIGNMENT, RawTensor, raw_tensor,
                                         write_tensor_file)
@@ -49,95 +53,6 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
-
-class ProgressReporter:
-    """Tells the daemon how the job in hand moves (:class:`WriteProgress`): at every phase
-    change, and between them at most every :data:`knobs.WRITER_PROGRESS_INTERVAL` seconds.
-
-    Without it the daemon could not tell a slow file from a write stuck in the kernel: a
-    writer blocked in ``write()`` or ``fsync()`` sends nothing, and that silence is what
-    its stall deadline measures.
-    """
-
-    def __init__(self, sock: zmq.Socket | None) -> None:
-        self.sock, self.job_id = sock, 0
-        self._phase, self._sent_at = "", 0.0
-        self._interval = knobs.WRITER_PROGRESS_INTERVAL.get()
-
-    def start(self, job_id: int) -> None:
-        """A new job: its first report is its ``create`` phase."""
-        self.job_id, self._phase = job_id, ""
-        self("create", 0)
-
-    def __call__(self, phase: str, bytes_done: int) -> None:
-        now = time.monotonic()
-        if self.sock is None or (phase == self._phase and now - self._sent_at < self._interval):
-            return
-        self._phase, self._sent_at = phase, now
-        self.sock.send_multipart(protocol.encode(
-            WriteProgress.message_type, self.job_id, WriteProgress(phase, bytes_done).to_wire()))
-
-
-class Inbox:
-    """The writer's channel, read ahead: while a job runs, the messages that came meanwhile
-    are taken, so that a cancel of the job in hand is seen before its file is renamed into
-    place; the others wait here, in order, for their turn.
-
-    Parameters
-    ----------
-    sock : zmq.Socket or None
-        The channel to the daemon (None: jobs run in this process, nothing is cancelled).
-    parked : container of int
-        Ids of the jobs sent ahead and waiting for their start (their cancels count too).
-    """
-
-    def __init__(self, sock: zmq.Socket | None, parked=()) -> None:
-        self.sock = sock
-        self.parked = parked
-        self.waiting: deque = deque()  # decoded messages, or the ProtocolError of one
-        self.cancelled: set[int] = set()  # ids of jobs the daemon dropped
-        self.in_hand: int | None = None  # the job being executed
-
-    def next(self, timeout_ms: int):
-        """The next message (a :class:`protocol.Message`, or the
-        :class:`protocol.ProtocolError` of an undecodable one); None after ``timeout_ms``."""
-        if not self.waiting and self.sock is not None and self.sock.poll(timeout_ms):
-            self.read_ahead()
-        return self.waiting.popleft() if self.waiting else None
-
-    def read_ahead(self) -> None:
-        """Take every message already there, without waiting."""
-        while self.sock is not None and self.sock.poll(0):
-            try:
-                msg = protocol.decode(self.sock.recv_multipart())
-            except protocol.ProtocolError as exc:  # answered in its turn, never fatal
-                self.waiting.append(exc)
-                continue
-            if msg.type == CancelJob.message_type:
-                # A cancel always follows its job on the channel, so the job is in hand,
-                # waiting here, or answered already (then there is nothing to drop).
-                if msg.id == self.in_hand or msg.id in self.parked or any(
-                        isinstance(m, protocol.Message) and m.id == msg.id for m in self.waiting):
-                    self.cancelled.add(msg.id)
-            else:
-                self.waiting.append(msg)
-
-    def is_cancelled(self, job_id: int) -> bool:
-        """Whether the daemon dropped job ``job_id`` (asked now, reading ahead)."""
-        self.read_ahead()
-        return job_id in self.cancelled
-
-    def start(self, job_id: int) -> None:
-        """Job ``job_id`` is being executed now."""
-        self.in_hand = job_id
-
-    def done(self, job_id: int) -> None:
-        """Job ``job_id`` was answered: its cancel, if any, can be forgotten. Only its own:
-        jobs do not come in the order of their ids (the daemon holds back a job whose path
-        is busy and sends later ones first), so a waiting job may have a lower id."""
-        self.cancelled.discard(job_id)
-        if self.in_hand == job_id:
-            self.in_hand = None
 
 
 class Writer:
@@ -184,6 +99,7 @@ class Writer:
         """One file ``torch.load(weights_only=True)`` reads: the skeleton, pool tensors."""
         buffers = [self.pool_bytes(offset, nbytes) for offset, nbytes, _, _ in job.tensors]
         specs = [(dtype, shape, nbytes) for _, nbytes, dtype, shape in job.tensors]
+        ends = [offset + nbytes for offset, nbytes, _, _ in job.tensors]
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
 
         def complete(skeleton: bytes):
@@ -193,7 +109,7 @@ class Writer:
             if len(self._torch_sizes) >= 8 and layout.specs not in self._torch_sizes:
                 self._torch_sizes.clear()
             self._torch_sizes[layout.specs] = layout.size
-            return layout.size, lambda f: layout.write(f, max_write)
+            return layout.size, lambda f: layout.write(f, max_write, self._gate(ends))
 
         if job.skeleton:
             size, body = complete(job.skeleton)
@@ -220,7 +136,10 @@ class Writer:
                  for offset, nbytes, dtype, shape in job.items]
 
         def write_items(stream: ChecksumWriter) -> None:
-            for item in items:
+            gate = self._gate([offset + nbytes for offset, nbytes, _, _ in job.items])
+            for index, item in enumerate(items):
+                if gate is not None:  # none of its bytes is read before they are staged
+                    gate(index)
                 tensor = isinstance(item, RawTensor)
                 nbytes = item.data.nbytes if tensor else None
                 start = item_start(stream.tell(), nbytes, job.stock)
@@ -247,9 +166,20 @@ class Writer:
         data = frames[0] if frames else b""
         return FileJob(job.path, lambda f: f.write(data), checksum=not job.stock)
 
+    def _gate(self, ends: list) -> Callable[[int], None] | None:
+        """For the job in hand if it was started while its trainer copies: ``gate(i)``
+        returns once its buffer ``i`` (ending at pool offset ``ends[i]``) is staged."""
+        job_id = self.progress.job_id
+        if job_id not in self.inbox.staged:
+            return None
+        return lambda index: self.inbox.wait_staged(job_id, ends[index], self.progress)
+
     def step(self, phase: str, bytes_done: int) -> None:
-        """The job in hand moved (reported); before its rename, it stops if the daemon
-        dropped it meanwhile (the temporary is removed: the path keeps what it had)."""
+        """The job in hand moved (reported); before its rename, it waits for the rest of
+        its save to be staged (if started before) and stops if the daemon dropped it
+        meanwhile (the temporary is removed: the path keeps what it had)."""
+        if phase == "commit":
+            self.inbox.wait_staged(self.progress.job_id, ALL, self.progress)
         if phase == "commit" and self.inbox.is_cancelled(self.progress.job_id):
             raise OSError(errno_mod.ECANCELED, "the daemon dropped this save (aborted or "
                           "failed) before its file was renamed into place")
@@ -315,11 +245,13 @@ class Writer:
             log.debug("start of job %d, which was answered already", msg.id)
             return None
         try:
-            skeleton = StartJob.from_wire(msg.body).skeleton
+            start = StartJob.from_wire(msg.body)
         except protocol.ProtocolError as exc:
             prepared.discard()
             return WriteResult(ok=False, path=prepared.path, error=f"bad start: {exc.message}")
-        return self.execute(prepared.msg, prepared, skeleton)
+        if start.through is not None:  # its trainer still copies: write what is staged
+            self.inbox.staged_up_to(msg.id, start.through)
+        return self.execute(prepared.msg, prepared, start.skeleton)
 
     def drop_cancelled(self, sock: zmq.Socket) -> None:
         """Answer the jobs sent ahead whose cancel came: their temporaries go."""

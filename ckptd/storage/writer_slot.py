@@ -20,7 +20,7 @@ import zmq
 
 from ckptd import knobs, protocol
 from ckptd.storage.durable import remove_quietly
-from ckptd.storage.jobs import CancelJob, StartJob, StopWriter
+from ckptd.storage.jobs import CancelJob, StagedThrough, StartJob, StopWriter
 from ckptd.storage.leftovers import WrittenDirectories, sweep_temporaries
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,12 @@ class WriterSlot:
         """Jobs it works on or will: those sent ahead and not started only wait there."""
         return sum(1 for job in self.jobs.values() if not job.held)
 
+    def describe(self) -> dict:
+        """Its state for status (``phases``: of its jobs, in the order it runs them)."""
+        return {"index": self.index, "pid": self.process.pid if self.process else None,
+                "alive": self.alive, "jobs": len(self.jobs),
+                "phases": [job.phase for job in self.jobs.values()]}
+
     @property
     def alive(self) -> bool:
         """Whether its process runs."""
@@ -103,9 +109,10 @@ class WriterSlot:
             if self.socket.poll(100):
                 handle(self.socket)
 
-    def start(self, job, skeleton: bytes = b"") -> None:
+    def start(self, job, skeleton: bytes = b"", through: int | None = None) -> None:
         """Tell the writer to write ``job`` (a WriteJob), sent ahead: its bytes are staged
-        now (``skeleton``: a torch file's, if the job went without one)."""
+        now (``skeleton``: a torch file's, if the job went without one), or those below
+        pool offset ``through`` are (:class:`StartJob`)."""
         # The writer runs jobs in the order they become runnable, which for a held job is
         # now: last in line, so the stall check blames the job really being written.
         self.jobs[job.id] = self.jobs.pop(job.id)
@@ -113,10 +120,19 @@ class WriterSlot:
             self.last_heard = time.monotonic()
         try:
             self.socket.send_multipart(protocol.encode(
-                StartJob.message_type, job.id, StartJob(skeleton=skeleton).to_wire()),
-                flags=zmq.NOBLOCK)
+                StartJob.message_type, job.id,
+                StartJob(skeleton=skeleton, through=through).to_wire()), flags=zmq.NOBLOCK)
         except zmq.Again:  # its process is gone: the job fails when it is reaped
             log.warning("writer %d did not take the start of job %d", self.index, job.id)
+
+    def staged_through(self, job_id: int, through: int | None) -> None:
+        """Tell the writer more of job ``job_id``'s bytes are staged (:class:`StagedThrough`)."""
+        try:
+            self.socket.send_multipart(protocol.encode(
+                StagedThrough.message_type, job_id, StagedThrough(through).to_wire()),
+                flags=zmq.NOBLOCK)
+        except zmq.Again:  # its process is gone: the job fails when it is reaped
+            log.warning("writer %d did not take more of job %d's bytes", self.index, job_id)
 
     def cancel(self, job_id: int) -> None:
         """Tell the writer to drop job ``job_id`` (its save stopped): not started, it is not
