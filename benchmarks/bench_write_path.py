@@ -419,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated substrings of method names")
     parser.add_argument("--pools", default="shm,huge",
                         help="where ckptd's pool is: shm (/dev/shm), huge (the huge-page tmpfs)")
+    parser.add_argument("--zero-stall", action="store_true",
+                        help="ckptd's saves zero-stall (their copy in the background)")
     parser.add_argument("--variant", action="append", default=[], metavar="CKPTD_KNOB=VALUE",
                         help="also ckptd with this knob set (repeatable: one variant), for each pool")
     parser.add_argument("--before", default="", metavar="REV",
@@ -536,15 +538,16 @@ def run_ckptd(args, configurations: list, state: dict, bounds: dict, step, outdi
         pages = "huge-page tmpfs" if pool_dir == huge_dir else pool_dir
         pages += "".join(f", {key}={value}" for key, value in extra.items())
         pages += f", before: {args.before}" if tree else ""
-        names = [f"{method} [{mode}, {checksum}, pool in {pages}]"
-                 for method in ("ckptd TorchAsyncCheckpoint", "ckptd dcp.async_save (enable_cache)")]
+        made = (m.CkptdTorch(state, zero_stall=args.zero_stall),
+                m.CkptdDcp(state, enable_cache=True, zero_stall=args.zero_stall))
+        names = [f"{method.name} [{mode}, {checksum}, pool in {pages}]" for method in made]
         if not any(keep(name) for name in names):
             continue
         with code_of(tree):
             daemon = Daemon(outdir, pool_size, 2)
         try:
             notes.append(f"[{mode}, {checksum}, pool in {pages}]: {pool_pages(daemon)}")
-            for name, method in zip(names, (m.CkptdTorch(state), m.CkptdDcp(state, enable_cache=True))):
+            for name, method in zip(names, made):
                 if keep(name):
                     measured = measure(method, bounds, step, outdir, args.repeats, total, daemon)
                     mine = runs.setdefault(name, {key: [] for key in measured})

@@ -9,14 +9,10 @@ from their IPC handles at the same time (mixed transport,
 in the pool. From then on the caller may change its tensors: nothing aliases a live
 tensor.
 
-Two modes:
-
-- default: :func:`stage` returns at the staged point;
-- zero-stall: :func:`stage` returns once the work is queued (a few ms); a background
-  thread of the connection does the exchange above while training goes on, and
-  :meth:`DaemonSave.wait_staged` (or ``guard_optimizer``) waits for it before the
-  parameters change. ``copy_`` releases the GIL, so the copy overlaps the forward and
-  backward passes.
+By default :func:`stage` returns at the staged point; zero-stall, once the work is queued
+(a few ms): a background thread of the connection does the exchange above while training
+goes on (``copy_`` releases the GIL), and :meth:`DaemonSave.wait_staged` (or
+``guard_optimizer``) waits for it before the parameters change.
 
 Per connection, one :class:`Handover` owns the copier, the background thread and the
 lock that keeps saves in planning order.
@@ -41,6 +37,7 @@ from ckpt_client.transport import waits
 from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError, StagingTimeoutError
 from ckpt_client.transport.connection import DaemonConnection
+from ckpt_client.transport.copy_reports import copy_reports
 from ckpt_client.transport.cuda_exports import IpcPlan, plan_ipc
 from ckpt_client.transport.daemon_save import DaemonSave
 from ckpt_client.transport.flatten import describe
@@ -75,6 +72,7 @@ class StagingJob:
     on_cpu: bool = False
     #: Monotonic time it was queued for the background thread (``None``: run inline).
     queued_at: float | None = None
+    background: bool = False  # no call waits for its copy (zero-stall, caller returned)
 
     @property
     def specs(self) -> list | None:
@@ -132,12 +130,16 @@ class StagingJob:
         handover = handover_for(connection)
         ours = handover.every_buffer(len(buffers)) if specs is None else \
             [i for i, spec in enumerate(specs) if spec is None]
+        # Writers may start on what is copied unless the bytes wait for a release, or the
+        # daemon copies part of the request itself.
+        reports = copy_reports(connection, save.request_id, skeleton, handover.total_bytes(
+            buffers), self.background) if self.hold is None and specs is None else None
         try:
             if not save.start_copy():
                 raise InterruptedError("the save was aborted while it was staged")
             try:
                 handover.copier.copy(reply.offset, handover.offsets(buffers), buffers,
-                                     self.sources, ours, on_cpu=self.on_cpu)
+                                     self.sources, ours, on_cpu=self.on_cpu, reports=reports)
             finally:
                 save.end_copy()
             if save._cancelled:
@@ -366,9 +368,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         Return once the work is queued; the bytes are staged in the background (see
         :meth:`DaemonSave.wait_staged`). The sources must not change until then.
     hold : threading.Event, optional
-        Zero-stall only: the bytes are copied into the pool at once, but the daemon is
-        told they are staged (and starts writing them) only once ``hold`` is set; a save
-        aborted before that is dropped without a byte written.
+        Zero-stall only: the bytes are copied into the pool at once, but the writers may
+        read them only once ``hold`` is set; a save aborted before is never written.
     ahead : SentAhead, optional
         This save's STAGE, sent before ``sources`` were known: used if it asked for what
         this save needs, else dropped.
@@ -379,15 +380,12 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         The caller knows every source is a CPU tensor: no CUDA export is planned and the
         copy checks no source.
     remember : tuple, optional
-        A torch save's ``(kind, layout)``
-        (:func:`~ckpt_client.transport.sent_ahead.kind_of`, :attr:`Flattened.layout
-        <ckpt_client.transport.flatten.Flattened.layout>`): its layout is remembered
-        under its kind, for the next save of that kind to be sent ahead with.
+        A torch save's ``(kind, layout)`` (:func:`~ckpt_client.transport.sent_ahead.kind_of`,
+        ``Flattened.layout``): remembered for the next save of that kind to go ahead with.
     caller_waits : bool
         Zero-stall only: the caller itself waits for staging to end before it returns
-        (the copy runs in the background only to overlap the caller's own work): the
-        tensors are not detached, and STAGED's reply is left to the save's first poll,
-        as for a default save.
+        (the copy only overlaps the caller's own work): the tensors are not detached, and
+        STAGED's reply is left to the save's first poll, as for a default save.
 
     Raises
     ------
@@ -435,7 +433,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         # not: that call may return only once the daemon has the STAGED in hand.
         job = StagingJob(save, body, sources, plan, events, hold,
                          confirm=(zero_stall and not caller_waits) or connection.tiered,
-                         ahead=ahead.msg_id if ahead is not None else None, on_cpu=on_cpu)
+                         ahead=ahead.msg_id if ahead is not None else None, on_cpu=on_cpu,
+                         background=zero_stall and not caller_waits)
         if zero_stall:
             handover.stager().submit(job)
             return save

@@ -5,7 +5,10 @@ daemon cannot open itself. Destination views are cached per (extent offset, layo
 training job saves the same structure into the same place again and again, and building
 thousands of views per save would cost more than copying small tensors. The CPU tensors
 and byte items of a save are copied by one ``torch._foreach_copy_`` call (it releases the
-GIL), so many small buffers cost little more than one. The copy runs without autograd:
+GIL), so many small buffers cost little more than one; a large save is copied in a few
+such calls in extent order, each end reported to the daemon
+(:mod:`ckpt_client.transport.copy_reports`) so its writers start while the rest is
+copied. The copy runs without autograd:
 sources are the caller's own tensors (parameters included, never detached one by one),
 and a copy that autograd recorded would tie the pool to their graph.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import io
 import warnings
 from collections import OrderedDict
+from typing import Callable
 
 import torch
 
@@ -35,6 +39,7 @@ class PoolCopier:
         self.pool = pool
         self._views: OrderedDict = OrderedDict()
         self._last: tuple | None = None  # (base, buffers, chosen, non-empty chosen, views)
+        self._cuts: tuple | None = None  # (views, step, [(end index, end offset)]) of the last
 
     def _destinations(self, base: int, offsets: list, buffers: list,
                       chosen: list) -> tuple[list, list]:
@@ -62,28 +67,35 @@ class PoolCopier:
         return chosen_nonempty, views
 
     def copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list, *,
-             on_cpu: bool = False) -> None:
+             on_cpu: bool = False, reports: Callable[[int], None] | None = None) -> None:
         """Copy ``sources[i]`` for ``i`` in ``chosen`` to ``base + offsets[i]``.
 
         ``on_cpu``: the caller knows every source is a CPU tensor (no check of each).
+        ``reports``: a :class:`~ckpt_client.transport.copy_reports.CopyReports`; a copy of
+        host buffers only is then made in steps of ``reports.step`` bytes, in extent order,
+        and ``reports(end)`` told after each but the last.
         """
         with torch.no_grad():
-            self._copy(base, offsets, buffers, sources, chosen, on_cpu)
+            self._copy(base, offsets, buffers, sources, chosen, on_cpu, reports)
 
     def _copy(self, base: int, offsets: list, buffers: list, sources: list, chosen: list,
-              on_cpu: bool) -> None:
+              on_cpu: bool, reports) -> None:
         chosen, destinations = self._destinations(base, offsets, buffers, chosen)
         picked = [sources[i] for i in chosen]
         if on_cpu or all(type(s) in _PLAIN_TENSORS and not s.is_cuda for s in picked):
-            if picked:  # the usual save: CPU tensors only, one call for all of them
+            if picked and reports is None:  # the usual save: CPU tensors only, one call
                 torch._foreach_copy_(destinations, picked)
+            elif picked:
+                self._copy_in_steps(destinations, picked, self._steps(
+                    destinations, reports.step, (offsets[i] + buffers[i][2] for i in chosen)),
+                    reports)
             return
-        host_dst, host_src, device = [], [], False
+        host_dst, host_src, host_ends, device = [], [], [], False
         with warnings.catch_warnings():
             # torch warns that read-only buffers (bytes) could be written through the
             # tensor; these are only read, as sources of the copy.
             warnings.simplefilter("ignore", UserWarning)
-            for destination, source in zip(destinations, picked):
+            for index, destination, source in zip(chosen, destinations, picked):
                 if type(source) in _PLAIN_TENSORS or isinstance(source, torch.Tensor):
                     if source.is_cuda:
                         destination.copy_(source, non_blocking=True)
@@ -94,7 +106,40 @@ class PoolCopier:
                                               else memoryview(source), dtype=torch.uint8)
                 host_dst.append(destination)
                 host_src.append(source)
-        if host_dst:
+                host_ends.append(offsets[index] + buffers[index][2])
+        if host_dst and (reports is None or device):
             torch._foreach_copy_(host_dst, host_src)  # one call for every host buffer
+        elif host_dst:
+            self._copy_in_steps(host_dst, host_src,
+                                _cut(host_ends, reports.step), reports)
         if device:
             torch.cuda.synchronize()
+
+    def _steps(self, views: list, step: int, ends) -> list:
+        """Where a copy into ``views`` (cached: the same list save after save) is cut."""
+        if self._cuts is None or self._cuts[0] is not views or self._cuts[1] != step:
+            self._cuts = (views, step, _cut(list(ends), step))
+        return self._cuts[2]
+
+    @staticmethod
+    def _copy_in_steps(destinations: list, sources: list, cuts: list, reports) -> None:
+        start = 0
+        for stop, end in cuts:
+            torch._foreach_copy_(destinations[start:stop], sources[start:stop])
+            if stop < len(destinations):  # the last step is STAGED's to report
+                reports(end)
+            start = stop
+
+
+def _cut(ends: list, step: int) -> list:
+    """``[(stop index, end offset)]``: consecutive buffers (``ends``: where each ends in the
+    extent, ascending) grouped into steps of at least ``step`` bytes, the last step
+    ending with the last buffer."""
+    cuts, target = [], step
+    for index, end in enumerate(ends):
+        if end >= target:
+            cuts.append((index + 1, end))
+            target = end + step
+    if not cuts or cuts[-1][0] != len(ends):
+        cuts.append((len(ends), ends[-1]))
+    return cuts

@@ -96,3 +96,38 @@ def test_the_very_layout_list_of_the_last_save_skips_the_key_but_not_a_change_of
     copier.copy(total, offsets, equal, third, [1])  # another list object, one buffer
     assert staged(pool, total, offsets, buffers, 1) == raw(third[1])
     assert staged(pool, total, offsets, buffers, 0) == raw(tensors[0])
+
+
+class Reports:
+    """What :class:`~ckpt_client.transport.copy_reports.CopyReports` is to the copier: a
+    step, and a call per report (here it checks the bytes said copied are in the pool)."""
+
+    def __init__(self, step: int, pool, base, offsets, buffers, sources) -> None:
+        self.step, self.told = step, []
+        self._check = (pool, base, offsets, buffers, sources)
+
+    def __call__(self, through: int) -> None:
+        pool, base, offsets, buffers, sources = self._check
+        for index, offset in enumerate(offsets):  # every buffer below it is whole already
+            if offset + buffers[index][2] <= through:
+                assert staged(pool, base, offsets, buffers, index) == raw(sources[index])
+        self.told.append(through)
+
+
+def test_a_copy_with_reports_goes_in_steps_in_extent_order_and_says_where_each_ends():
+    for with_bytes in (False, True):  # the one-call path, and the path with byte items
+        sources = [torch.full((n,), float(n)) for n in (3000, 10, 5000, 700, 4000, 1)]
+        if with_bytes:
+            sources[3] = bytes(range(200)) * 14
+        buffers, offsets, total = layout(sources)
+        pool = torch.zeros(total + 4096, dtype=torch.uint8)
+        reports = Reports(16384, pool, 128, offsets, buffers, sources)
+        PoolCopier(pool).copy(128, offsets, buffers, sources, list(range(len(sources))),
+                              reports=reports)
+        ends = [offsets[i] + buffers[i][2] for i in range(len(sources))]
+        assert reports.told, "a copy of several steps reports"
+        assert reports.told == sorted(reports.told) and set(reports.told) <= set(ends)
+        assert all(b - a >= 16384 for a, b in zip([0, *reports.told], reports.told))
+        assert reports.told[-1] < ends[-1]  # the end is STAGED's to say
+        for index, source in enumerate(sources):
+            assert staged(pool, 128, offsets, buffers, index) == raw(source)
