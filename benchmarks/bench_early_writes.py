@@ -3,7 +3,7 @@ or lose, with the copy reports on and off alternated save by save.
 
 A trainer copying a large save reports how far it got every ``CKPTD_COPY_REPORT_BYTES``,
 and the writers write what is copied while it copies the rest (by default only a
-zero-stall save's background copy: ``CKPTD_COPY_REPORTS``). The writes take memory
+zero-stall save's background copy on a node with 4 CPUs or more: ``CKPTD_COPY_REPORTS``). The writes take memory
 bandwidth and CPU from the copy beside them, so both sides are measured here, zero-stall
 and blocking, on one daemon and one state dict, the variants taking turns save by save
 (the machine's speed drifts between minutes):
@@ -73,12 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         step = knobs.COPY_REPORT_BYTES.get() >> 20
         variants = {}  # name -> (save, zero_stall, CKPTD_COPY_REPORTS)
         for fmt, save in (("torch format", torch_save), ("cached DCP", dcp_save)):
-            variants[f"{fmt}, zero-stall, reports every {step} MiB (default)"] = \
-                (save, True, "background")
+            variants[f"{fmt}, zero-stall, reports every {step} MiB (CKPTD_COPY_REPORTS="
+                     "background, the default on 4+ CPUs)"] = (save, True, "background")
             variants[f"{fmt}, zero-stall, no reports"] = (save, True, "off")
             variants[f"{fmt}, blocking, reports every {step} MiB (CKPTD_COPY_REPORTS=always)"] = \
                 (save, False, "always")
-            variants[f"{fmt}, blocking, no reports (default)"] = (save, False, "background")
+            variants[f"{fmt}, blocking, no reports (the default)"] = (save, False, "background")
         rows = {name: {"call": [], "bound": [], "durable": [], "raw": []} for name in variants}
         for round_ in range(args.warmups + args.saves):
             for name, (save, zero_stall, reports) in variants.items():

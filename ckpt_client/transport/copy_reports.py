@@ -5,17 +5,25 @@ copies a large save in steps of ``CKPTD_COPY_REPORT_BYTES`` in extent order and 
 the end of each step but the last (STAGED says that one), so the daemon's writers, whose
 files were made ready when the save's space was leased, write what is copied while the
 rest is copied: the disk starts with the copy, not after it. By default only a copy made
-in the background reports (a zero-stall save's): the writes take memory bandwidth from the
-copy beside them, which a blocking call would wait for. A report is sent without
+in the background reports (a zero-stall save's), and only on a node with CPUs to spare:
+the writes take memory bandwidth and CPU from the copy beside them, which a blocking call
+would wait for, and from the training step a background copy overlaps. A report is sent without
 waiting for its reply (the daemon answers and the answer is dropped on arrival): a
 daemon that cannot use it ignores it, and the save is staged by STAGED as before.
 """
 
 from __future__ import annotations
 
+import os
+
 from ckptd import knobs
 from ckptd.protocol import Copied, MessageType
 from ckpt_client.transport.connection import DaemonConnection
+
+
+#: ``CKPTD_COPY_REPORTS=auto`` reports a background copy where the trainer may run on at
+#: least this many CPUs: on fewer, the writers' threads take them from the training step.
+SPARE_CPUS = 4
 
 
 class CopyReports:
@@ -52,6 +60,8 @@ def copy_reports(connection: DaemonConnection, request_id: int, skeleton: bytes 
     steps or reports are off for it (``CKPTD_COPY_REPORTS``: by default only a copy made
     in the ``background``, one no call waits for; ``CKPTD_COPY_REPORT_BYTES=0``)."""
     step, which = knobs.COPY_REPORT_BYTES.get(), knobs.COPY_REPORTS.get()
+    if which == "auto":
+        which = "background" if len(os.sched_getaffinity(0)) >= SPARE_CPUS else "off"
     if which == "off" or (which == "background" and not background) or step <= 0 \
             or total < 2 * step:
         return None
