@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -122,6 +123,11 @@ class ParkedJobs:
 
     def __init__(self) -> None:
         self._jobs: dict[int, Prepared] = {}
+        self._dropped: deque[int] = deque(maxlen=256)  # answered when dropped, recent first
+
+    def answered(self, job_id: int) -> bool:
+        """Whether job ``job_id`` was parked here and dropped (answered then)."""
+        return job_id in self._dropped
 
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._jobs
@@ -143,6 +149,7 @@ class ParkedJobs:
         prepared = self._jobs.pop(job_id, None)
         if prepared is not None:
             prepared.discard()
+            self._dropped.appendleft(job_id)
         return prepared
 
     def drop_all(self) -> None:

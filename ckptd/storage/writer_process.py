@@ -239,11 +239,18 @@ class Writer:
 
     def start(self, msg: protocol.Message) -> WriteResult | None:
         """A job sent ahead may run now (``msg``: its :class:`StartJob`); None when it was
-        dropped already (cancelled: its answer went out then)."""
+        dropped already (cancelled: its answer went out then). A start of a job this
+        writer never held (its message came undecodable, answered without its id) fails
+        it now: unanswered, the job would wait for the stall timeout, which then replaces
+        this healthy writer."""
         prepared = self.parked.take(msg.id)
-        if prepared is None:
+        if prepared is None and self.parked.answered(msg.id):
             log.debug("start of job %d, which was answered already", msg.id)
             return None
+        if prepared is None:
+            return WriteResult(ok=False, error=f"job {msg.id} was started, but its message "
+                               "never reached this writer whole (a daemon or channel fault); "
+                               "save again")
         try:
             start = StartJob.from_wire(msg.body)
         except protocol.ProtocolError as exc:

@@ -344,3 +344,25 @@ def test_a_job_sent_ahead_and_never_started_leaves_no_temporary(writer, tmp_path
     assert path.read_bytes() == b"the previous checkpoint"
     assert sorted(os.listdir(tmp_path)) == ["model.pt", *(
         ["next.distcp", "next.distcp.ckptd-sum"] if ending == "cancel" else [])]
+
+
+def test_a_start_of_a_job_never_held_is_answered_and_one_dropped_is_not(writer, tmp_path, channel):
+    # The daemon starts job 11, whose message never reached this writer whole (answered
+    # without its id): it fails now, instead of waiting for the stall timeout to replace
+    # the writer. Job 12 was parked and cancelled (answered then): its start is no news.
+    daemon_side, writer_side = channel
+    writer.inbox.sock = writer_side
+    start = protocol.decode(protocol.encode(StartJob.message_type, 11, StartJob().to_wire()))
+    result = writer.start(start)
+    assert result is not None and not result.ok and "never reached this writer" in result.error
+    path, job = previous_and_job(writer, tmp_path)
+    daemon_side.send_multipart(protocol.encode(job.message_type, 12, ahead(job)))
+    writer.parked.park(12, writer.prepare(writer.inbox.next(5000), ahead=True))
+    daemon_side.send_multipart(protocol.encode(CancelJob.message_type, 12, {}))
+    assert writer_side.poll(5000)
+    writer.inbox.read_ahead()
+    writer.drop_cancelled(writer_side)
+    assert protocol.decode(daemon_side.recv_multipart()).body["errno"] == errno.ECANCELED
+    late = protocol.decode(protocol.encode(StartJob.message_type, 12, StartJob().to_wire()))
+    assert writer.start(late) is None
+    assert path.read_bytes() == b"the previous checkpoint"
