@@ -40,7 +40,7 @@ __all__ = [
     "FLUSH_CHUNK_BYTES", "STAGE_POLICY", "STAGE_BUDGET_FRACTION", "WRITER_PROGRESS_INTERVAL",
     "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN", "LATE_RANK_GRACE", "SENT_AHEAD_KINDS",
     "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT", "TORCH_BODIES_KEPT", "DCP_FAST_PLAN", "DCP_GUESS_PLAN",
-    "DCP_GUESS_KINDS", "DCP_GUESS_COPY_WAIT",
+    "DCP_GUESS_KINDS", "DCP_GUESS_COPY_WAIT", "DCP_KEEP_DESCRIPTIONS", "DCP_GUESS_CACHED",
 ]
 
 
@@ -324,6 +324,17 @@ DCP_GUESS_KINDS = _knob("DCP_GUESS_KINDS", 8, int, "Kinds of DCP state dicts per
 # kind plan at once instead, until a copy begins that soon again.
 DCP_GUESS_COPY_WAIT = _knob("DCP_GUESS_COPY_WAIT", 0.05, float, "Seconds a blocking DCP save "
                             "waits for its guessed copy to begin before it plans")
+# A DCP save whose plan and byte-item sizes are the previous save's stages with the very
+# description list of that save: its file grouping, extent layout and pool views are then
+# found by identity instead of a pass over every item.
+DCP_KEEP_DESCRIPTIONS = _knob("DCP_KEEP_DESCRIPTIONS", True, parse_bool, "A DCP save of an "
+                              "unchanged plan reuses the previous save's item descriptions, "
+                              "file grouping and pool views; 0: made afresh every save")
+# A cached save's plan is known before the structure check that confirms it: its copy can
+# start first, the check overlapping it (kept only if the structure holds).
+DCP_GUESS_CACHED = _knob("DCP_GUESS_CACHED", True, parse_bool, "A blocking DCP save with "
+                         "enable_cache copies with the cached plan while it checks the "
+                         "structure; 0: it copies after the check")
 # These two are deadlines the daemon enforces; the trainer waits a margin longer.
 STAGE_TIMEOUT = _knob(
     "STAGE_TIMEOUT", 600.0, float,
