@@ -1,9 +1,10 @@
 """Copying a blocking DCP save with the previous save's plan while this one is planned.
 
 A training loop saves the same structure again and again, so the final plan of a group's
-previous save is almost always the final plan of this one. A blocking save that plans
-(``enable_cache`` reuses its plan instead: little left to overlap) therefore
-starts its copy into the daemon's pool at once, with that guess: each guessed item's
+previous save is almost always the final plan of this one. A blocking save therefore
+starts its copy into the daemon's pool at once, with that guess (with ``enable_cache``
+the guess is the cached plan, and what overlaps the copy is the structure check that
+confirms it, ``CKPTD_DCP_GUESS_CACHED``): each guessed item's
 value is looked up in *this* state dict by the path recorded for it, and the connection's
 background stager sends the STAGE and copies (``copy_`` releases the interpreter lock),
 holding the copied bytes back from the writers. The save then plans exactly as before:
@@ -21,7 +22,9 @@ guess if its plan repeats; a guess whose plan matched but whose values did not (
 planner that resolves items its own way) is never made again for that kind.
 
 Owns the remembered plans (per process group, planner class and kind of state dict, the
-torch format's sent-ahead kinds) and one save's guessed copy until adopted or dropped.
+torch format's sent-ahead kinds) with the item descriptions they were last staged with
+(handed to a save staged after planning too, :func:`kept_descriptions`), and one save's
+guessed copy until adopted or dropped.
 Planning is :mod:`ckpt_client.dcp.planning`'s; staging is the writer's.
 """
 
@@ -33,7 +36,7 @@ import math
 import operator
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -62,6 +65,7 @@ class _Remembered:
     paths: ReusablePlan       # finds each item's value again, by its recorded path
     armed: bool               # the plan held (or was new): the next save guesses it
     buffers: list | None = None  # the plan's descriptions, kept while byte sizes repeat
+    byte_items: list = field(default_factory=list)  # the indices of its byte items
     #: The last guessed copy began within ``DCP_GUESS_COPY_WAIT``: the next save waits
     #: that long for its copy to begin before it plans (else it plans at once).
     wait_for_copy: bool = True
@@ -126,20 +130,47 @@ def _described(plan: SavePlan, sources: list) -> list:
     return buffers
 
 
-def _host_buffers(sources: list) -> tuple[list | None, list]:
+def _host_buffers(sources: list) -> list | None:
     """``sources`` as CPU tensors (a byte item as a uint8 view of its bytes: the copy is
     then one batched call with no Python per item on the copying thread, which would
-    queue behind this thread's planning for the interpreter lock), and the byte items'
-    indices; ``None`` if a source is a device tensor."""
-    copied, byte_items = [], []
-    for index, source in enumerate(sources):
+    queue behind this thread's planning for the interpreter lock); ``None`` if a source
+    is a device tensor."""
+    copied = []
+    for source in sources:
         if type(source) is io.BytesIO:
-            byte_items.append(index)
             source = torch.frombuffer(source.getbuffer(), dtype=torch.uint8)
         elif source.is_cuda:
-            return None, byte_items
+            return None
         copied.append(source)
-    return copied, byte_items
+    return copied
+
+
+def _kept_descriptions(known: _Remembered, sources: list) -> list:
+    """The descriptions of ``known.plan``'s items as ``sources`` (resolved for that plan)
+    has them: the very list kept from the save before while each byte item keeps its
+    size (a tensor's is the plan's: see :func:`_described`), so that the staging finds
+    its layout and pool views without a compare; else made and kept anew."""
+    buffers = known.buffers
+    if buffers is None or any(
+            buffers[i][2] != sources[i].getbuffer().nbytes for i in known.byte_items):
+        buffers = known.buffers = _described(known.plan, sources)
+        known.byte_items = [i for i, source in enumerate(sources)
+                            if type(source) is io.BytesIO]
+    return buffers
+
+
+def kept_descriptions(group: Group, planner: SavePlanner, state_dict, final_plan: SavePlan,
+                      sources: list) -> list | None:
+    """For a save staged after planning (zero-stall, or not guessed): the descriptions
+    of ``final_plan``'s ``sources`` kept from the previous save of the kind when its
+    plan was the same (:func:`_kept_descriptions`), else ``None`` (described by the
+    staging)."""
+    if not knobs.DCP_KEEP_DESCRIPTIONS.get() or type(state_dict) is not dict:
+        return None
+    known = _remembered.get(_key(group, planner, state_dict))
+    if known is None or not _same_plan(final_plan, known.plan):
+        return None
+    return _kept_descriptions(known, sources)
 
 
 def remember(group: Group, planner: SavePlanner, state_dict, final_plan: SavePlan,
@@ -205,7 +236,7 @@ class GuessedCopy:
         plan = known.plan
         try:
             sources = known.paths.sources(plan, state_dict, _TRANSFORM)
-            copied, byte_items = _host_buffers(sources)
+            copied = _host_buffers(sources)
         except (KeyError, IndexError, TypeError, AttributeError):
             known.armed = False  # the structure changed: plan first
             return None
@@ -213,12 +244,7 @@ class GuessedCopy:
             # Device tensors stage by their own route (the daemon copies them from IPC
             # handles, with producer events): they are copied after planning, as before.
             return None
-        buffers = known.buffers
-        if buffers is None or any(buffers[i][2] != copied[i].numel() for i in byte_items):
-            # Only a byte item's size is not the plan's: the kept list stays the very
-            # same one while those hold, so its layout and pool views are found without
-            # a compare.
-            buffers = known.buffers = _described(plan, sources)
+        buffers = _kept_descriptions(known, sources)
         release, sent_at = threading.Event(), time.monotonic()
         try:
             saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=copied,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 
+from ckptd import knobs
 from ckpt_client.dcp.leaf_bytes import exact_key, save_settings, worth_keeping
 from ckpt_client.dcp.planner_methods import keeps_default_methods
 from ckpt_client.transport.flatten import describe
@@ -126,6 +127,8 @@ class ReusablePlan:
         self._pickled: dict[str, tuple[tuple, bytes]] = {}  # fqn -> (exact key, bytes)
         self._described: dict[str, list] = {}  # fqn -> a tensor item's description
         self._routed: tuple | None = None  # (plan, its items' routes): see _routes
+        #: (plan, the descriptions :meth:`buffers` made for it, its byte items' indices)
+        self._buffers: tuple | None = None
 
     def sources(self, plan: SavePlan, state_dict: Any, planner: SavePlanner) -> list:
         """The data of each of ``plan``'s items in ``state_dict`` (which has this plan's
@@ -170,14 +173,26 @@ class ReusablePlan:
     def buffers(self, plan: SavePlan, sources: list) -> list:
         """The ``[dtype, shape, nbytes]`` descriptions of :meth:`sources`' result: a
         tensor item's as first described (its dtype and shape are part of the signature
-        this plan is reused under, so they cannot have changed), a byte item's made now."""
-        described, buffers = self._described, []
-        for item, source in zip(plan.items, sources):
+        this plan is reused under, so they cannot have changed), a byte item's made now.
+
+        While ``plan`` is the same plan and every byte item keeps its size, this is the
+        very list of the save before (checked over the byte items only): the staging
+        after it then finds its file grouping, extent layout and pool views by identity,
+        without a pass over a thousand-odd descriptions.
+        """
+        last = self._buffers
+        if last is not None and last[0] is plan and knobs.DCP_KEEP_DESCRIPTIONS.get() \
+                and all(sources[i].getbuffer().nbytes == last[1][i][2] for i in last[2]):
+            return last[1]
+        described, buffers, byte_items = self._described, [], []
+        for index, (item, source) in enumerate(zip(plan.items, sources)):
             if isinstance(source, io.BytesIO):
                 buffers.append(describe(source))
+                byte_items.append(index)
                 continue
             kept = described.get(item.index.fqn)
             if kept is None:
                 kept = described[item.index.fqn] = describe(source)
             buffers.append(kept)
+        self._buffers = (plan, buffers, byte_items)
         return buffers

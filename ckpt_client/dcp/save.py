@@ -24,7 +24,7 @@ from ckpt_client.collectives import Group
 from ckpt_client.dcp.commit import commit_on_coordinator
 from ckpt_client.dcp.commit_handover import hand_over
 from ckpt_client.dcp.files import METADATA_NAME, resolve_items
-from ckpt_client.dcp.guessed_plan import GuessedCopy
+from ckpt_client.dcp.guessed_plan import GuessedCopy, kept_descriptions
 from ckpt_client.dcp.guessed_plan import remember as remember_plan
 from ckpt_client.dcp.planning import EarlyStaging, global_plan, plan_or_reuse
 from ckpt_client.dcp.stager import state_dicts_of
@@ -115,16 +115,19 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     planned, refused = time.time(), False
     try:
         saves = early.adopt(final_plan, zero_stall) if early is not None else None
-        sources = buffers = None
-        if reuse is not None and saves is None:
-            sources = reuse.sources(final_plan, state_dict, planner)
-            buffers = reuse.buffers(final_plan, sources)
+        sources = None
+        if saves is None:
+            sources = reuse.sources(final_plan, state_dict, planner) if reuse is not None \
+                else resolve_items(final_plan, planner)
         if guess is not None:
-            if sources is None:
-                sources = resolve_items(final_plan, planner)
             saves = guess.adopt(final_plan, sources)
-        saves = saves or writer.stage(final_plan, planner, zero_stall=zero_stall,
-                                      sources=sources, buffers=buffers)
+        if saves is None:
+            # The previous save's descriptions, when the plan is the same: the staging
+            # then finds its file grouping, layout and pool views by identity.
+            buffers = reuse.buffers(final_plan, sources) if reuse is not None else \
+                kept_descriptions(group, planner, state_dict, final_plan, sources)
+            saves = writer.stage(final_plan, planner, zero_stall=zero_stall,
+                                 sources=sources, buffers=buffers)
     except (DaemonRequestError, DaemonUnavailableError) as exc:
         if guess is not None:  # its copy is dropped already (adopt met the refusal first)
             guess.disarm()

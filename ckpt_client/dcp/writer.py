@@ -25,7 +25,7 @@ from torch.futures import Future
 
 from ckptd.protocol import SaveFormat
 from ckpt_client.dcp.commit import commit_metadata, metadata_bytes
-from ckpt_client.dcp.files import DCP_SUFFIX, chunk_sizes, resolve_items
+from ckpt_client.dcp.files import DCP_SUFFIX, grouping, resolve_items
 from ckpt_client.dcp.stager import current_ticket, take_ticket
 from ckpt_client.errors import CheckpointException
 from ckpt_client.queue.request import wait_for_daemon_saves
@@ -121,20 +121,18 @@ class DaemonStorageWriter(_StorageWriterBase):
             buffers = [describe(s) for s in sources]
         connection = self.connection
         token = secrets.token_hex(4)
-        chunks = chunk_sizes(tuple(b[2] for b in buffers),
-                             self.files_per_rank or connection.writers, connection.pool_size)
+        grouped = grouping(buffers, self.files_per_rank or connection.writers,
+                           connection.pool_size)
         saves, number = [], 0
-        for chunk in chunks:
-            members = sorted(i for group in chunk for i in group)
-            position = {index: at for at, index in enumerate(members)}
+        for members, file_positions in grouped:
             files = []
-            for group in chunk:
+            for positions in file_positions:
                 files.append([f"{plan.storage_data.prefix}{token}_{number}{DCP_SUFFIX}",
-                              [position[i] for i in group]])
+                              positions])
                 number += 1
             # One chunk of everything: the very lists (a save whose buffers are the very
             # list of the save before finds its layout and pool views without a compare).
-            whole = len(chunks) == 1 and len(members) == len(sources)
+            whole = len(grouped) == 1 and len(members) == len(sources)
             try:
                 saves.append(stage(connection, SaveFormat.DCP, self.path,
                                    sources if whole else [sources[i] for i in members],
@@ -143,7 +141,7 @@ class DaemonStorageWriter(_StorageWriterBase):
                                    caller_waits=caller_waits, on_cpu=on_cpu))
             except BaseException:
                 for earlier in saves:  # a save is whole or nothing: drop the chunks before
-                    earlier.abort(f"chunk {len(saves) + 1} of {len(chunks)} of the same save "
+                    earlier.abort(f"chunk {len(saves) + 1} of {len(grouped)} of the same save "
                                   "could not be staged (its error reaches the trainer)")
                 raise
             saves[-1].items = members  # plan item index of each staged buffer

@@ -125,6 +125,33 @@ def test_a_cached_save_copies_after_its_plan_reuse(daemon, monkeypatch):
     queue.close()
 
 
+@pytest.mark.parametrize("options", [{"zero_stall": True}, {"enable_cache": True},
+                                     {"zero_stall": True, "enable_cache": True}, {}])
+def test_saves_of_an_unchanged_plan_load_exactly_as_their_leaves_change_size(
+        daemon, monkeypatch, options):
+    """A save of the previous save's plan stages with that save's item descriptions
+    while every byte item keeps its size: a leaf whose pickled size changes (a string
+    that grows by more than ``torch.save``'s padding absorbs), one whose value changes
+    within the same size (a step count) and tensors whose values change must each land
+    in the save that made them."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    sizes = set()
+    for number, step in enumerate((1, 2, 2, 3, 4, 4, 5)):
+        path = os.path.join(root, f"k{number}")
+        state = training_state(step)
+        state["optim"]["step"] += number  # a new value of the same pickled size
+        state["optim"]["note"] = "x" * (300 * step)
+        expected = {"model": {k: v.clone() for k, v in state["model"].items()},
+                    "optim": {**state["optim"],
+                              "moments": [t.clone() for t in state["optim"]["moments"]]}}
+        save(queue, state, path, **options)
+        assert_loads(path, expected)
+        sizes.add(stored_lengths(path)["optim.note"])
+    assert len(sizes) == 5, f"the note's stored sizes did not change with it: {sizes}"
+    queue.close()
+
+
 def test_a_save_whose_planning_fails_drops_its_guessed_copy(daemon, monkeypatch):
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     root, queue = daemon.roots[0], AsyncCallsQueue()
