@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
+from ckptd import knobs
 from ckpt_client.collectives import Group
 from ckpt_client.dcp.commit import commit_on_coordinator
 from ckpt_client.dcp.commit_handover import hand_over
@@ -92,10 +93,11 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     writer = DaemonStorageWriter(checkpoint_id)
     group = Group(process_group)
     # A blocking save copies with the previous save's plan while it plans (adopted only
-    # if the plan comes out the same): the planning overlaps the copy. A cached save has
-    # next to no planning to overlap (measured: the guess's own hand-off costs as much).
-    guess = None if zero_stall or enable_cache else \
-        GuessedCopy.start(state_dict, writer, planner, group)
+    # if the plan comes out the same): the planning overlaps the copy. A cached save's
+    # plan is the cached one unless its structure changed: its copy starts before the
+    # structure check (and the STAGE's round trip overlaps that check).
+    guess = None if zero_stall or (enable_cache and not knobs.DCP_GUESS_CACHED.get()) \
+        else GuessedCopy.start(state_dict, writer, planner, group)
     early = None
     try:
         local_plan, reuse = plan_or_reuse(state_dict, writer, planner, group, enable_cache)

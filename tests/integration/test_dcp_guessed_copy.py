@@ -111,10 +111,36 @@ def test_a_changed_dtype_drops_the_guessed_copy_unwritten(daemon, monkeypatch):
     queue.close()
 
 
-def test_a_cached_save_copies_after_its_plan_reuse(daemon, monkeypatch):
-    """``enable_cache`` reuses the plan (next to no planning to overlap): no guess, and a
-    changed dtype is planned and staged once."""
+def test_a_cached_save_copies_with_its_cached_plan_before_checking_it(daemon, monkeypatch):
+    """``enable_cache``: the copy starts with the cached plan before the structure check
+    that confirms it. While the structure holds the copy is kept (one request a save); a
+    changed dtype is copied with the old plan, then dropped unwritten and staged again;
+    the save after it copies after its planning, and the one after that guesses again."""
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    dtypes = {1: torch.float32, 2: torch.float32, 3: torch.float32, 4: torch.float64,
+              5: torch.float64, 6: torch.float64, 7: torch.float64, 8: torch.float32}
+    for step, dtype in dtypes.items():
+        path = os.path.join(root, f"c{step}")
+        save(queue, training_state(step, dtype), path, enable_cache=True)
+        assert_loads(path, training_state(step, dtype))
+    wait_for(lambda: all(r["phase"] in Phase.FINISHED for r in daemon.status()["requests"]),
+             30, "every request to settle")
+    phases = {step: sorted(r["phase"] for r in requests_for(daemon, os.path.join(root, f"c{step}")))
+              for step in dtypes}
+    # Step 1 has no plan to guess with; 4 and 8 changed dtype under a guess; 5 follows a
+    # dropped guess (it plans first), 6 re-arms the guess, which 7 keeps.
+    assert phases == {1: [Phase.DONE], 2: [Phase.DONE], 3: [Phase.DONE],
+                      4: [Phase.ABORTED, Phase.DONE], 5: [Phase.DONE], 6: [Phase.DONE],
+                      7: [Phase.DONE], 8: [Phase.ABORTED, Phase.DONE]}
+    queue.close()
+
+
+def test_a_cached_save_copies_after_its_structure_check_when_told(daemon, monkeypatch):
+    """``CKPTD_DCP_GUESS_CACHED=0`` (the code before): a cached save copies only once its
+    plan is confirmed, so a changed dtype is planned and staged once."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    monkeypatch.setenv("CKPTD_DCP_GUESS_CACHED", "0")
     root, queue = daemon.roots[0], AsyncCallsQueue()
     for step, dtype in ((1, torch.float32), (2, torch.float32), (3, torch.float64)):
         save(queue, training_state(step, dtype), os.path.join(root, f"c{step}"),
