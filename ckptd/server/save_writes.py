@@ -91,8 +91,13 @@ class SaveWrites:
             return
         alive.extend(jobs)
         self._ahead[request.id] = (jobs, alive)
-        for job in jobs:
-            self.daemon.writers.submit(job)
+        try:
+            for job in jobs:
+                self.daemon.writers.submit(job)
+        except Exception:  # as above; a job never submitted must not be "started" later
+            log.exception("request %d (rank %d): its writer jobs could not be sent ahead",
+                          request.id, request.rank)
+            self.drop_ahead(request)
 
     def copied(self, request: SaveRequest, body: Copied) -> None:
         """The trainer's copy into ``request``'s extent got to ``body.through``: the jobs

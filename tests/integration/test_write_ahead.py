@@ -160,3 +160,40 @@ def test_a_daemon_killed_with_a_job_sent_ahead_leaves_nothing_after_the_next_sta
     finally:
         successor.stop(signal.SIGTERM, 30)
         _remove_pool_of(successor)
+
+
+def test_a_save_whose_jobs_could_not_be_sent_ahead_is_written_once_staged(
+        tmp_path, monkeypatch):
+    """Sending the jobs ahead notes their directory in the daemon's journal; with the
+    journal's filesystem full that fails after the STAGE was answered. The save must not
+    wait for jobs that never reached a writer: it is written once staged."""
+    from faults import small_tmpfs
+
+    with small_tmpfs(tmp_path / "run-full", "512k") as run_dir:
+        daemon = start_daemon_process(tmp_path, name="full")
+        try:
+            # The journal's last page full (as after many directories), then the filesystem:
+            # the next directory noted needs a page there is no room for.
+            (journal,) = [n for n in os.listdir(run_dir) if n.endswith(".dirs")]
+            with open(os.path.join(run_dir, journal), "a") as f:
+                room = -f.tell() % 4096  # a line of no kind the journal's reader keeps
+                f.write(("#" * (room - 1) + "\n") if room else "")
+            with open(os.path.join(run_dir, "filler"), "wb") as filler:
+                try:
+                    while True:
+                        filler.write(b"\0" * 65536)
+                        filler.flush()
+                except OSError:
+                    pass
+            monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+            path = os.path.join(daemon.roots[0], "new_dir", "model.pt")
+            os.makedirs(os.path.dirname(path))
+            checkpoint = TorchAsyncCheckpoint()
+            checkpoint.async_save({"w": TENSOR}, path)
+            checkpoint.finalize_async_save(blocking=True)
+            checkpoint.close()
+            assert torch.equal(torch.load(path, weights_only=True)["w"], TENSOR)
+            assert "could not be sent ahead" in daemon.log()
+        finally:
+            daemon.stop(signal.SIGTERM, 30)
+            _remove_pool_of(daemon)
