@@ -92,6 +92,7 @@ class SaveRequest:
     stock_files: bool = False      # protocol.STOCK_FILES: torch's exact files, no records
     cuda_specs: list | None = None  # per buffer: a CUDA IPC spec (daemon copies) or None
     copiers: tuple = ()            # who fills the extent (holds on it until they report)
+    written_early: bool = False    # its writers started while the trainer still copied
     session: str | None = None     # local parts: the session and iteration
     iteration: int | None = None
     phase: str = Phase.STAGING
@@ -221,7 +222,7 @@ class SaveRequest:
             "staged_at": self.staged_at, "finished_at": self.finished_at,
             "local_durable_at": self.local_durable_at,
             "error": self.error, "transport_bytes": self.transport_bytes,
-            "stale_of": self.stale_of,
+            "stale_of": self.stale_of, "written_early": self.written_early,
             "replication": self.replicas.to_wire() if self.replicas is not None else None,
             "flush": self.flush_progress(),
             **self.progress(),

@@ -104,27 +104,27 @@ class SaveWrites:
         sent ahead write up to there while it copies the rest.
 
         At the first report they are started (if every one is still parked at its writer,
-        and a torch file's skeleton is known), each writer told how far the copy got;
-        later reports raise that. A writer writes what is copied, waits for the rest, and
-        renames nothing before the save is staged (:meth:`write` tells it then). From
-        the start the writers hold the extent and are the request's pending jobs
-        (:meth:`SaveLifecycle.writing_early`), so an abort, failure or deadline cancels
-        them as it would after staging. Anything else leaves the save to its STAGED.
+        a torch file's skeleton is known and every file's directory exists: an aborted
+        save must leave no new directory), each writer told how far the copy got; later
+        reports raise that. A writer writes what is copied, waits for the rest, and
+        renames nothing before :meth:`write` says all is staged. From the start the
+        writers hold the extent and are the request's pending jobs (``writing_early``):
+        an abort, failure or deadline cancels them as after staging.
 
         Raises
         ------
         RequestError
             BAD_REQUEST: a point past the extent, or a skeleton for a save of another format.
         """
-        if request.extent is None or body.through > request.extent.length:
-            raise RequestError(ErrorCode.BAD_REQUEST, f"request {request.id}: copied up to "
-                               f"byte {body.through} of a {request.bytes_total}-byte save")
         if body.skeleton is not None and request.format != SaveFormat.TORCH:
             raise RequestError(ErrorCode.BAD_REQUEST, f"request {request.id} is a "
                                f"{request.format} save: only torch saves have a skeleton")
         if request.phase != Phase.STAGING or DEVICE_COPY in request.copiers:
-            return
-        if body.skeleton is not None:
+            return  # a late report (the save ended or is staged) is no news
+        if body.through > request.extent.length:
+            raise RequestError(ErrorCode.BAD_REQUEST, f"request {request.id}: copied up to "
+                               f"byte {body.through} of a {request.bytes_total}-byte save")
+        if body.skeleton:
             request.skeleton = body.skeleton
         through = request.extent.offset + body.through
         if request.id in self._early:
@@ -135,9 +135,11 @@ class SaveWrites:
             return
         jobs, alive = self._ahead.get(request.id, ([], []))
         if (not jobs or len(alive) < len(jobs) or not all(map(self.daemon.writers.parked, jobs))
-                or (request.format == SaveFormat.TORCH and not request.skeleton)):
+                or (request.format == SaveFormat.TORCH and not request.skeleton)
+                or not all(os.path.isdir(os.path.dirname(job.path)) for job in jobs)):
             return
         self._early[request.id] = through
+        request.written_early = True
         self._start_jobs(request, jobs, through)
         self.lifecycle.writing_early(request, len(jobs))
 

@@ -157,6 +157,9 @@ class WriteJob:
     #: Sent ahead and not started yet (its bytes are still being staged): its writer has
     #: only made its file ready, so it counts neither as load nor for the stall check.
     held: bool = False
+    #: Started while its trainer copies: the pool offset its bytes are staged below (None:
+    #: all are, or it was not started so). Re-sent to another writer, it is started so again.
+    through: int | None = None
 
     @property
     def path(self) -> str:

@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import replace
 
 import zmq
 
@@ -122,13 +121,14 @@ class WriterPool:
         when it went ahead without a torch file's skeleton). ``through``: only the pool's
         bytes below it are staged yet (a job :meth:`parked` only; see
         :meth:`staged_through`)."""
-        job.body, job.held = body or job.body, False  # if still waiting here: sent as any job
-        if (slot := self._slot_of(job)) is not None:
+        job.body, job.held, job.through = body or job.body, False, through
+        if (slot := self._slot_of(job)) is not None:  # else sent as any job (or early) later
             slot.start(job, b"" if body is None else body.skeleton, through)
 
     def staged_through(self, job: WriteJob, through: int | None) -> None:
         """``job``, started while its bytes were staged, may write the pool's bytes below
         ``through`` (None: all; only then does it rename its file into place)."""
+        job.through = through if through is None else max(through, job.through or 0)
         if (slot := self._slot_of(job)) is not None:
             slot.staged_through(job.id, through)
 
@@ -170,18 +170,10 @@ class WriterPool:
             if slot is None:
                 waiting.append(job)
                 continue
-            body = replace(job.body, ahead=True) if job.held else job.body
-            try:
-                slot.socket.send_multipart(
-                    protocol.encode(body.message_type, job.id, body.to_wire(), job.frames),
-                    flags=zmq.NOBLOCK)
-            except zmq.Again:  # its process went away after saying ready
+            if not slot.send(job):  # its process went away after saying ready
                 slot.ready = False
                 self._backlog.appendleft(job)
                 continue
-            if not slot.load and not job.held:
-                slot.last_heard = time.monotonic()
-            slot.jobs[job.id] = job
             job.writer = slot.index
             busy.add(job.path)
             if job.cancelled:  # its save stopped while it waited here: right behind it

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -48,6 +48,10 @@ class WriterSlot:
                     f"{f'-{generation}' if generation else ''}.sock")
         sock = context.socket(zmq.PAIR)
         sock.linger = 0
+        # No message to a live writer is ever dropped: a lost "all staged" would leave a
+        # job started early waiting until its save's deadline (a writer reads its channel
+        # only between writes; a copy reported in many small steps outruns it).
+        sock.sndhwm = 0
         sock.bind(endpoint)
         return cls(index, endpoint, sock)
 
@@ -109,6 +113,26 @@ class WriterSlot:
             if self.socket.poll(100):
                 handle(self.socket)
 
+    def send(self, job) -> bool:
+        """Send ``job`` (a WriteJob) to the writer; False if its process is gone. A held job
+        goes *ahead*; so does one started before all its bytes were staged (a job that
+        was waiting behind a stuck writer), which is started again at once with what is
+        staged so far: a plain job would read bytes the trainer has not copied."""
+        early = job.through is not None
+        body = replace(job.body, ahead=True) if job.held or early else job.body
+        try:
+            self.socket.send_multipart(
+                protocol.encode(body.message_type, job.id, body.to_wire(), job.frames),
+                flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        if not self.load and not job.held:
+            self.last_heard = time.monotonic()
+        self.jobs[job.id] = job
+        if early:
+            self.start(job, b"", job.through)
+        return True
+
     def start(self, job, skeleton: bytes = b"", through: int | None = None) -> None:
         """Tell the writer to write ``job`` (a WriteJob), sent ahead: its bytes are staged
         now (``skeleton``: a torch file's, if the job went without one), or those below
@@ -131,7 +155,7 @@ class WriterSlot:
             self.socket.send_multipart(protocol.encode(
                 StagedThrough.message_type, job_id, StagedThrough(through).to_wire()),
                 flags=zmq.NOBLOCK)
-        except zmq.Again:  # its process is gone: the job fails when it is reaped
+        except zmq.Again:  # no writer on the channel: the job fails when it is reaped
             log.warning("writer %d did not take more of job %d's bytes", self.index, job_id)
 
     def cancel(self, job_id: int) -> None:

@@ -129,16 +129,19 @@ def test_a_job_cancelled_while_it_waits_for_the_copy_leaves_the_path_as_it_was(
     assert os.listdir(tmp_path) == ["model.pt"]
 
 
-@pytest.mark.parametrize("signed_at", [0, 1])
-def test_a_tensor_starting_like_a_data_descriptor_gives_torch_files_bytes(tmp_path, signed_at):
+@pytest.mark.parametrize("sizes,signed_at", [([64, 5000], 0), ([64, 5000], 1),
+                                             ([65536, 64, 5000], 1), ([65536, 64, 5000], 2)])
+def test_a_tensor_starting_like_a_data_descriptor_gives_torch_files_bytes(tmp_path, sizes,
+                                                                        signed_at):
     # The templates do not count such a tensor in the serialization id; found while the
     # file is written, the rest of the file is write_torch_file's, the same bytes as if
-    # it had been found before the first write.
-    tensors = [torch.arange(64, dtype=torch.int32), torch.arange(5000, dtype=torch.int32)]
+    # it had been found before the first write (after a large tensor: from a point of the
+    # file past its first bytes).
+    tensors = [torch.arange(n, dtype=torch.int32) for n in sizes]
     tensors[signed_at][:2] = torch.tensor([0x08074B50, 123], dtype=torch.int32)  # "PK\7\8"
     buffers = [memoryview(bytearray(t.numpy().tobytes())) for t in tensors]
     specs = [("int32", list(t.shape), t.nbytes) for t in tensors]
-    skeleton = protocol.pack_value({"a": protocol.TensorRef(0), "b": protocol.TensorRef(1)})
+    skeleton = protocol.pack_value({f"t{i}": protocol.TensorRef(i) for i in range(len(sizes))})
     layout = TorchLayout(skeleton, specs, buffers)
     waited: list[int] = []
     early = tmp_path / "early.pt"
@@ -150,6 +153,6 @@ def test_a_tensor_starting_like_a_data_descriptor_gives_torch_files_bytes(tmp_pa
                          [raw_tensor(b, *s[:2]) for b, s in zip(buffers, specs)],
                          alignment=4096)
     assert early.read_bytes() == expected.read_bytes()
-    assert set(waited) == {0, 1}
+    assert set(waited) == set(range(len(sizes)))
     loaded = torch.load(early, weights_only=True)
-    assert torch.equal(loaded["a"], tensors[0]) and torch.equal(loaded["b"], tensors[1])
+    assert all(torch.equal(loaded[f"t{i}"], t) for i, t in enumerate(tensors))
