@@ -190,6 +190,8 @@ def remember(group: Group, planner: SavePlanner, state_dict, final_plan: SavePla
     known = _remembered.get(key)
     if known is not None and _same_plan(final_plan, known.plan):
         known.armed = True
+        if reused is not None:  # the cache's own paths: see GuessedCopy.sources_for
+            known.paths = reused
         return
     mappings = getattr(planner, "mappings", None) if reused is None else None
     if reused is None and not isinstance(mappings, dict):
@@ -261,6 +263,16 @@ class GuessedCopy:
                 copy.drop(f"interrupted before planning ({type(exc).__name__})")
                 raise
         return copy
+
+    def sources_for(self, final_plan: SavePlan, reused: ReusablePlan | None) -> list | None:
+        """The values this copy was made of, as ``final_plan``'s sources, when they are
+        what resolving it would find again: a cached save whose reused plan is the very
+        plan guessed and whose paths are the very paths the guess looked its values up
+        by, in the same state dict during the same call (and whose planner resolves as
+        the default one does). ``None``: resolve them (and :meth:`adopt` compares)."""
+        if reused is None or reused is not self.known.paths or final_plan is not self.known.plan:
+            return None
+        return self.sources
 
     def adopt(self, final_plan: SavePlan, sources: list) -> tuple | None:
         """The guessed saves, staged, if they copied exactly ``final_plan``'s ``sources``;

@@ -117,8 +117,8 @@ def async_save(state_dict, checkpoint_id: str | os.PathLike, *, process_group=No
     planned, refused = time.time(), False
     try:
         saves = early.adopt(final_plan, zero_stall) if early is not None else None
-        sources = None
-        if saves is None:
+        sources = None if guess is None else guess.sources_for(final_plan, reuse)
+        if saves is None and sources is None:
             sources = reuse.sources(final_plan, state_dict, planner) if reuse is not None \
                 else resolve_items(final_plan, planner)
         if guess is not None:
