@@ -21,11 +21,6 @@ from ckptd.protocol import Copied, MessageType
 from ckpt_client.transport.connection import DaemonConnection
 
 
-#: ``CKPTD_COPY_REPORTS=auto`` reports a background copy where the trainer may run on at
-#: least this many CPUs: on fewer, the writers' threads take them from the training step.
-SPARE_CPUS = 4
-
-
 class CopyReports:
     """The COPIED reports of one save: ``reports(through)`` says bytes ``[0, through)`` of
     its extent are copied; :attr:`step` is how many bytes the copier copies between two.
@@ -61,7 +56,8 @@ def copy_reports(connection: DaemonConnection, request_id: int, skeleton: bytes 
     in the ``background``, one no call waits for; ``CKPTD_COPY_REPORT_BYTES=0``)."""
     step, which = knobs.COPY_REPORT_BYTES.get(), knobs.COPY_REPORTS.get()
     if which == "auto":
-        which = "background" if len(os.sched_getaffinity(0)) >= SPARE_CPUS else "off"
+        spare = len(os.sched_getaffinity(0)) >= knobs.COPY_REPORTS_MIN_CPUS.get()
+        which = "background" if spare else "off"
     if which == "off" or (which == "background" and not background) or step <= 0 \
             or total < 2 * step:
         return None

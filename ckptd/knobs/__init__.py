@@ -26,7 +26,7 @@ __all__ = [
     "WRITER_NICE", "CHECKSUM_OVERLAP_MIN_BYTES", "WRITEBACK_EVERY_BYTES", "WRITE_MODE",
     "DIRECT_WRITE_THREADS", "DIRECT_CHUNK_BYTES", "DIRECT_IDLE_BATCH_BYTES",
     "DIRECT_BOUNCE_BYTES", "DIRECT_MIN_BYTES", "DIRECT_ALLOCATE_BYTES", "WRITE_AHEAD",
-    "COPY_REPORTS", "COPY_REPORT_BYTES",
+    "COPY_REPORTS", "COPY_REPORTS_MIN_CPUS", "COPY_REPORT_BYTES",
     "CHECKSUM", "CUDA_REGISTER_CHUNK_BYTES", "CUDA_PROFILE", "NUMA_PLACEMENT",
     "LEFTOVER_SWEEP_INTERVAL", "PEER_TIMEOUT",
     "PEER_PING_INTERVAL", "PEER_MISS_BUDGET", "REPLICATION_WINDOW", "PEER_IO_THREADS",
@@ -141,13 +141,17 @@ WRITE_AHEAD = _knob(
 # bound with reports, 1.00-1.03x without, and a training step beside a zero-stall save
 # 1.54-1.64x a normal one against 1.42-1.49x. So by default ("auto") only a background
 # copy (a zero-stall save's, which no call waits for) reports, and only where the trainer
-# may run on at least 4 CPUs.
+# may run on at least COPY_REPORTS_MIN_CPUS.
 COPY_REPORTS = _knob(
     "COPY_REPORTS", "auto",
     lambda text: parse_choice(text, ("auto", "off", "background", "always")),
     "Which copies into the pool report their progress so the writers start while they copy: "
     "off, background (zero-stall saves' copies), always (blocking calls' too), or auto "
     "(background where the trainer may run on 4 CPUs or more)")
+COPY_REPORTS_MIN_CPUS = _knob(
+    "COPY_REPORTS_MIN_CPUS", 4, int,
+    "CKPTD_COPY_REPORTS=auto reports a background copy where the trainer may run on at "
+    "least this many CPUs (on fewer, the writers' threads take them from the training step)")
 COPY_REPORT_BYTES = _knob(
     "COPY_REPORT_BYTES", 64 << 20, parse_size,
     "Step of the copy reports (CKPTD_COPY_REPORTS): the trainer reports its copy into the "

@@ -134,19 +134,19 @@ def test_a_copy_with_reports_goes_in_steps_in_extent_order_and_says_where_each_e
             assert staged(pool, 128, offsets, buffers, index) == raw(source)
 
 
-def test_which_copies_report_follows_the_knob_and_the_cpus_at_hand(monkeypatch):
+def test_which_copies_report_follows_the_knob_and_the_cpus_at_hand():
     from ckptd import knobs
-    from ckpt_client.transport import copy_reports as reports_module
+    from ckpt_client.transport.copy_reports import copy_reports
 
-    def made(which: str, background: bool, total: int = 256 << 20) -> bool:
-        with knobs.override(COPY_REPORTS=which, COPY_REPORT_BYTES=64 << 20):
-            return reports_module.copy_reports(None, 1, None, total, background) is not None
+    cpus = len(os.sched_getaffinity(0))
+
+    def made(which: str, background: bool, total: int = 256 << 20, min_cpus: int = 4) -> bool:
+        with knobs.override(COPY_REPORTS=which, COPY_REPORT_BYTES=64 << 20,
+                            COPY_REPORTS_MIN_CPUS=min_cpus):
+            return copy_reports(None, 1, None, total, background) is not None
 
     assert made("background", True) and not made("background", False)
     assert made("always", False) and not made("off", True)
     assert not made("always", True, total=127 << 20)  # under two steps: nothing to overlap
-    cpus = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(reports_module, "SPARE_CPUS", cpus + 1)
-    assert not made("auto", True)  # fewer CPUs than it wants: the step keeps them
-    monkeypatch.setattr(reports_module, "SPARE_CPUS", cpus)
-    assert made("auto", True) and not made("auto", False)
+    assert not made("auto", True, min_cpus=cpus + 1)  # fewer CPUs than it wants: the step keeps them
+    assert made("auto", True, min_cpus=cpus) and not made("auto", False, min_cpus=cpus)
