@@ -73,9 +73,13 @@ STRAY = ["sh", "-c", "setsid sh -c 'echo $$; exec sleep 1000' & wait"]
 # bed and the pids, then waits for a signal. SIGINT gets Python's usual handler first: a
 # suite started as a shell's background job passes SIGINT on ignored, and an owner that
 # ignores it rightly keeps running (the SIGINT case then waited out its 30 s and failed).
+# Likewise SIGHUP and SIGTERM get their default: a suite run under nohup passes SIGHUP on
+# ignored (the SIGHUP case failed that way).
 OWNER = r"""
 import json, signal, subprocess, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 sys.path.insert(0, sys.argv[1])
 from netbed import NetBed
 with NetBed(2, tmpfs_size="16m") as bed:
