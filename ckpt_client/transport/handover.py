@@ -14,8 +14,8 @@ By default :func:`stage` returns at the staged point; zero-stall, once the work 
 goes on (``copy_`` releases the GIL), and :meth:`DaemonSave.wait_staged` (or
 ``guard_optimizer``) waits for it before the parameters change.
 
-Per connection, one :class:`Handover` owns the copier, the background thread and the
-lock that keeps saves in planning order.
+Per connection, one :class:`Handover` owns the copier, the background thread
+(:mod:`ckpt_client.transport.background`) and the lock that keeps saves in planning order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 import warnings
@@ -35,7 +34,8 @@ import torch
 from ckptd import protocol
 from ckpt_client.transport import waits
 from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
-from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError, StagingTimeoutError
+from ckpt_client.errors import DaemonRequestError
+from ckpt_client.transport.background import BackgroundStager, failure_reason
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.copy_reports import copy_reports
 from ckpt_client.transport.cuda_exports import IpcPlan, plan_ipc
@@ -200,73 +200,6 @@ class StagingJob:
 def _transport_bytes(buffers: list, specs: list | None) -> dict:
     cuda = sum(b[2] for i, b in enumerate(buffers) if specs is not None and specs[i] is not None)
     return {"shm": sum(b[2] for b in buffers) - cuda, "cuda": cuda}
-
-
-class BackgroundStager:
-    """The thread that stages a connection's zero-stall saves, one after another."""
-
-    def __init__(self, connection: DaemonConnection) -> None:
-        self.connection = connection
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="ckpt-client-stager", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: StagingJob) -> None:
-        """Queue a job; its save's ``wait_staged`` returns (or raises) when it is done."""
-        job.queued_at = time.monotonic()
-        self._jobs.put(job)
-
-    def wait_idle(self) -> None:
-        """Return once every queued job has run.
-
-        Raises
-        ------
-        StagingTimeoutError
-            If they did not all run within :func:`ckpt_client.transport.waits.background_staging`
-            (each job's staging wait, one after another): they go on in the background.
-        """
-        jobs = self._jobs
-        with jobs.all_tasks_done:
-            queued = jobs.unfinished_tasks
-            limit = waits.background_staging(self.connection.deadlines, queued)
-            if not jobs.all_tasks_done.wait_for(lambda: jobs.unfinished_tasks == 0, limit):
-                raise StagingTimeoutError(
-                    self.connection.socket_path,
-                    f"rank {self.connection.rank}: {jobs.unfinished_tasks} of the {queued} "
-                    f"zero-stall save(s) queued before this one were not staged within "
-                    f"{waits.as_text(limit)}, longer than the daemon's staging deadlines for them")
-
-    def idle(self) -> bool:
-        """Whether every queued job has run."""
-        return self._jobs.unfinished_tasks == 0
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                self._jobs.task_done()
-                return
-            try:
-                job.run()
-            except BaseException as exc:  # reported through the save, never lost
-                job.save.mark_staged(_reason(exc))
-            else:
-                job.save.mark_staged()
-            finally:
-                # Waiting for the next job must not keep this one's source tensors (device
-                # memory on a GPU) alive until another zero-stall save comes.
-                job = None
-                self._jobs.task_done()
-
-    def stop(self) -> None:
-        """Finish the queued jobs, then end the thread."""
-        self._jobs.put(None)
-        self._thread.join(timeout=waits.staging(self.connection.deadlines))
-
-
-def _reason(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, (DaemonRequestError, DaemonUnavailableError)) \
-        else f"{type(exc).__name__}: {exc}"
 
 
 class Handover:
@@ -441,7 +374,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         try:
             job.run()
         except BaseException as exc:
-            save.mark_staged(_reason(exc))
+            save.mark_staged(failure_reason(exc))
             raise
         if remember is not None and plan is None:
             remember_layout(connection, *remember, buffers, save.request_id)

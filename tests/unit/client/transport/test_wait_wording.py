@@ -18,7 +18,7 @@ from ckpt_client.errors import CheckpointException, DaemonNotAnsweringError, Sta
 from ckpt_client.transport import waits
 from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import DaemonSave
-from ckpt_client.transport.handover import BackgroundStager
+from ckpt_client.transport.background import BackgroundStager
 from test_connection_hooks import QuietChannel
 
 
