@@ -53,9 +53,6 @@ class SaveWrites:
         #: writer has not answered). A held job is answered only if its save stopped or
         #: its writer died; then the save writes its files afresh once staged.
         self._ahead: dict[int, tuple[list[WriteJob], list[WriteJob]]] = {}
-        #: Requests whose jobs started while the trainer copies (:meth:`copied`): the pool
-        #: offset up to which their writers were told the bytes are copied.
-        self._early: dict[int, int] = {}
 
     @staticmethod
     def goes_ahead(request: SaveRequest) -> bool:
@@ -127,10 +124,9 @@ class SaveWrites:
         if body.skeleton:
             request.skeleton = body.skeleton
         through = request.extent.offset + body.through
-        if request.id in self._early:
-            if through > self._early[request.id]:
-                self._early[request.id] = through
-                for job in request.jobs:
+        if request.written_early:  # each job keeps how far it was told (WriteJob.through)
+            for job in request.jobs:
+                if through > (job.through or 0):
                     self.daemon.writers.staged_through(job, through)
             return
         jobs, alive = self._ahead.get(request.id, ([], []))
@@ -138,7 +134,6 @@ class SaveWrites:
                 or (request.format == SaveFormat.TORCH and not request.skeleton)
                 or not all(os.path.isdir(os.path.dirname(job.path)) for job in jobs)):
             return
-        self._early[request.id] = through
         request.written_early = True
         self._start_jobs(request, jobs, through)
         self.lifecycle.writing_early(request, len(jobs))
@@ -157,7 +152,7 @@ class SaveWrites:
         are still waiting: those are dropped and the files written afresh); those started
         early (:meth:`copied`) hear that every byte is staged."""
         jobs, alive = self._ahead.pop(request.id, ([], []))
-        if self._early.pop(request.id, None) is not None:
+        if request.written_early:
             for job in request.jobs:  # those not answered yet
                 self.daemon.writers.staged_through(job, None)
             return len(request.jobs)
@@ -171,7 +166,6 @@ class SaveWrites:
     def drop_ahead(self, request: SaveRequest) -> None:
         """``request`` stopped before it was staged: its writers drop the jobs sent ahead
         (each removes the temporary it made ready)."""
-        self._early.pop(request.id, None)  # those started are cancelled as request.jobs
         for job in self._ahead.pop(request.id, ([], []))[1]:
             if not job.cancelled:
                 self.daemon.writers.cancel(job)

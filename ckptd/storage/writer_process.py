@@ -99,7 +99,6 @@ class Writer:
         """One file ``torch.load(weights_only=True)`` reads: the skeleton, pool tensors."""
         buffers = [self.pool_bytes(offset, nbytes) for offset, nbytes, _, _ in job.tensors]
         specs = [(dtype, shape, nbytes) for _, nbytes, dtype, shape in job.tensors]
-        ends = [offset + nbytes for offset, nbytes, _, _ in job.tensors]
         max_write = knobs.WRITEBACK_EVERY_BYTES.get()
 
         def complete(skeleton: bytes):
@@ -109,7 +108,7 @@ class Writer:
             if len(self._torch_sizes) >= 8 and layout.specs not in self._torch_sizes:
                 self._torch_sizes.clear()
             self._torch_sizes[layout.specs] = layout.size
-            return layout.size, lambda f: layout.write(f, max_write, self._gate(ends))
+            return layout.size, lambda f: layout.write(f, max_write, self._gate(job.tensors))
 
         if job.skeleton:
             size, body = complete(job.skeleton)
@@ -136,7 +135,7 @@ class Writer:
                  for offset, nbytes, dtype, shape in job.items]
 
         def write_items(stream: ChecksumWriter) -> None:
-            gate = self._gate([offset + nbytes for offset, nbytes, _, _ in job.items])
+            gate = self._gate(job.items)
             for index, item in enumerate(items):
                 if gate is not None:  # none of its bytes is read before they are staged
                     gate(index)
@@ -166,12 +165,14 @@ class Writer:
         data = frames[0] if frames else b""
         return FileJob(job.path, lambda f: f.write(data), checksum=not job.stock)
 
-    def _gate(self, ends: list) -> Callable[[int], None] | None:
+    def _gate(self, entries: list) -> Callable[[int], None] | None:
         """For the job in hand if it was started while its trainer copies: ``gate(i)``
-        returns once its buffer ``i`` (ending at pool offset ``ends[i]``) is staged."""
+        returns once its buffer ``i`` (``entries[i]``: ``[offset, nbytes, dtype, shape]``
+        in the pool) is staged; None for any other job (nothing to wait for or compute)."""
         job_id = self.progress.job_id
         if job_id not in self.inbox.staged:
             return None
+        ends = [offset + nbytes for offset, nbytes, _, _ in entries]
         return lambda index: self.inbox.wait_staged(job_id, ends[index], self.progress)
 
     def step(self, phase: str, bytes_done: int) -> None:
