@@ -10,10 +10,11 @@ slots), with the bound's own median and spread. A zero-stall variant is held aga
 its target instead, 5 ms + 5 µs a tensor.
 
 Variants: the blocking save without a cache (its guessed copy) and with
-``enable_cache``, each as today and as before the kept descriptions and the cached
-save's guessed copy (``CKPTD_DCP_KEEP_DESCRIPTIONS=0``, ``CKPTD_DCP_GUESS_CACHED=0``),
-the same two ways for an uncached zero-stall call, and optionally the copy after
-planning (``CKPTD_DCP_GUESS_PLAN=0``, ``--with-unguessed``).
+``enable_cache``, each as today and with the guessed copy's STAGE sent after its items
+are looked up (``CKPTD_DCP_STAGE_AHEAD=0``), an uncached zero-stall call, optionally
+session 9's comparison (``--with-before``: before the kept descriptions and the cached
+save's guessed copy, ``CKPTD_DCP_KEEP_DESCRIPTIONS=0``, ``CKPTD_DCP_GUESS_CACHED=0``) and
+the copy after planning (``CKPTD_DCP_GUESS_PLAN=0``, ``--with-unguessed``).
 
 Run under ``/work/bin/texcl`` (it holds the machine)::
 
@@ -36,8 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_save import Daemon  # noqa: E402
 import workload  # noqa: E402
 
-_NOW = {"DCP_KEEP_DESCRIPTIONS": True, "DCP_GUESS_CACHED": True}
-_BEFORE = {"DCP_KEEP_DESCRIPTIONS": False, "DCP_GUESS_CACHED": False}
+_NOW = {"DCP_KEEP_DESCRIPTIONS": True, "DCP_GUESS_CACHED": True, "DCP_STAGE_AHEAD": True}
+_BEFORE = {"DCP_KEEP_DESCRIPTIONS": False, "DCP_GUESS_CACHED": False, "DCP_STAGE_AHEAD": False}
+_STAGE_AFTER = {**_NOW, "DCP_STAGE_AHEAD": False}
 #: name -> (knob settings, enable_cache, zero_stall), in the order they alternate. Each
 #: is staged right after a save whose descriptions it would (or, before, would not) share
 #: in a training loop of its own: the trainer's pool views and layout are kept for the
@@ -46,9 +48,14 @@ _BEFORE = {"DCP_KEEP_DESCRIPTIONS": False, "DCP_GUESS_CACHED": False}
 VARIANTS = {"zero_stall, no cache": (_NOW, False, True),
             "default (guessed copy)": (_NOW, False, False),
             "enable_cache": (_NOW, True, False),
-            "default, before (no kept descriptions)": (_BEFORE, False, False),
-            "zero_stall, no cache, before": (_BEFORE, False, True),
-            "enable_cache, before (no guess, no kept descriptions)": (_BEFORE, True, False)}
+            "default, STAGE after the lookups (CKPTD_DCP_STAGE_AHEAD=0)":
+                (_STAGE_AFTER, False, False),
+            "enable_cache, STAGE after the lookups": (_STAGE_AFTER, True, False)}
+#: Session 9's comparison (``--with-before``): before the kept descriptions and the cached
+#: save's guessed copy.
+BEFORE = {"default, before (no kept descriptions)": (_BEFORE, False, False),
+          "zero_stall, no cache, before": (_BEFORE, False, True),
+          "enable_cache, before (no guess, no kept descriptions)": (_BEFORE, True, False)}
 UNGUESSED = ("copy after planning (CKPTD_DCP_GUESS_PLAN=0)",
              ({**_NOW, "DCP_GUESS_PLAN": False}, False, False))
 
@@ -58,10 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--saves", type=int, default=8, help="timed saves per variant")
     parser.add_argument("--warmups", type=int, default=3, help="untimed saves per variant")
+    parser.add_argument("--with-before", action="store_true",
+                        help="also the variants before the kept descriptions")
     parser.add_argument("--with-unguessed", action="store_true",
                         help="also the copy after planning (CKPTD_DCP_GUESS_PLAN=0)")
     args = parser.parse_args(argv)
     variants = dict(VARIANTS)
+    if args.with_before:
+        variants.update(BEFORE)
     if args.with_unguessed:
         variants[UNGUESSED[0]] = UNGUESSED[1]
     root = tempfile.mkdtemp(prefix="ckptd-bench-dcp-", dir="/var/tmp")

@@ -36,6 +36,7 @@ import math
 import operator
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -47,9 +48,11 @@ from ckpt_client.collectives import Group
 from ckpt_client.dcp.plan_reuse import ReusablePlan, planner_allows_reuse
 from ckpt_client.dcp.writer import DaemonStorageWriter
 from ckpt_client.errors import CheckpointException, DaemonRequestError, DaemonUnavailableError
+from ckpt_client.transport.connection import DaemonConnection
 from ckpt_client.transport.daemon_save import abort_held
 from ckpt_client.transport.flatten import describe, dtype_name
-from ckpt_client.transport.sent_ahead import kind_of
+from ckpt_client.transport.handover import handover_for
+from ckpt_client.transport.sent_ahead import SentAhead, dropped_on_error, kind_of
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ class _Remembered:
     #: The last guessed copy began within ``DCP_GUESS_COPY_WAIT``: the next save waits
     #: that long for its copy to begin before it plans (else it plans at once).
     wait_for_copy: bool = True
+    #: (connection weakref, buffers, request id): the last guessed save was staged with
+    #: the very ``buffers`` as that request of that connection, whose layout the daemon
+    #: keeps: the next guess's STAGE names it instead of sending them.
+    staged_as: tuple | None = None
 
 
 _remembered: dict = {}
@@ -211,6 +218,54 @@ def remember(group: Group, planner: SavePlanner, state_dict, final_plan: SavePla
         _remembered.pop(next(iter(_remembered)))
 
 
+class _NoGuess(Exception):
+    """This save is not copied with its kind's remembered plan (the message says why)."""
+
+
+def _look_up(known: _Remembered, state_dict) -> tuple[list, list]:
+    """The values of ``known.plan``'s items in ``state_dict``, and those values as host
+    buffers to copy.
+
+    Raises
+    ------
+    _NoGuess
+        The state dict no longer has the plan's items (the guess is disarmed: the save
+        plans first), or holds device tensors (they stage by their own route, the
+        daemon copying them from IPC handles with producer events, after planning).
+    """
+    try:
+        sources = known.paths.sources(known.plan, state_dict, _TRANSFORM)
+        copied = _host_buffers(sources)
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        known.armed = False
+        raise _NoGuess(f"the state dict no longer has the guessed plan's items ({exc!r})") \
+            from None
+    if copied is None:
+        raise _NoGuess("the state dict holds device tensors")
+    return sources, copied
+
+
+def _send_ahead(writer: DaemonStorageWriter, connection: DaemonConnection,
+                known: _Remembered) -> SentAhead | None:
+    """The STAGE of a copy with ``known``'s plan and descriptions, sent before its items
+    are looked up (the daemon answers meanwhile), naming the layout of the last guessed
+    save of the kind when it was staged with these very descriptions; ``None`` when
+    there is nothing to send it with (a first guess, a save streamed in several
+    requests) or a zero-stall save of the connection is still on its way (saves reach
+    the daemon in the order they were made)."""
+    buffers = known.buffers
+    if not knobs.DCP_STAGE_AHEAD.get() or buffers is None:
+        return None
+    if not handover_for(connection).idle():
+        return None
+    body = writer.whole_stage(known.plan, buffers)
+    if body is None:
+        return None
+    staged = known.staged_as
+    named = staged is not None and staged[0]() is connection and staged[1] is buffers
+    return SentAhead.send_body(connection, body, staged[2] if named else None)
+
+
 class GuessedCopy:
     """One blocking save's copy made with the remembered plan, until adopted or dropped."""
 
@@ -222,6 +277,7 @@ class GuessedCopy:
         self.saves = saves
         self.release = release
         self.sent_at = sent_at  # monotonic time the save was handed to the stager
+        self.staged_as: tuple | None = None  # (connection weakref, the buffers staged)
 
     @classmethod
     def start(cls, state_dict, writer: DaemonStorageWriter, planner: SavePlanner,
@@ -237,25 +293,27 @@ class GuessedCopy:
             return None
         plan = known.plan
         try:
-            sources = known.paths.sources(plan, state_dict, _TRANSFORM)
-            copied = _host_buffers(sources)
-        except (KeyError, IndexError, TypeError, AttributeError):
-            known.armed = False  # the structure changed: plan first
+            connection = writer.connection
+        except DaemonUnavailableError:
+            return None  # the ordinary staging meets it, after the planning collectives
+        ahead = _send_ahead(writer, connection, known)  # answered while items are looked up
+        try:
+            with dropped_on_error(ahead):
+                sources, copied = _look_up(known, state_dict)
+                buffers = _kept_descriptions(known, sources)
+        except _NoGuess as exc:
+            log.debug("no guessed copy: %s", exc)
             return None
-        if copied is None:
-            # Device tensors stage by their own route (the daemon copies them from IPC
-            # handles, with producer events): they are copied after planning, as before.
-            return None
-        buffers = _kept_descriptions(known, sources)
         release, sent_at = threading.Event(), time.monotonic()
         try:
             saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=copied,
                                  hold=release, buffers=buffers, caller_waits=True,
-                                 on_cpu=True)
+                                 on_cpu=True, ahead=ahead)
         except (DaemonRequestError, DaemonUnavailableError, ValueError) as exc:
             log.debug("no guessed copy: %s", exc)  # the ordinary staging meets it again
             return None
         copy = cls(key, known, sources, saves, release, sent_at)
+        copy.staged_as = (weakref.ref(connection), buffers)
         if known.wait_for_copy:
             try:
                 saves[0].copy_began.wait(knobs.DCP_GUESS_COPY_WAIT.get())
@@ -295,6 +353,8 @@ class GuessedCopy:
             # staged again, to fail exactly as a direct save does
             return self._drop(f"the guessed copy failed ({exc})")
         self._note_copy_start()
+        if len(self.saves) == 1 and self.staged_as is not None:
+            self.known.staged_as = (*self.staged_as, self.saves[0].request_id)
         return self.saves
 
     def drop(self, reason: str) -> None:

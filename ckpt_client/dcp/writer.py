@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptd.protocol import SaveFormat
+from ckptd.protocol import SaveFormat, Stage
 from ckpt_client.dcp.commit import commit_metadata, metadata_bytes
 from ckpt_client.dcp.files import DCP_SUFFIX, grouping, resolve_items
 from ckpt_client.dcp.stager import current_ticket, take_ticket
@@ -33,6 +33,7 @@ from ckpt_client.transport.connection import DaemonConnection, connect
 from ckpt_client.transport.daemon_save import DaemonSave
 from ckpt_client.transport.flatten import describe
 from ckpt_client.transport.handover import stage
+from ckpt_client.transport.sent_ahead import SentAhead, dropped_on_error
 
 
 class DaemonStorageWriter(_StorageWriterBase):
@@ -97,10 +98,35 @@ class DaemonStorageWriter(_StorageWriterBase):
                 for i, p in enumerate(plans)]
 
     # ------------------------------------------------------------------ writing
+    def _chunks(self, plan: SavePlan, buffers: list, connection: DaemonConnection) -> list:
+        """``[(members, files)]``: the requests a save of ``buffers`` is staged in (plan
+        item indices, ``[file name, [positions]]``), at least one file per daemon writer
+        and each request at most the pool's size; the file names carry a new token."""
+        token = secrets.token_hex(4)
+        chunks, number = [], 0
+        for members, file_positions in grouping(buffers, self.files_per_rank or connection.writers,
+                                                connection.pool_size):
+            files = []
+            for positions in file_positions:
+                files.append([f"{plan.storage_data.prefix}{token}_{number}{DCP_SUFFIX}",
+                              positions])
+                number += 1
+            chunks.append((members, files))
+        return chunks
+
+    def whole_stage(self, plan: SavePlan, buffers: list) -> Stage | None:
+        """The STAGE of a save of ``plan``'s items described by ``buffers`` (CPU tensors and
+        byte items), if it goes in one request; ``None`` if it is streamed in several.
+        Sent ahead, it is taken up by :meth:`stage` (``ahead``)."""
+        chunks = self._chunks(plan, buffers, self.connection)
+        if len(chunks) != 1:
+            return None
+        return Stage(format=SaveFormat.DCP, path=self.path, buffers=buffers, files=chunks[0][1])
+
     def stage(self, plan: SavePlan, planner: SavePlanner, zero_stall: bool = False,
               sources: list | None = None, hold: threading.Event | None = None,
               buffers: list | None = None, caller_waits: bool = False,
-              on_cpu: bool = False) -> tuple[DaemonSave, ...]:
+              on_cpu: bool = False, ahead: SentAhead | None = None) -> tuple[DaemonSave, ...]:
         """Hand this rank's items to the daemon; returns once they are staged (or queued,
         with ``zero_stall``).
 
@@ -113,37 +139,42 @@ class DaemonStorageWriter(_StorageWriterBase):
         only): nothing reaches the writers before it is set; ``caller_waits`` (zero-stall
         only): the caller waits for staging before it returns (see
         :func:`ckpt_client.transport.handover.stage`); ``on_cpu``: every source is a CPU
-        tensor (no CUDA export, no check of each source).
+        tensor (no CUDA export, no check of each source); ``ahead``: the STAGE of
+        :meth:`whole_stage`, sent before the sources were looked up (used if this save
+        is that one request, else dropped).
         """
-        if sources is None:
-            sources = resolve_items(plan, planner)
-        if buffers is None:
-            buffers = [describe(s) for s in sources]
-        connection = self.connection
-        token = secrets.token_hex(4)
-        grouped = grouping(buffers, self.files_per_rank or connection.writers,
-                           connection.pool_size)
-        saves, number = [], 0
-        for members, file_positions in grouped:
-            files = []
-            for positions in file_positions:
-                files.append([f"{plan.storage_data.prefix}{token}_{number}{DCP_SUFFIX}",
-                              positions])
-                number += 1
+        with dropped_on_error(ahead):
+            if sources is None:
+                sources = resolve_items(plan, planner)
+            if buffers is None:
+                buffers = [describe(s) for s in sources]
+            connection = self.connection
+            chunks = self._chunks(plan, buffers, connection)
+        if ahead is not None and len(chunks) == 1 and \
+                [f[1] for f in chunks[0][1]] == [f[1] for f in ahead.body.files]:
+            chunks = [(chunks[0][0], ahead.body.files)]  # the names the daemon was told
+        elif ahead is not None:
+            ahead.drop("the save's items go into other files than the STAGE sent ahead named")
+            ahead = None
+        saves = []
+        for members, files in chunks:
             # One chunk of everything: the very lists (a save whose buffers are the very
             # list of the save before finds its layout and pool views without a compare).
-            whole = len(grouped) == 1 and len(members) == len(sources)
+            whole = len(chunks) == 1 and len(members) == len(sources)
             try:
                 saves.append(stage(connection, SaveFormat.DCP, self.path,
                                    sources if whole else [sources[i] for i in members],
                                    files=files, zero_stall=zero_stall, hold=hold,
                                    buffers=buffers if whole else [buffers[i] for i in members],
-                                   caller_waits=caller_waits, on_cpu=on_cpu))
+                                   caller_waits=caller_waits, on_cpu=on_cpu,
+                                   ahead=ahead))
             except BaseException:
                 for earlier in saves:  # a save is whole or nothing: drop the chunks before
-                    earlier.abort(f"chunk {len(saves) + 1} of {len(grouped)} of the same save "
+                    earlier.abort(f"chunk {len(saves) + 1} of {len(chunks)} of the same save "
                                   "could not be staged (its error reaches the trainer)")
                 raise
+            finally:
+                ahead = None  # the one chunk's stage took it (used or dropped)
             saves[-1].items = members  # plan item index of each staged buffer
         return tuple(saves)
 

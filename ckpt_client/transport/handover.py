@@ -33,7 +33,7 @@ import torch
 
 from ckptd import protocol
 from ckpt_client.transport import waits
-from ckptd.protocol import ErrorCode, MessageType, Stage, Staged
+from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage, Staged
 from ckpt_client.errors import DaemonRequestError
 from ckpt_client.transport.background import BackgroundStager, failure_reason
 from ckpt_client.transport.connection import DaemonConnection
@@ -64,9 +64,9 @@ class StagingJob:
     #: the save's first poll, and the call returns one round trip sooner. The daemon
     #: still judges the staging deadline and answers the STAGED.
     confirm: bool = True
-    #: The msg id of this save's STAGE, sent ahead of the walk with no skeleton
-    #: (:mod:`ckpt_client.transport.sent_ahead`): the skeleton goes with STAGED.
-    ahead: int | None = None
+    #: This save's STAGE, sent ahead of the walk (:mod:`ckpt_client.transport.sent_ahead`):
+    #: a torch save's skeleton goes with STAGED. Dropped if the job ends before reading it.
+    ahead: SentAhead | None = None
     #: Every source is a CPU tensor (the caller knows it from its own walk): the copy is
     #: one call, with no check of each source.
     on_cpu: bool = False
@@ -102,6 +102,8 @@ class StagingJob:
         if save._cancelled:  # never reaches the daemon: nobody will open our exports
             if self.plan is not None:
                 self.plan.withdraw()
+            if self.ahead is not None:
+                self.ahead.drop(save.drop_reason or "the save was dropped before it was staged")
             return None
         silence = connection.not_answering
         if silence is not None and self.queued_at is not None and self.queued_at <= silence.since:
@@ -109,10 +111,12 @@ class StagingJob:
             # silent daemon, failed at once rather than after a staging wait of its own.
             if self.plan is not None:
                 self.plan.withdraw()
+            if self.ahead is not None:  # left for the daemon: it answers no one now
+                self.ahead.drop("the daemon did not answer")
             raise not_waited_for(connection)
         if self.ahead is not None:
             try:
-                reply = stage_reply(connection, self.ahead)
+                reply = stage_reply(connection, self.ahead.msg_id)
             except DaemonRequestError as exc:
                 if exc.code != ErrorCode.LAYOUT_UNKNOWN:
                     raise
@@ -122,7 +126,9 @@ class StagingJob:
                 reply = stage_reply(connection, connection.send(MessageType.STAGE, self.body))
         else:
             reply = stage_reply(connection, connection.send(MessageType.STAGE, self.body))
-        skeleton = self.body.skeleton if self.ahead is not None else None
+        # Only a torch save has a skeleton; one sent ahead sends it now.
+        skeleton = self.body.skeleton if self.ahead is not None and \
+            self.body.format == SaveFormat.TORCH else None
         save.request_id = reply.request_id
         save.accepted_at = time.monotonic()
         save.placements = reply.placements
@@ -305,7 +311,8 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         read them only once ``hold`` is set; a save aborted before is never written.
     ahead : SentAhead, optional
         This save's STAGE, sent before ``sources`` were known: used if it asked for what
-        this save needs, else dropped.
+        this save needs (and the save is not zero-stall, or ``caller_waits``), else
+        dropped.
     buffers : list, optional
         The ``[dtype, shape, nbytes]`` description of each source, when the caller has
         it already (else each source is described here).
@@ -355,7 +362,9 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
                          cuda=plan.specs if plan is not None else None, session=session,
                          iteration=iteration, stock_files=stock_files)
             save = DaemonSave(connection, None, body.path, body.files)
-            if ahead is not None and (zero_stall or plan is not None
+            # A zero-stall save returns before its STAGE: it never goes ahead of it,
+            # unless the caller itself waits for the staging (a DCP guessed copy).
+            if ahead is not None and ((zero_stall and not caller_waits) or plan is not None
                                       or not ahead.matches(body)):
                 ahead.drop("the save sent ahead had another layout than the state dict's")
                 ahead = None
@@ -366,7 +375,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
         # not: that call may return only once the daemon has the STAGED in hand.
         job = StagingJob(save, body, sources, plan, events, hold,
                          confirm=(zero_stall and not caller_waits) or connection.tiered,
-                         ahead=ahead.msg_id if ahead is not None else None, on_cpu=on_cpu,
+                         ahead=ahead, on_cpu=on_cpu,
                          background=zero_stall and not caller_waits)
         if zero_stall:
             handover.stager().submit(job)

@@ -1,4 +1,5 @@
-"""A torch-format save's STAGE, sent before the state dict is walked.
+"""A save's STAGE, sent before its state dict is walked (a torch save) or its items are
+looked up (a blocking DCP save's guessed copy, :mod:`ckpt_client.dcp.guessed_plan`).
 
 A training loop saves the same structure again and again: the same tensors, dtypes and
 shapes, only the values change. A STAGE needs nothing else (the skeleton, whose plain
@@ -16,12 +17,15 @@ request of the last save of its kind instead of repeating its thousand buffer de
 (the daemon keeps that layout), so the daemon decodes and checks almost nothing before it
 answers; a daemon that no longer keeps it refuses, and the save sends its buffers then.
 
-Owns the remembered layouts of each connection's default saves; knows nothing of copies.
+Owns the remembered layouts of each connection's default torch saves (the DCP guess
+keeps its own) and a STAGE sent ahead until a save takes it or drops it; knows nothing
+of copies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
 from typing import Any, Iterator
@@ -87,14 +91,21 @@ class SentAhead:
         if steady is None or not steady[1] or not may_send():
             return None
         body = Stage(format=SaveFormat.TORCH, path=os.path.abspath(path), buffers=steady[0])
+        return cls.send_body(connection, body, steady[3], kind=kind, layout=steady[2])
+
+    @classmethod
+    def send_body(cls, connection: DaemonConnection, body: Stage, layout_of: int | None, *,
+                  kind: tuple | None = None, layout: list | None = None) -> "SentAhead | None":
+        """Send ``body``'s STAGE now; with ``layout_of``, naming that earlier request of
+        the connection (whose buffers are ``body.buffers``) instead of sending them.
+        ``None`` if the daemon is gone (the ordinary STAGE meets and reports it)."""
         # A tiered daemon sizes its stage budget from the buffers: it gets them.
-        wire = body if steady[3] is None or connection.tiered else \
-            Stage(format=SaveFormat.TORCH, path=body.path, buffers=[], layout_of=steady[3])
+        wire = body if layout_of is None or connection.tiered else \
+            dataclasses.replace(body, buffers=[], layout_of=layout_of)
         try:
-            return cls(connection, kind, body, connection.send(MessageType.STAGE, wire),
-                       steady[2])
+            return cls(connection, kind, body, connection.send(MessageType.STAGE, wire), layout)
         except DaemonUnavailableError:
-            return None  # the ordinary STAGE meets (and reports) the same
+            return None
 
     def buffers_for(self, layout: list) -> list | None:
         """The buffers sent ahead if ``layout`` is the one they were made from (comparing
@@ -103,9 +114,11 @@ class SentAhead:
 
     def matches(self, body: Stage) -> bool:
         """Whether ``body`` asks for what was sent ahead, skeleton aside."""
-        return (body.buffers == self.body.buffers and body.path == self.body.path
-                and body.format == self.body.format and not body.files and body.cuda is None
-                and body.session is None and not body.stock_files)
+        sent = self.body
+        return (body.buffers == sent.buffers and body.path == sent.path
+                and body.format == sent.format and body.files == sent.files
+                and body.cuda is None and body.session is None
+                and body.stock_files == sent.stock_files)
 
     def drop(self, reason: str) -> None:
         """The save will not use it: once the daemon answered, abort and forget the

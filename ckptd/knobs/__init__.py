@@ -41,6 +41,7 @@ __all__ = [
     "STAGING_DEADLINE", "SAVE_DEADLINE", "WAIT_MARGIN", "LATE_RANK_GRACE", "SENT_AHEAD_KINDS",
     "TORCH_JOIN_BYTES", "TORCH_HEADS_KEPT", "TORCH_BODIES_KEPT", "DCP_FAST_PLAN", "DCP_GUESS_PLAN",
     "DCP_GUESS_KINDS", "DCP_GUESS_COPY_WAIT", "DCP_KEEP_DESCRIPTIONS", "DCP_GUESS_CACHED",
+    "DCP_STAGE_AHEAD",
 ]
 
 
@@ -311,7 +312,8 @@ POLL_HOLD_MAX = _knob("POLL_HOLD_MAX", 30.0, float, "Longest the daemon holds a 
 # saves of its kind (top-level keys) had; a trainer saves a handful of kinds (model,
 # optimizer, scheduler, ...) through one connection.
 SENT_AHEAD_KINDS = _knob("SENT_AHEAD_KINDS", 8, int, "Kinds of torch state dicts per "
-                         "connection whose layout is kept to send STAGE ahead (0: none)")
+                         "connection whose layout is kept to send STAGE ahead (0: none); "
+                         "the daemon keeps as many torch and DCP layouts per connection")
 DCP_FAST_PLAN = _knob("DCP_FAST_PLAN", True, parse_bool, "DCP saves with the default planner "
                       "plan the short way; 0: DCP's own planning (enable_cache still reuses plans)")
 # A blocking DCP save starts copying with the previous save's final plan while it plans,
@@ -328,6 +330,11 @@ DCP_GUESS_KINDS = _knob("DCP_GUESS_KINDS", 8, int, "Kinds of DCP state dicts per
 # kind plan at once instead, until a copy begins that soon again.
 DCP_GUESS_COPY_WAIT = _knob("DCP_GUESS_COPY_WAIT", 0.05, float, "Seconds a blocking DCP save "
                             "waits for its guessed copy to begin before it plans")
+# A guessed copy's STAGE goes out before its items are looked up, naming the previous
+# guessed save's layout (the daemon keeps it), so the daemon's answer overlaps the lookups.
+DCP_STAGE_AHEAD = _knob("DCP_STAGE_AHEAD", True, parse_bool, "A blocking DCP save's guessed "
+                        "copy sends its STAGE, naming the last such save's layout, before it "
+                        "looks its items up")
 # A DCP save whose plan and byte-item sizes are the previous save's stages with the very
 # description list of that save: its file grouping, extent layout and pool views are then
 # found by identity instead of a pass over every item.

@@ -76,10 +76,11 @@ class Stage(Body, message="stage"):
     ``buffers`` lists ``[dtype, shape, nbytes]`` in staging order; ``files`` (DCP) maps
     each output file name to the buffer indices it holds; ``cuda`` (mixed transport) has
     one entry per buffer: an IPC spec the daemon copies from, or None for a buffer the
-    trainer copies into shared memory itself. ``layout_of`` (torch saves, instead of
-    ``buffers``): the buffers are those of this connection's earlier request of that id;
-    the daemon keeps the last few torch saves' layouts per connection and refuses with
-    ``layout_unknown`` one it no longer keeps (the trainer then sends the buffers).
+    trainer copies into shared memory itself. ``layout_of`` (torch and DCP saves, instead
+    of ``buffers``): the buffers are those of this connection's earlier request of that
+    id; the daemon keeps the last few such saves' layouts per connection and refuses with
+    ``layout_unknown`` one it no longer keeps (the trainer then sends the buffers). A DCP
+    save's ``files`` still come with it: their names change every save.
     """
     format: str = check(lambda v: v in (SaveFormat.TORCH, SaveFormat.DCP, SaveFormat.LOCAL),
                         "one of torch, dcp, local")
@@ -95,23 +96,39 @@ class Stage(Body, message="stage"):
     layout_of: int | None = check(_non_negative, "a request id >= 0", None)
 
     def check_together(self) -> None:
-        """File entries name existing buffers; a local part names its iteration; a layout
-        named by ``layout_of`` comes alone (a torch save's, with no buffers)."""
-        if self.layout_of is not None and (self.buffers or self.format != SaveFormat.TORCH
-                                           or self.cuda is not None):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: 'layout_of' names a torch "
-                                "save's whole layout: send it without buffers or cuda specs")
-        for name, indices in self.files:
-            if any(i >= len(self.buffers) for i in indices):
-                raise ProtocolError(ErrorCode.BAD_REQUEST,
-                                    f"stage: file {name!r} names a buffer beyond the "
-                                    f"{len(self.buffers)} described")
+        """File entries name existing buffers (those of a named layout are checked once
+        it is looked up); a local part names its iteration; a layout named by
+        ``layout_of`` comes alone (a torch or DCP save's, with no buffers)."""
+        if self.layout_of is not None:
+            if self.buffers or self.cuda is not None or self.format not in (SaveFormat.TORCH,
+                                                                            SaveFormat.DCP):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: 'layout_of' names a torch "
+                                    "or DCP save's whole layout: send it without buffers or "
+                                    "cuda specs")
+        else:
+            self.check_files()
         if self.format == SaveFormat.LOCAL and self.iteration is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: a local part needs 'iteration'")
         if self.cuda is not None and (len(self.cuda) != len(self.buffers) or not all(
                 spec is None or isinstance(spec, dict) for spec in self.cuda)):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "stage: 'cuda' needs one entry (a spec "
                                 "or null) per buffer, in order")
+
+    def check_files(self) -> None:
+        """Every file entry names buffers of ``buffers`` (the daemon calls it again once
+        a named layout's buffers are in).
+
+        Raises
+        ------
+        ProtocolError
+            BAD_REQUEST naming the first file that names a buffer beyond them.
+        """
+        count = len(self.buffers)
+        for name, indices in self.files:
+            if any(i >= count for i in indices):
+                raise ProtocolError(ErrorCode.BAD_REQUEST,
+                                    f"stage: file {name!r} names a buffer beyond the "
+                                    f"{count} described")
 
 
 class Staged(Body, message="staged"):

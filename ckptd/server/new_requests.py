@@ -13,7 +13,7 @@ import os
 import dataclasses
 
 from ckptd import knobs, protocol
-from ckptd.protocol import Abort, ErrorCode, Phase, SaveFormat, Stage
+from ckptd.protocol import Abort, ErrorCode, Phase, ProtocolError, SaveFormat, Stage
 from ckptd.server.endpoint import RequestError
 from ckptd.server.lifecycle import CLIENT_COPY, DEVICE_COPY
 from ckptd.server.ranks import RankInfo
@@ -52,7 +52,14 @@ def _with_kept_layout(rank: RankInfo, body: Stage) -> Stage:
         raise RequestError(ErrorCode.LAYOUT_UNKNOWN,
                            f"rank {rank.rank}: the layout of request {body.layout_of} is not "
                            "kept any more", "send the STAGE with its buffers")
-    return dataclasses.replace(body, buffers=kept[0])
+    body = dataclasses.replace(body, buffers=kept[0])
+    try:
+        body.check_files()  # a DCP save's files came with the name, unchecked
+    except ProtocolError as exc:
+        raise RequestError(exc.code, f"rank {rank.rank}: {exc.message} by the layout of "
+                                     f"request {body.layout_of}",
+                           "send the STAGE with its buffers") from None
+    return body
 
 
 def _layout_of(rank: RankInfo, body: Stage) -> tuple[list, int]:
@@ -64,7 +71,7 @@ def _layout_of(rank: RankInfo, body: Stage) -> tuple[list, int]:
 
 
 def _keep_layout(rank: RankInfo, request: SaveRequest) -> None:
-    """Keep a torch save's layout for the next save of the same structure to name."""
+    """Keep a torch or DCP save's layout for the next save of the same structure to name."""
     layouts = rank.layouts
     layouts[request.id] = (request.buffers, request.offsets, request.extent_length)
     while len(layouts) > max(knobs.SENT_AHEAD_KINDS.get(), 0):
@@ -102,7 +109,7 @@ def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:
         # Known now, so the coordinator can hand its commit over at staging time.
         request.placements = predict_placements(body.buffers, body.files,
                                                 request.stock_files)
-    if body.format == SaveFormat.TORCH and not tiered:
+    if body.format in (SaveFormat.TORCH, SaveFormat.DCP) and not tiered:
         _keep_layout(rank, request)
     return request
 

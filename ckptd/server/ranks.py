@@ -27,7 +27,7 @@ class RankInfo:
     world_size: int
     registered_at: float = field(default_factory=time.time)
     #: request id -> (buffers, offsets, extent length) of this connection's last torch
-    #: saves, which a later STAGE may name instead of sending its buffers again
+    #: and DCP saves, which a later STAGE may name instead of sending its buffers again
     #: (:mod:`ckptd.server.new_requests` names and keeps them).
     layouts: OrderedDict = field(default_factory=OrderedDict)
 

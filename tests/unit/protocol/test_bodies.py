@@ -93,15 +93,21 @@ def test_a_stage_body_is_checked_field_by_field_and_as_a_whole():
     assert mixed.cuda == [None]
 
 
-def test_a_stage_may_name_an_earlier_torch_saves_layout_instead_of_its_buffers():
-    """``layout_of`` stands for a torch save's whole layout: alone, never beside buffers,
-    CUDA specs or in another format, and never a negative id."""
+def test_a_stage_may_name_an_earlier_saves_layout_instead_of_its_buffers():
+    """``layout_of`` stands for a torch or DCP save's whole layout: alone, never beside
+    buffers, CUDA specs or for a local part, and never a negative id. A DCP save's files
+    come with it, their buffer indices checked only once the daemon looked the layout up
+    (:meth:`Stage.check_files`)."""
     named = {"format": "torch", "path": "/ckpt/m.pt", "buffers": [], "layout_of": 7}
     assert protocol.Stage.from_wire(named).layout_of == 7
     assert protocol.Stage.from_wire({**named, "layout_of": None}).layout_of is None
+    dcp = protocol.Stage.from_wire({**named, "format": "dcp", "files": [["a.distcp", [0, 5]]]})
+    assert dcp.layout_of == 7 and dcp.files == [["a.distcp", [0, 5]]]
+    with pytest.raises(ProtocolError, match="'a.distcp' names a buffer beyond the 0"):
+        dcp.check_files()
     for change, needle in (({"buffers": [["int8", [1], 1]]}, "without buffers"),
                            ({"cuda": []}, "without buffers or cuda"),
-                           ({"format": "dcp"}, "a torch save's"),
+                           ({"format": "local", "iteration": 1}, "a torch or DCP save's"),
                            ({"layout_of": -1}, "'layout_of'")):
         with pytest.raises(ProtocolError, match=needle) as info:
             protocol.Stage.from_wire({**named, **change})

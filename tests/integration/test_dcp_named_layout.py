@@ -1,0 +1,169 @@
+"""A blocking DCP save's guessed copy sends its STAGE before it looks its items up, naming
+the layout of the last guessed save instead of sending a thousand buffer descriptions.
+
+Real daemons, one trainer process. The STAGE is watched where it leaves the trainer
+(``DaemonConnection.send``): which layout it names, how many buffers it carries and which
+thread sent it (a STAGE that went ahead leaves from the calling thread; the ordinary one
+from the connection's staging thread, once the items are looked up). Every checkpoint
+must load through stock ``dcp.load`` with its own call's values, whichever way its STAGE
+went, and nothing may stay held in the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from conftest import wait_for
+from test_dcp_guessed_copy import assert_loads, save
+from ckpt_client import AsyncCallsQueue
+from ckpt_client.errors import DaemonRequestError
+from ckpt_client.transport.connection import DaemonConnection, connect
+from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage
+
+
+def state_at(step: int, note: str = "steady") -> dict:
+    """A training state whose values change every step and whose pickled non-tensor
+    leaves keep their sizes (``note`` aside)."""
+    gen = torch.Generator().manual_seed(step)
+    return {"model": {f"layer{i}.weight": torch.randn(32, 16, generator=gen)
+                      for i in range(6)},
+            "optim": {"step": step, "lr": 0.1 / (step + 1), "note": note,
+                      "moments": [torch.randn(16, generator=gen) for _ in range(3)]}}
+
+
+def record_stages(monkeypatch) -> list:
+    """Per STAGE sent from now on: (layout it names, buffers it carries, sent by the
+    calling thread)."""
+    stages, real_send = [], DaemonConnection.send
+
+    def spy(self, msg_type, body=None, frames=()):
+        if msg_type == MessageType.STAGE:
+            stages.append((body.layout_of, len(body.buffers),
+                           threading.current_thread() is threading.main_thread()))
+        return real_send(self, msg_type, body, frames)
+
+    monkeypatch.setattr(DaemonConnection, "send", spy)
+    return stages
+
+
+@pytest.fixture(autouse=True)
+def fresh_guesses(monkeypatch):
+    """Each test starts with no remembered plan (they are kept per process)."""
+    from ckpt_client.dcp import guessed_plan
+
+    monkeypatch.setattr(guessed_plan, "_remembered", {})
+    monkeypatch.setattr(guessed_plan, "_never", set())
+
+
+def assert_nothing_held(daemon) -> None:
+    wait_for(lambda: daemon.status()["pool"]["used_bytes"] == 0, 30, "every extent freed")
+    assert [r for r in daemon.status()["requests"] if r["phase"] not in ("done", "aborted")] == []
+
+
+BUFFERS = 6 + 3 + 3  # tensors, then the step, lr and note leaves
+
+
+def test_a_guessed_copy_names_the_last_guessed_layout_before_its_lookups(daemon, monkeypatch):
+    """Save 1 plans first and stages on the calling thread; save 2 is the first guess (its
+    descriptions are made then, so its STAGE carries them, from the staging thread after
+    the lookups); from save 3 on the STAGE leaves the calling thread before the lookups
+    and names the request of the save before."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stages = record_stages(monkeypatch)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    for step in range(1, 5):
+        save(queue, state_at(step), os.path.join(root, f"s{step}"))
+    assert stages[:2] == [(None, BUFFERS, True), (None, BUFFERS, False)]
+    named = stages[2:]
+    assert [(n[1], n[2]) for n in named] == [(0, True)] * 2, stages
+    assert all(isinstance(n[0], int) for n in named) and named[0][0] < named[1][0]
+    for step in range(1, 5):
+        assert_loads(os.path.join(root, f"s{step}"), state_at(step))
+    assert_nothing_held(daemon)
+    queue.close()
+
+
+def test_a_layout_the_daemon_no_longer_keeps_is_sent_whole(start_daemon, monkeypatch):
+    """A daemon that keeps no layouts (``CKPTD_SENT_AHEAD_KINDS=0`` in its environment
+    only) refuses the name as unknown; the staging thread sends the buffers then."""
+    daemon = start_daemon(env={"CKPTD_SENT_AHEAD_KINDS": "0"})
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stages = record_stages(monkeypatch)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    for step in range(1, 5):
+        save(queue, state_at(step), os.path.join(root, f"s{step}"))
+    named = [s for s in stages if s[0] is not None]
+    assert len(named) == 2 and all(s[1:] == (0, True) for s in named), stages
+    assert stages[2:] == [named[0], (None, BUFFERS, False), named[1], (None, BUFFERS, False)]
+    for step in range(1, 5):
+        assert_loads(os.path.join(root, f"s{step}"), state_at(step))
+    assert_nothing_held(daemon)
+    queue.close()
+
+
+def test_a_leaf_that_changes_size_drops_the_stage_sent_ahead(daemon, monkeypatch):
+    """A non-tensor leaf whose pickled size changes makes other descriptions than those
+    the STAGE sent ahead with: that request is dropped unwritten, the copy is staged
+    with the new ones, and the checkpoint holds the new value."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stages = record_stages(monkeypatch)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    for step in range(1, 4):
+        save(queue, state_at(step), os.path.join(root, f"s{step}"))
+    assert stages[-1][1:] == (0, True)
+    grown = state_at(4, note="a longer note than before " * 200)
+    save(queue, grown, os.path.join(root, "s4"))
+    assert stages[-2][1:] == (0, True) and stages[-1] == (None, BUFFERS, False), stages
+    assert_loads(os.path.join(root, "s4"), grown)
+    assert sorted(os.listdir(root)) == [f"s{step}" for step in range(1, 5)]
+    assert_nothing_held(daemon)
+    queue.close()
+
+
+def test_a_guess_never_names_a_layout_of_another_daemon(start_daemon, monkeypatch):
+    """The trainer moves to another daemon (another socket, as after a restart): the
+    layout it kept is that of a request of the first daemon, so its first STAGE there
+    (still sent ahead of the lookups) carries the buffers."""
+    first, second = start_daemon(), start_daemon()
+    monkeypatch.setenv("CKPTD_SOCKET", first.socket)
+    stages = record_stages(monkeypatch)
+    queue = AsyncCallsQueue()
+    for step in range(1, 4):
+        save(queue, state_at(step), os.path.join(first.roots[0], f"s{step}"))
+    assert stages[-1][1:] == (0, True)
+    monkeypatch.setenv("CKPTD_SOCKET", second.socket)
+    save(queue, state_at(4), os.path.join(second.roots[0], "s4"))
+    assert stages[-1] == (None, BUFFERS, True), stages
+    assert_loads(os.path.join(second.roots[0], "s4"), state_at(4))
+    assert_nothing_held(second)
+    queue.close()
+
+
+def test_a_named_dcp_layout_checks_its_files_against_the_kept_buffers(daemon, monkeypatch):
+    """The daemon checks a DCP STAGE's files against the buffers of the layout it names
+    (they cannot be checked before): a file naming a buffer past them is refused, and a
+    name the daemon never kept is refused as unknown."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stages = record_stages(monkeypatch)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    for step in range(1, 4):
+        save(queue, state_at(step), os.path.join(root, f"s{step}"))
+    kept = stages[-1][0]
+    connection = connect(daemon.socket)
+    body = Stage(format=SaveFormat.DCP, path=os.path.join(root, "bad"), buffers=[],
+                 files=[["__0_x_0.distcp", [0, BUFFERS]]], layout_of=kept)
+    with pytest.raises(DaemonRequestError, match=f"beyond the {BUFFERS} described") as info:
+        connection.call(MessageType.STAGE, body, timeout=30)
+    assert info.value.code == ErrorCode.BAD_REQUEST
+    with pytest.raises(DaemonRequestError, match="not kept") as info:
+        connection.call(MessageType.STAGE, Stage(
+            format=SaveFormat.DCP, path=os.path.join(root, "bad"), buffers=[],
+            files=[["__0_x_0.distcp", [0]]], layout_of=10**6), timeout=30)
+    assert info.value.code == ErrorCode.LAYOUT_UNKNOWN
+    assert not os.path.exists(os.path.join(root, "bad"))
+    assert_nothing_held(daemon)
+    queue.close()
