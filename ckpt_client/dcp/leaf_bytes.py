@@ -21,6 +21,11 @@ _NUMBERS = frozenset({int, bool, float, type(None)})
 #: floats: 3.4 ms for the key against 2.3 ms to pickle); the leaves worth it are short
 #: (betas, a few counters).
 MAX_KEYED_ENTRIES = 64
+#: The longest list or tuple of plain ints given a key nonetheless: its key is the same
+#: ints as a tuple, made at C speed (an optimizer param group's 230 ids: 10 µs against
+#: 0.26 ms to pickle). Longer lists would pickle past :data:`MAX_KEPT_BYTES`, unkept.
+MAX_KEYED_INTS = 8192
+_INTS = {int}
 #: The largest ``torch.save`` bytes kept for the next save: kept bytes (and the key, which
 #: holds the value) live until then, and a large leaf costs little to pickle per byte.
 MAX_KEPT_BYTES = 64 * 1024
@@ -36,7 +41,8 @@ def exact_key(value: Any) -> tuple | None:
 
     Floats go by their exact bits; a short list or tuple only of numbers qualifies
     (strings in one could be one object twice, which pickles differently from two equal
-    ones); a long string or bytes does not (the key would keep it alive).
+    ones), and a longer one only of plain ints (id lists); a long string or bytes does not
+    (the key would keep it alive).
     """
     kind = type(value)
     if kind in _EXACT_SCALARS or ((kind is str or kind is bytes)
@@ -49,6 +55,11 @@ def exact_key(value: Any) -> tuple | None:
             if type(entry) not in _NUMBERS or entry != entry:
                 return None
         return (kind, tuple((type(e), e.hex() if type(e) is float else e) for e in value))
+    # Ints pickle by value alone (no memo, and bools are not ints here): equal tuples of
+    # them pickle alike. The key has three entries, so it never equals a short list's.
+    if (kind is list or kind is tuple) and len(value) <= MAX_KEYED_INTS \
+            and set(map(type, value)) == _INTS:
+        return (kind, int, tuple(value))
     return None
 
 
