@@ -5,8 +5,9 @@ walks it twice: once to flatten, once more for sharded tensors), one ``WriteItem
 leaf, deduplication across ranks, index hints and the global metadata, then each item's
 data looked up again by its key. For the thousand-odd leaves of a training state that is
 tens of µs per tensor, most of what a blocking save costs over the copy. This module owns
-the short route for the default planner: one walk that flattens and plans, a global plan
-built directly, and item data taken from the flattened dict.
+the short route for the default planner: one walk that flattens and plans (in
+:mod:`ckpt_client.dcp.fast_local`), a global plan built directly, and item data taken
+from the flattened dict.
 
 Every function here yields objects equal to what ``DefaultSavePlanner`` makes, built in
 the same order from the same values (so they pickle byte for byte alike: the
@@ -22,41 +23,30 @@ from __future__ import annotations
 import dataclasses
 import io
 from collections import ChainMap, defaultdict
-from collections.abc import Mapping
-from typing import Any
+from operator import is_
 
 import torch
 from torch._utils import _element_size
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import _version
-from torch.distributed.checkpoint.default_planner import (DefaultSavePlanner,
-                                                          create_default_local_save_plan)
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, MetadataIndex, TensorProperties,
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (SavePlan, SavePlanner, TensorWriteData,
                                                   WriteItem, WriteItemType)
 
 from ckptd import knobs
+from ckpt_client.dcp.fast_local import PLAIN_TENSORS as _PLAIN_TENSORS
+from ckpt_client.dcp.fast_local import local_plan, tensor_item  # noqa: F401 (this route's API)
 from ckpt_client.dcp.leaf_bytes import exact_key, save_settings, worth_keeping
-from ckpt_client.dcp.planner_methods import is_stock, keeps_default_methods
+from ckpt_client.dcp.planner_methods import keeps_default_methods
 
-#: Exact types the short route plans as plain tensors (a subclass may plan itself).
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-#: Exact types that are never containers, tensors or self-planning objects.
-_SCALARS = frozenset({int, float, str, bytes, bool, complex, type(None)})
 _TENSOR = WriteItemType.TENSOR
 _BYTE_IO = WriteItemType.BYTE_IO
-_CONTIGUOUS = torch.contiguous_format
 
 #: The planner methods each route reproduces; a planner overriding one plans DCP's way.
 _LOCAL = ("set_up_planner", "create_local_plan")
 _GLOBAL = ("create_global_plan", "_create_global_plan", "_dedup_save_plans")
 _RESOLVE = ("resolve_data", "lookup_object", "transform_object")
-
-
-class _Fallback(Exception):
-    """Something the short route does not reproduce: DCP's own code handles it."""
 
 
 def _default_methods(planner: SavePlanner, names: tuple) -> bool:
@@ -90,172 +80,31 @@ def resolves(planner: SavePlanner) -> bool:
             and not _tensors_plan_themselves())
 
 
-# ------------------------------------------------------------------ the local plan
-
-def _flatten(state_dict: Mapping) -> tuple[dict, dict]:
-    """DCP's ``flatten_state_dict`` (its traversal rules exactly), with exact-type checks
-    before the abstract ones it makes on every value."""
-    flat: dict = {}
-    mappings: dict = {}
-
-    def terminal(value: Any) -> bool:  # DCP's rule: a list is a leaf unless it holds
-        if isinstance(value, Mapping):  # a tensor or a container that is not a leaf
-            return False
-        if not isinstance(value, list):
-            return True
-        for entry in value:
-            if isinstance(entry, (Mapping, list)) and not terminal(entry):
-                return False
-            if isinstance(entry, torch.Tensor):
-                return False
-        return True
-
-    def visit(path: tuple, value: Any) -> None:
-        fqn = ".".join(map(str, path))
-        if fqn in flat:
-            raise _Fallback  # DCP raises its own error for the duplicated key
-        flat[fqn] = value
-        mappings[fqn] = path
-
-    def walk(path: tuple, value: Any) -> None:
-        kind = type(value)
-        if kind in _SCALARS or kind in _PLAIN_TENSORS:
-            visit(path, value)
-        elif kind is dict or isinstance(value, Mapping):
-            for key, entry in value.items():
-                walk(path + (str(key),), entry)
-        elif terminal(value):
-            visit(path, value)
-        elif isinstance(value, (list, tuple)):
-            for number, entry in enumerate(value):
-                walk(path + (number,), entry)
-
-    try:
-        for key, value in state_dict.items():
-            walk((str(key),), value)
-    finally:
-        walk = terminal = None  # they call themselves through their cells: no garbage cycle
-    return flat, mappings
-
-
-def tensor_item(fqn: str, sizes: torch.Size, size: torch.Size, dtype: torch.dtype,
-                layout: torch.layout, requires_grad: bool, pin_memory: bool) -> WriteItem:
-    """DCP's ``_create_write_item_for_tensor``, its objects made in the same way (the
-    chunk's ``sizes`` and the tensor's ``size`` are two equal objects, as DCP's two
-    ``tensor.size()`` calls make them)."""
-    offsets = torch.Size([0] * len(size))
-    return WriteItem(
-        index=MetadataIndex(fqn, offsets), type=_TENSOR,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-            properties=TensorProperties(dtype=dtype, layout=layout,
-                                        requires_grad=requires_grad,
-                                        memory_format=_CONTIGUOUS, pin_memory=pin_memory),
-            size=size))
-
-
-def _tensor_item(fqn: str, tensor: torch.Tensor) -> WriteItem:
-    return tensor_item(fqn, tensor.size(), tensor.size(), tensor.dtype, tensor.layout,
-                       tensor.requires_grad, tensor.is_pinned())
-
-
-def _as_made(item: WriteItem) -> tuple:
-    """``item`` with copies of its description's mutable fields as it was made: the
-    description's objects are not frozen, and a planner or storage writer may edit
-    them in place after planning (a changed value shows; an equal one of another type,
-    which no DCP code makes, would not)."""
-    data = item.tensor_data
-    return item, dict(vars(data.properties)), dict(vars(data.chunk))
-
-
-def _intact(entry: tuple) -> bool:
-    data = entry[0].tensor_data
-    return vars(data.properties) == entry[1] and vars(data.chunk) == entry[2]
-
-
-def _renamed(item: WriteItem, fqn: str) -> WriteItem:
-    """``item`` under an equal key string of its own (the tensor's description is the
-    same objects: nothing else in a plan refers to them)."""
-    return WriteItem(index=MetadataIndex(fqn, item.index.offset), type=item.type,
-                     tensor_data=item.tensor_data)
-
+# ------------------------------------------------------------------ the global plan
 
 class _LastSave:
-    """What the previous save made that the next one may hand out again: its tensor
-    items, keyed by everything DCP reads to make one (so a hit is the very item DCP
-    would make again), each one's item in the global plan (DCP's rewrite of an item
-    depends on the item alone once its key is known to be planned once), and the
-    ``torch.save`` bytes of its immutable non-tensor leaves, keyed by the exact value
-    and the serialization settings. Only the previous save's entries are kept, so a
-    changed structure leaves nothing behind. Nothing here refers to a tensor."""
+    """What the previous save made that the next one may hand out again: each tensor
+    item's item in the global plan (DCP's rewrite of an item depends on the item alone
+    once its key is known to be planned once), and the ``torch.save`` bytes of its
+    immutable non-tensor leaves, keyed by the exact value and the serialization
+    settings. Only the previous save's entries are kept, so a changed structure leaves
+    nothing behind. Nothing here refers to a tensor."""
 
     def __init__(self) -> None:
-        self.items: dict = {}
         self.pickled: dict = {}
         #: id(local item) -> (that item, its item in the global plan): the id is only
         #: trusted while the entry holds the item itself alive. ``finals`` for the
         #: coordinator's global plan, ``own_finals`` for a rank rebuilding its own.
         self.finals: dict = {}
         self.own_finals: dict = {}
+        #: A single-rank save's (local items, final items, metadata keys, metadata
+        #: entries, their fields as made): what :func:`_again` hands out again.
+        self.single: tuple | None = None
 
 
 _LAST = _LastSave()
 _NOTHING = (None, None)
 
-
-def local_plan(planner: DefaultSavePlanner, state_dict: Any,
-               is_coordinator: bool) -> SavePlan | None:
-    """``planner.set_up_planner(state_dict, ...)`` then ``planner.create_local_plan()``,
-    leaving the planner as they do; ``None`` (planner untouched) where DCP's own walk
-    must run (a sharded tensor, a duplicated key, a non-dict state dict)."""
-    if type(state_dict) is not dict:
-        return None
-    try:
-        flat, mappings = _flatten(state_dict)
-    except _Fallback:
-        return None
-    # Only stock DCP's own planner gets the previous save's items: a subclass (or any
-    # later step) may edit them in place (torch's FP16 planner rewrites each dtype), and
-    # a hit is checked against its key for edits made anyway.
-    shares = is_stock(planner)
-    known, made = (_LAST.items if shares else {}), {}
-    items: list = []
-    # DCP's plan shares each key's string between the item, the flattened dict and the
-    # mappings (and, for a top-level key, with the path): a reused item brings its own
-    # string, so the dicts take that one, or the item is renamed, to pickle alike.
-    keyed, paths = {}, {}
-    for fqn, value in flat.items():
-        path = mappings[fqn]
-        kind = type(value)
-        if kind in _PLAIN_TENSORS:
-            key = (fqn, value.size(), value.dtype, value.layout, value.requires_grad,
-                   value.is_pinned())
-            entry = known.get(key)
-            if entry is None or not _intact(entry):
-                entry = _as_made(_tensor_item(fqn, value))
-            item = entry[0]
-            if item.index.fqn is not fqn:
-                if len(path) == 1:  # DCP's key is the path's own string here
-                    item = _renamed(item, fqn)
-                    entry = (item,) + entry[1:]  # the same description
-                else:
-                    fqn = item.index.fqn
-            made[key] = entry
-            items.append(item)
-        elif isinstance(value, ShardedTensor):
-            return None  # DCP rewrites nested sharded tensors before planning
-        else:  # DTensor, subclasses, objects: DCP's own code for this one entry
-            items.extend(create_default_local_save_plan({fqn: value}, is_coordinator).items)
-        keyed[fqn], paths[fqn] = value, path
-    _LAST.items = made if shares else {}
-    planner.mappings = paths
-    planner.state_dict = keyed
-    planner.is_coordinator = is_coordinator
-    planner.plan = SavePlan(items, planner_data=paths)
-    return planner.plan
-
-
-# ------------------------------------------------------------------ the global plan
 
 def _replacer(cls: type, name: str):
     """``dataclasses.replace(obj, name=value)`` for ``cls``, without its generic checks."""
@@ -331,7 +180,41 @@ def global_plan(planner: DefaultSavePlanner, all_plans: list[SavePlan]
     """``planner.create_global_plan(all_plans)``, leaving the planner as it does; ``None``
     (planner untouched) where DCP's own code must run: items that are not whole plain
     tensors or byte items, keys that collide, anything DCP validates or refuses."""
+    made = _again(all_plans) or _planned(all_plans, planner.dedup_save_to_lowest_rank)
+    if made is None:
+        return None
+    plans, md = made
+    metadata = Metadata(md)
+    if planner.flatten_state_dict:  # a ChainMap of one map lists it as it is: 0.2 ms less
+        maps = [p.planner_data for p in plans]
+        merged = dict(maps[0]) if len(maps) == 1 else dict(ChainMap(*maps))
+        metadata = dataclasses.replace(metadata, planner_data=merged)
+    planner.global_plan = plans
+    planner.metadata = metadata
+    return plans, metadata
+
+
+def _again(all_plans: list[SavePlan]) -> tuple[list[SavePlan], dict] | None:
+    """A single rank's global plan and metadata entries made of the previous ones, when
+    its local items are the very items of the previous single-rank save (the local walk
+    hands them out again while DCP would make equal ones): the same final items, and
+    the same metadata entries while each is as it was made (they are not frozen)."""
+    last = _LAST.single
+    if last is None or len(all_plans) != 1 or type(all_plans[0]) is not SavePlan:
+        return None
+    plan = all_plans[0]
+    items, finals, fqns, entries, fields = last
+    if (len(plan.items) != len(items) or not all(map(is_, plan.items, items))
+            or list(map(vars, entries)) != fields):
+        return None
+    return [_with_items(plan, list(finals))], dict(zip(fqns, entries))
+
+
+def _planned(all_plans: list[SavePlan], to_lowest_rank: bool
+             ) -> tuple[list[SavePlan], dict] | None:
+    """The global plan and the metadata entries DCP makes, item by item."""
     finals = _LAST.finals
+    _LAST.single = None
     for plan in all_plans:
         if type(plan) is not SavePlan:
             return None
@@ -345,10 +228,11 @@ def global_plan(planner: DefaultSavePlanner, all_plans: list[SavePlan]
                     return None
             elif item.type is not _BYTE_IO:
                 return None
-    kept = _dedup(all_plans, planner.dedup_save_to_lowest_rank)
+    kept = _dedup(all_plans, to_lowest_rank)
     md: dict = {}
     plans = []
     made: dict = {}
+    fields = []  # each metadata entry's fields as made (the chunk list a copy)
     for plan, items in zip(all_plans, kept):
         new_items = []
         for item in items:
@@ -357,11 +241,14 @@ def global_plan(planner: DefaultSavePlanner, all_plans: list[SavePlan]
                 return None  # DCP refuses a key planned twice
             if item.type is _BYTE_IO:
                 md[fqn] = BytesStorageMetadata()
+                fields.append({})
                 new_items.append(item)
                 continue
             data = item.tensor_data
             md[fqn] = TensorStorageMetadata(properties=data.properties, size=data.size,
                                             chunks=[data.chunk])
+            fields.append({"properties": data.properties, "size": data.size,
+                           "chunks": [data.chunk]})
             known = finals.get(id(item), _NOTHING)
             final = (known[1] if known[0] is item
                      else _with_index(item, MetadataIndex(fqn, item.index.offset, 0)))
@@ -369,14 +256,10 @@ def global_plan(planner: DefaultSavePlanner, all_plans: list[SavePlan]
             new_items.append(final)
         plans.append(_with_items(plan, new_items))
     _LAST.finals = made
-    metadata = Metadata(md)
-    if planner.flatten_state_dict:  # a ChainMap of one map lists it as it is: 0.2 ms less
-        maps = [p.planner_data for p in plans]
-        merged = dict(maps[0]) if len(maps) == 1 else dict(ChainMap(*maps))
-        metadata = dataclasses.replace(metadata, planner_data=merged)
-    planner.global_plan = plans
-    planner.metadata = metadata
-    return plans, metadata
+    if len(all_plans) == 1:
+        _LAST.single = (tuple(all_plans[0].items), tuple(plans[0].items), tuple(md),
+                        tuple(md.values()), fields)
+    return plans, md
 
 
 def final_items(items: list) -> list:

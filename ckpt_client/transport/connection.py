@@ -46,7 +46,7 @@ from ckptd.protocol import process_alive
 from ckpt_client.collectives import initialized, rank_and_world
 from ckpt_client.errors import (DaemonNotAnsweringError, DaemonReplyError, DaemonRequestError,
                                DaemonUnavailableError)
-from ckpt_client.transport import waits
+from ckpt_client.transport import pid_watch, waits
 from ckpt_client.transport.autostart import start_local_daemon
 from ckpt_client.transport.silence import AnswerWatch, Silence
 
@@ -381,7 +381,7 @@ def connect(socket: str | os.PathLike | None = None, auto_start: bool | None = N
     explicit = bool(socket) or bool(os.environ.get(protocol.SOCKET_ENV))
     socket_path = protocol.resolve_socket_path(socket)
     cached = _connections.get(socket_path)
-    if cached is not None and process_alive(cached.daemon_pid):
+    if cached is not None and pid_watch.alive(cached.daemon_pid):  # on every call: cheap
         return cached
     if cached is not None:
         cached.close()

@@ -1,0 +1,62 @@
+"""Whether the daemon process is still alive, asked cheaply enough for every connect().
+
+:func:`ckpt_client.connect` checks that its cached connection's daemon still runs on
+every call (a DCP save calls it twice), so that a dead daemon is noticed by the next
+call. :func:`ckptd.protocol.process_alive` reads ``/proc/<pid>/stat``: an open, a read
+and a close, each letting go of the GIL, which a save's background copy thread then
+holds: a few hundred µs a check on a busy node, milliseconds at times. A pidfd (Linux
+5.3+) polls readable once its process has exited (a zombie counts as gone, as for
+``process_alive``; a reaped process's reused pid cannot fool it): one system call.
+
+This module owns one pidfd per daemon pid this process checked, opened on the first
+check and closed once the process is found gone. Where none can be opened (an older
+kernel, a seccomp policy, no free descriptor) it asks ``process_alive``, as before.
+Must not: keep a pidfd in a forked child (closed there), or answer for a pid it did
+not open a pidfd for while that pid's process ran.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+
+from ckptd.protocol import process_alive
+
+#: pid -> that process's pidfd.
+_pidfds: dict[int, int] = {}
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (``process_alive``'s answer)."""
+    fd = _pidfds.get(pid)
+    if fd is None:
+        try:
+            opened = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        except (AttributeError, OSError):  # no pidfds here (or none free): /proc, as before
+            return process_alive(pid)
+        fd = _pidfds.setdefault(pid, opened)
+        if fd != opened:  # another thread kept its own first
+            os.close(opened)
+    poller = select.poll()  # one per check: a poll object refuses concurrent polls
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(0):
+        return True
+    forget(pid)
+    return False
+
+
+def forget(pid: int) -> None:
+    """Close the pidfd kept for ``pid``, if any."""
+    fd = _pidfds.pop(pid, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _forget_the_parents_pidfds() -> None:
+    for pid in list(_pidfds):
+        forget(pid)
+
+
+os.register_at_fork(after_in_child=_forget_the_parents_pidfds)

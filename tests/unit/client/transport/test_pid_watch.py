@@ -1,0 +1,94 @@
+"""connect()'s liveness check: a kept pidfd, answering as ``process_alive`` does.
+
+Real processes only: a running child, the same child exited but not reaped (a zombie,
+gone for both checks), reaped, and a pid that never ran; with pidfds refused it asks
+``/proc`` as before; a forked child keeps none of its parent's pidfds.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckptd import protocol
+from ckpt_client.transport import pid_watch
+from conftest import wait_for
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def child():
+    process = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                               stdin=subprocess.PIPE)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+        pid_watch.forget(process.pid)
+
+
+def test_a_running_then_exited_then_reaped_process_reads_as_process_alive_says(child):
+    assert pid_watch.alive(child.pid) and protocol.process_alive(child.pid)
+    assert child.pid in pid_watch._pidfds, "the pidfd is kept for the next check"
+    assert pid_watch.alive(child.pid)
+    child.stdin.close()
+    wait_for(lambda: _state(child.pid) == "Z", 60, "the child to exit (a zombie until reaped)")
+    assert not pid_watch.alive(child.pid) and not protocol.process_alive(child.pid)
+    assert child.pid not in pid_watch._pidfds, "a gone process's pidfd is closed"
+    child.wait()
+    assert not pid_watch.alive(child.pid)
+    assert child.pid not in pid_watch._pidfds
+
+
+def test_a_process_that_exited_before_its_first_check_is_gone(child):
+    child.kill()
+    child.wait()
+    assert not pid_watch.alive(child.pid)
+    assert child.pid not in pid_watch._pidfds
+
+
+@pytest.mark.parametrize("refusal", [OSError(errno.ENOSYS, "no pidfd_open"),
+                                     PermissionError(errno.EPERM, "seccomp")],
+                         ids=["old_kernel", "seccomp"])
+def test_without_pidfds_it_reads_proc_as_before(child, monkeypatch, refusal):
+    def refused(pid, flags=0):
+        raise refusal
+
+    monkeypatch.setattr(os, "pidfd_open", refused)
+    asked = []
+    monkeypatch.setattr(pid_watch, "process_alive",
+                        lambda pid: asked.append(pid) or protocol.process_alive(pid))
+    assert pid_watch.alive(child.pid) and asked == [child.pid]
+    child.kill()
+    child.wait()
+    assert not pid_watch.alive(child.pid) and asked == [child.pid, child.pid]
+    assert child.pid not in pid_watch._pidfds
+
+
+def test_a_forked_child_keeps_none_of_its_parents_pidfds(child):
+    assert pid_watch.alive(child.pid)
+    fd = pid_watch._pidfds[child.pid]
+    forked = os.fork()
+    if forked == 0:  # the child: report through the exit status only
+        os._exit(0 if not pid_watch._pidfds and not _is_open(fd) else 1)
+    _, status = os.waitpid(forked, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert pid_watch._pidfds[child.pid] == fd and _is_open(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
