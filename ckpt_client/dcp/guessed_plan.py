@@ -76,6 +76,8 @@ class _Remembered:
     #: the very ``buffers`` as that request of that connection, whose layout the daemon
     #: keeps: the next guess's STAGE names it instead of sending them.
     staged_as: tuple | None = None
+    #: The last lookup found device tensors (staged after planning): no STAGE goes ahead.
+    on_device: bool = False
 
 
 _remembered: dict = {}
@@ -240,6 +242,7 @@ def _look_up(known: _Remembered, state_dict) -> tuple[list, list]:
         known.armed = False
         raise _NoGuess(f"the state dict no longer has the guessed plan's items ({exc!r})") \
             from None
+    known.on_device = copied is None
     if copied is None:
         raise _NoGuess("the state dict holds device tensors")
     return sources, copied
@@ -254,16 +257,18 @@ def _send_ahead(writer: DaemonStorageWriter, connection: DaemonConnection,
     requests) or a zero-stall save of the connection is still on its way (saves reach
     the daemon in the order they were made)."""
     buffers = known.buffers
-    if not knobs.DCP_STAGE_AHEAD.get() or buffers is None:
+    if not knobs.DCP_STAGE_AHEAD.get() or buffers is None or known.on_device:
         return None
     if not handover_for(connection).idle():
         return None
-    body = writer.whole_stage(known.plan, buffers)
+    body = writer.whole_stage(known.plan, buffers, connection)
     if body is None:
         return None
     staged = known.staged_as
     named = staged is not None and staged[0]() is connection and staged[1] is buffers
-    return SentAhead.send_body(connection, body, staged[2] if named else None)
+    # Dropped without waiting for the reply: the save goes on to plan meanwhile.
+    return SentAhead.send_body(connection, body, staged[2] if named else None,
+                               wait_on_drop=False)
 
 
 class GuessedCopy:
@@ -297,13 +302,15 @@ class GuessedCopy:
         except DaemonUnavailableError:
             return None  # the ordinary staging meets it, after the planning collectives
         ahead = _send_ahead(writer, connection, known)  # answered while items are looked up
-        try:
-            with dropped_on_error(ahead):
+        with dropped_on_error(ahead):
+            try:
                 sources, copied = _look_up(known, state_dict)
-                buffers = _kept_descriptions(known, sources)
-        except _NoGuess as exc:
-            log.debug("no guessed copy: %s", exc)
-            return None
+            except _NoGuess as exc:
+                log.debug("no guessed copy: %s", exc)
+                if ahead is not None:
+                    ahead.drop(f"not copied with the previous save's plan: {exc}")
+                return None
+            buffers = _kept_descriptions(known, sources)
         release, sent_at = threading.Event(), time.monotonic()
         try:
             saves = writer.stage(plan, _TRANSFORM, zero_stall=True, sources=copied,

@@ -114,14 +114,16 @@ class DaemonStorageWriter(_StorageWriterBase):
             chunks.append((members, files))
         return chunks
 
-    def whole_stage(self, plan: SavePlan, buffers: list) -> Stage | None:
-        """The STAGE of a save of ``plan``'s items described by ``buffers`` (CPU tensors and
-        byte items), if it goes in one request; ``None`` if it is streamed in several.
-        Sent ahead, it is taken up by :meth:`stage` (``ahead``)."""
-        chunks = self._chunks(plan, buffers, self.connection)
+    def whole_stage(self, plan: SavePlan, buffers: list,
+                    connection: DaemonConnection) -> Stage | None:
+        """The STAGE through ``connection`` of a save of ``plan``'s items described by
+        ``buffers`` (CPU tensors and byte items), if it goes in one request; ``None`` if it
+        is streamed in several. Sent ahead, it is taken up by :meth:`stage` (``ahead``)."""
+        chunks = self._chunks(plan, buffers, connection)
         if len(chunks) != 1:
             return None
-        return Stage(format=SaveFormat.DCP, path=self.path, buffers=buffers, files=chunks[0][1])
+        return Stage(format=SaveFormat.DCP, path=os.path.abspath(self.path), buffers=buffers,
+                     files=chunks[0][1])
 
     def stage(self, plan: SavePlan, planner: SavePlanner, zero_stall: bool = False,
               sources: list | None = None, hold: threading.Event | None = None,
@@ -150,11 +152,12 @@ class DaemonStorageWriter(_StorageWriterBase):
                 buffers = [describe(s) for s in sources]
             connection = self.connection
             chunks = self._chunks(plan, buffers, connection)
-        if ahead is not None and len(chunks) == 1 and \
+        if ahead is not None and len(chunks) == 1 and ahead.connection is connection and \
                 [f[1] for f in chunks[0][1]] == [f[1] for f in ahead.body.files]:
             chunks = [(chunks[0][0], ahead.body.files)]  # the names the daemon was told
         elif ahead is not None:
-            ahead.drop("the save's items go into other files than the STAGE sent ahead named")
+            ahead.drop("the save's items go into other files (or through another connection) "
+                       "than the STAGE sent ahead named")
             ahead = None
         saves = []
         for members, files in chunks:

@@ -365,7 +365,7 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
             # A zero-stall save returns before its STAGE: it never goes ahead of it,
             # unless the caller itself waits for the staging (a DCP guessed copy).
             if ahead is not None and ((zero_stall and not caller_waits) or plan is not None
-                                      or not ahead.matches(body)):
+                                      or not ahead.matches(connection, body)):
                 ahead.drop("the save sent ahead had another layout than the state dict's")
                 ahead = None
             elif ahead is not None:  # the very list of the save before: layouts kept by it

@@ -72,12 +72,15 @@ class SentAhead:
     """A STAGE sent with a guessed layout, whose reply the save reads (or drops)."""
 
     def __init__(self, connection: DaemonConnection, kind: tuple, body: Stage,
-                 msg_id: int, layout: list | None = None) -> None:
+                 msg_id: int, layout: list | None = None, wait_on_drop: bool = True) -> None:
         self.connection = connection
         self.kind = kind
         self.body = body
         self.msg_id = msg_id
         self.layout = layout  # what body.buffers were made from
+        #: False: :meth:`drop` never waits for the reply (a caller that drops it on its
+        #: way to planning must not wait there for pool room)
+        self.wait_on_drop = wait_on_drop
         self._dropped = False
 
     @classmethod
@@ -95,7 +98,8 @@ class SentAhead:
 
     @classmethod
     def send_body(cls, connection: DaemonConnection, body: Stage, layout_of: int | None, *,
-                  kind: tuple | None = None, layout: list | None = None) -> "SentAhead | None":
+                  kind: tuple | None = None, layout: list | None = None,
+                  wait_on_drop: bool = True) -> "SentAhead | None":
         """Send ``body``'s STAGE now; with ``layout_of``, naming that earlier request of
         the connection (whose buffers are ``body.buffers``) instead of sending them.
         ``None`` if the daemon is gone (the ordinary STAGE meets and reports it)."""
@@ -103,7 +107,8 @@ class SentAhead:
         wire = body if layout_of is None or connection.tiered else \
             dataclasses.replace(body, buffers=[], layout_of=layout_of)
         try:
-            return cls(connection, kind, body, connection.send(MessageType.STAGE, wire), layout)
+            return cls(connection, kind, body, connection.send(MessageType.STAGE, wire), layout,
+                       wait_on_drop)
         except DaemonUnavailableError:
             return None
 
@@ -112,10 +117,11 @@ class SentAhead:
         layouts costs less than describing every tensor again), else ``None``."""
         return self.body.buffers if layout == self.layout else None
 
-    def matches(self, body: Stage) -> bool:
-        """Whether ``body`` asks for what was sent ahead, skeleton aside."""
+    def matches(self, connection: DaemonConnection, body: Stage) -> bool:
+        """Whether ``body``, staged through ``connection``, asks for what was sent ahead
+        there, skeleton aside."""
         sent = self.body
-        return (body.buffers == sent.buffers and body.path == sent.path
+        return (connection is self.connection and body.buffers == sent.buffers and body.path == sent.path
                 and body.format == sent.format and body.files == sent.files
                 and body.cuda is None and body.session is None
                 and body.stock_files == sent.stock_files)
@@ -125,15 +131,16 @@ class SentAhead:
         request (nothing was copied into it, nothing is written). Dropping twice is
         dropping once.
 
-        On a connection marked not answering it returns at once, like every other give-up
-        on such a connection: an abort naming the STAGE message is left queued, so a
-        daemon that resumes drops the request that STAGE makes, and its reply is
-        discarded on arrival (waiting for it would cost a whole STAGE reply's wait)."""
+        On a connection marked not answering (or made with ``wait_on_drop=False``) it
+        returns at once, like every other give-up on such a connection: an abort naming
+        the STAGE message is left queued, so the daemon drops the request that STAGE
+        makes, and its reply is discarded on arrival (waiting for it would cost a whole
+        STAGE reply's wait)."""
         if self._dropped:
             return
         self._dropped = True
         _layouts.get(self.connection, {}).pop(self.kind, None)
-        if self.connection.not_answering is not None:
+        if self.connection.not_answering is not None or not self.wait_on_drop:
             self.connection.channel.drop(self.msg_id)
             tell_quietly(self.connection, MessageType.ABORT, Abort(
                 request_ids=[], stages=[self.msg_id], reason=reason[:1000]))

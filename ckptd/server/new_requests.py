@@ -70,10 +70,22 @@ def _layout_of(rank: RankInfo, body: Stage) -> tuple[list, int]:
     return protocol.layout_extent([b[2] for b in body.buffers])
 
 
+#: DCP layouts kept per connection (within ``SENT_AHEAD_KINDS``): the guessed save's and
+#: one more (a zero-stall or streamed save between two guessed ones).
+_DCP_LAYOUTS_KEPT = 2
+
+
 def _keep_layout(rank: RankInfo, request: SaveRequest) -> None:
     """Keep a torch or DCP save's layout for the next save of the same structure to name."""
     layouts = rank.layouts
-    layouts[request.id] = (request.buffers, request.offsets, request.extent_length)
+    if request.format == SaveFormat.DCP:
+        # Only a blocking DCP save's guess names one, the last guessed save's: zero-stall
+        # saves and a streamed save's chunks must not push the torch kinds' layouts out.
+        dcp = [key for key, kept in layouts.items() if kept[3] == SaveFormat.DCP]
+        for key in dcp[:max(len(dcp) - _DCP_LAYOUTS_KEPT + 1, 0)]:
+            del layouts[key]
+    layouts[request.id] = (request.buffers, request.offsets, request.extent_length,
+                           request.format)
     while len(layouts) > max(knobs.SENT_AHEAD_KINDS.get(), 0):
         layouts.popitem(last=False)
 

@@ -26,9 +26,9 @@ class RankInfo:
     pid: int
     world_size: int
     registered_at: float = field(default_factory=time.time)
-    #: request id -> (buffers, offsets, extent length) of this connection's last torch
-    #: and DCP saves, which a later STAGE may name instead of sending its buffers again
-    #: (:mod:`ckptd.server.new_requests` names and keeps them).
+    #: request id -> (buffers, offsets, extent length, format) of this connection's last
+    #: torch and DCP saves, which a later STAGE may name instead of sending its buffers
+    #: again (:mod:`ckptd.server.new_requests` names and keeps them).
     layouts: OrderedDict = field(default_factory=OrderedDict)
 
     def is_alive(self) -> bool:

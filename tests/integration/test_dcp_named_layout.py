@@ -167,3 +167,53 @@ def test_a_named_dcp_layout_checks_its_files_against_the_kept_buffers(daemon, mo
     assert not os.path.exists(os.path.join(root, "bad"))
     assert_nothing_held(daemon)
     queue.close()
+
+
+def test_a_state_of_device_tensors_sends_no_stage_ahead(daemon, monkeypatch):
+    """Where the lookup finds device tensors (the copy then goes after planning, by the
+    CUDA route), later saves send no STAGE ahead: one would only be dropped again, each
+    save. No GPU here: the lookup's host check is made to answer "device"."""
+    from ckpt_client.dcp import guessed_plan
+
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    monkeypatch.setattr(guessed_plan, "_host_buffers", lambda sources: None)
+    stages = record_stages(monkeypatch)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    for step in range(1, 6):
+        save(queue, state_at(step), os.path.join(root, f"s{step}"))
+    assert stages == [(None, BUFFERS, True)] * 5  # each staged once, after its planning
+    assert [r["phase"] for r in daemon.status()["requests"]] == ["done"] * 5
+    for step in range(1, 6):
+        assert_loads(os.path.join(root, f"s{step}"), state_at(step))
+    queue.close()
+
+
+def test_a_stage_sent_ahead_through_a_connection_given_up_is_not_waited_for(
+        start_daemon, monkeypatch, tmp_path):
+    """The trainer's connection changes between the STAGE sent ahead and the staging (the
+    daemon replaced in that window): the save stages through the new connection, and the
+    request sent ahead through the old one is dropped there, not waited for."""
+    from ckpt_client.dcp import guessed_plan
+
+    shared = str(tmp_path / "shared")
+    os.makedirs(shared)
+    first, second = start_daemon(roots=[shared]), start_daemon(roots=[shared])
+    monkeypatch.setenv("CKPTD_SOCKET", first.socket)
+    stages = record_stages(monkeypatch)
+    queue = AsyncCallsQueue()
+    for step in range(1, 4):
+        save(queue, state_at(step), os.path.join(shared, f"s{step}"))
+    real_look_up = guessed_plan._look_up
+
+    def moved_daemon(known, state_dict):
+        os.environ["CKPTD_SOCKET"] = second.socket  # undone by monkeypatch.setenv's undo
+        return real_look_up(known, state_dict)
+
+    monkeypatch.setattr(guessed_plan, "_look_up", moved_daemon)
+    save(queue, state_at(4), os.path.join(shared, "s4"))
+    assert stages[-2][1:] == (0, True) and stages[-1][:2] == (None, BUFFERS), stages
+    assert_loads(os.path.join(shared, "s4"), state_at(4))
+    assert_nothing_held(first)
+    assert [r["phase"] for r in first.status()["requests"]][-1] == "aborted"
+    assert_nothing_held(second)
+    queue.close()
