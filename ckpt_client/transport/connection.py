@@ -304,6 +304,7 @@ class DaemonConnection:
             except BufferError:
                 pass
         _connections.pop(self.socket_path, None)
+        pid_watch.forget(self.daemon_pid)  # no descriptor kept for a daemon nobody asks about
         hooks, self._death_hooks = self._death_hooks, []
         if hooks and not process_alive(self.daemon_pid):
             for hook in hooks:

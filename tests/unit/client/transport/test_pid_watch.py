@@ -92,3 +92,24 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_pidfd_closed_behind_its_back_is_dropped_and_proc_answers(child):
+    """Some code closed the kept descriptor (a close-all-descriptors helper): the poll says
+    so, the entry is dropped without closing the number again (another file may get it),
+    and /proc answers; the next check opens a new pidfd."""
+    assert pid_watch.alive(child.pid)
+    os.close(pid_watch._pidfds[child.pid])
+    assert pid_watch.alive(child.pid)
+    assert child.pid not in pid_watch._pidfds
+    assert pid_watch.alive(child.pid) and child.pid in pid_watch._pidfds
+
+
+def test_closing_a_connection_closes_its_daemons_pidfd(daemon):
+    from ckpt_client.transport.connection import connect
+
+    connection = connect(daemon.socket)
+    assert connect(daemon.socket) is connection  # the second call checks the daemon
+    assert daemon.pid in pid_watch._pidfds
+    connection.close()
+    assert daemon.pid not in pid_watch._pidfds
