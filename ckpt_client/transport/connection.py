@@ -34,7 +34,6 @@ this module knows nothing of CUDA."""
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from typing import Callable
@@ -46,7 +45,7 @@ from ckptd.protocol import process_alive
 from ckpt_client.collectives import initialized, rank_and_world
 from ckpt_client.errors import (DaemonNotAnsweringError, DaemonReplyError, DaemonRequestError,
                                DaemonUnavailableError)
-from ckpt_client.transport import pid_watch, waits
+from ckpt_client.transport import pid_watch, pool_map, waits
 from ckpt_client.transport.autostart import start_local_daemon
 from ckpt_client.transport.silence import AnswerWatch, Silence
 
@@ -105,9 +104,9 @@ class DaemonConnection:
         self.deadlines = hello.deadlines
         #: The longest the daemon holds a POLL until a save moves on (0: it cannot).
         self.poll_hold_s = hello.poll_hold_s
-        self._pool_map: mmap.mmap | None = None
         self._pool_tensor = None
         self._death_hooks: list[Callable[[DaemonConnection], None]] = []
+        self._close_hooks: list[Callable[[DaemonConnection], None]] = []
         self._answers = AnswerWatch(f"rank {rank}: the ckptd daemon (pid {self.daemon_pid}) "
                                     f"at {socket_path}")
         channel.on_reply = self._answers.heard  # late answers too: the daemon answers again
@@ -155,10 +154,7 @@ class DaemonConnection:
             If this connection is closed or the transport failed.
         """
         if self.closed:
-            raise DaemonUnavailableError(
-                self.socket_path, f"this connection to the ckptd daemon (pid {self.daemon_pid}) "
-                                  "was closed: that daemon is gone or was restarted, or this "
-                                  "process was forked from the one that made it; connect again")
+            raise _closed(self)
         if body is not None and not isinstance(body, protocol.Body):
             raise TypeError(f"a {msg_type} request takes its typed body (ckptd.protocol's "
                             f"request bodies), not a {type(body).__name__}")
@@ -271,21 +267,24 @@ class DaemonConnection:
         """
         self._death_hooks.append(hook)
 
+    def when_closed(self, hook: Callable[[DaemonConnection], None]) -> None:
+        """Call ``hook(self)`` when this connection closes (at once if it is closed), to drop
+        state kept for it elsewhere; it may run twice (a close racing with this call)."""
+        self._close_hooks.append(hook)
+        if self.closed:  # close() may have taken the list before the hook joined it
+            hook(self)
+
     # ------------------------------------------------------------------ staging pool
     @property
     def pool(self):
-        """The staging pool as a flat ``torch.uint8`` tensor, mapped once."""
-        if self._pool_tensor is None:
-            import torch
-
-            fd = os.open(self.pool_path, os.O_RDWR | os.O_NOFOLLOW)
-            try:
-                self._pool_map = mmap.mmap(fd, self.pool_size,
-                                           flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-            finally:
-                os.close(fd)
-            self._pool_tensor = torch.frombuffer(self._pool_map, dtype=torch.uint8)
-        return self._pool_tensor
+        """The staging pool as a flat ``torch.uint8`` tensor, mapped once (its views read
+        zeros once this connection closed, when this raises DaemonUnavailableError)."""
+        pool = self._pool_tensor  # read once: close() may drop it meanwhile
+        if pool is None:
+            if self.closed:
+                raise _closed(self)
+            pool = self._pool_tensor = pool_map.map_pool(self.pool_path, self.pool_size)
+        return pool
 
     def close(self) -> None:
         """Say goodbye and close the socket (later calls raise DaemonUnavailableError)."""
@@ -297,18 +296,25 @@ class DaemonConnection:
             pass
         self.closed = True
         self.channel.close()
+        # Views of the pool live on (a copy may be running in one): retired, not unmapped.
+        pool_map.retire_pool(self._pool_tensor, self.pool_path)
         self._pool_tensor = None
-        if self._pool_map is not None:
-            try:
-                self._pool_map.close()
-            except BufferError:
-                pass
         _connections.pop(self.socket_path, None)
         pid_watch.forget(self.daemon_pid)  # no descriptor kept for a daemon nobody asks about
+        for hook in list(self._close_hooks):  # once: a closed connection returns above
+            hook(self)
         hooks, self._death_hooks = self._death_hooks, []
         if hooks and not process_alive(self.daemon_pid):
             for hook in hooks:
                 hook(self)
+
+
+def _closed(connection: DaemonConnection) -> DaemonUnavailableError:
+    return DaemonUnavailableError(
+        connection.socket_path, f"this connection to the ckptd daemon (pid "
+                                f"{connection.daemon_pid}) was closed: that daemon is gone or "
+                                "was restarted, or this process was forked from the one that "
+                                "made it; connect again")
 
 
 class _Quiet(Exception):

@@ -270,11 +270,24 @@ _handovers_lock = threading.Lock()
 
 
 def handover_for(connection: DaemonConnection) -> Handover:
-    """The :class:`Handover` of ``connection`` (one per connection)."""
+    """The :class:`Handover` of ``connection`` (one per connection, dropped when it closes:
+    a handover holds its connection, so the weak key alone would never let either go, nor
+    the copier's views of the pool)."""
     with _handovers_lock:
-        if connection not in _handovers:
-            _handovers[connection] = Handover(connection)
-        return _handovers[connection]
+        handover = _handovers.get(connection)
+        if handover is not None:
+            return handover
+        handover = Handover(connection)
+        if connection.closed:  # for one save, which fails on the closed connection
+            return handover
+        _handovers[connection] = handover
+    connection.when_closed(_drop_handover)  # unlocked: on a connection closed since, it runs now
+    return handover
+
+
+def _drop_handover(connection: DaemonConnection) -> None:
+    with _handovers_lock:
+        _handovers.pop(connection, None)
 
 
 def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ckptd import knobs
-from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive
+from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive, retire_mapping
 from ckptd.staging import segment
 from ckptd.staging.pool_directory import (HUGE_PAGE_ADVICE, PoolDirectory, check_pool_directory,
                                           huge_page_bytes)
@@ -339,13 +339,17 @@ class StagingPool:
         self.registered_with_cuda = False
 
     def close(self) -> None:
-        """Unmap and unlink the segment."""
+        """Unlink the segment and take its pages out of this process (the range itself is
+        unmapped with its last view)."""
         self.unregister_from_cuda()
         if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view is still exported; the unlink below still frees it
-                pass
+            # Never unmapped here: the CUDA stager's tensor views the pool without a buffer
+            # export (torch.frombuffer), and a worker that outlived its join may still copy
+            # into it. Anonymous memory in its place takes the writes instead.
+            error = retire_mapping(segment.address(self._map), self.size)
+            if error:  # the pages stay mapped until the last view (the process) is gone
+                log.warning("the staging pool %s stays mapped: replacing it failed: %s",
+                            self.path, os.strerror(error))
             self._map = None
         try:
             os.unlink(self.path)

@@ -20,7 +20,9 @@ import torch
 from conftest import start_daemon_process, wait_for
 from faults import writers_paused
 
-from ckpt_client import CheckpointException, TorchAsyncCheckpoint
+from ckpt_client import CheckpointException, TorchAsyncCheckpoint, connect
+from ckpt_client.transport import handover
+from ckpt_client.transport.handover import handover_for
 from ckptd import protocol
 
 
@@ -116,3 +118,25 @@ def test_a_request_of_another_incarnation_is_refused_by_the_daemon(restartable):
         assert info.value.code == "daemon_restarted"
     finally:
         channel.close()
+
+
+def test_connect_after_a_restart_retires_the_old_pool_and_saves_through_the_new(
+        restartable, monkeypatch):
+    start, restart = restartable
+    daemon = start()
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    checkpoint = TorchAsyncCheckpoint()
+    checkpoint.async_save({"w": torch.ones(1 << 16)}, os.path.join(daemon.roots[0], "A.pt"))
+    checkpoint.finalize_async_save(blocking=True)
+    old = connect()
+    kept = handover_for(old).copier  # its views of the pool outlive the connection
+    restart()
+    new = connect()  # finds the cached connection's daemon dead: closes it
+    assert new is not old and old.closed
+    with open("/proc/self/maps") as maps:
+        assert old.pool_path not in maps.read(), "a dead daemon's pool is still mapped"
+    assert old not in handover._handovers and kept.pool is not new.pool
+    again = os.path.join(daemon.roots[0], "again.pt")
+    checkpoint.async_save({"w": torch.full((8,), 2.0)}, again)
+    checkpoint.finalize_async_save(blocking=True)
+    assert torch.equal(torch.load(again, weights_only=True)["w"], torch.full((8,), 2.0))

@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -140,3 +141,28 @@ def test_a_pool_whose_lock_is_held_stays_and_foreign_names_are_left_alone(tmp_pa
         holder.wait()
     assert remove_stale_pools(str(tmp_path)) == ([str(held)], [])  # its holder is gone
     assert link.is_symlink() and target.exists() and foreign.exists()
+
+
+USE_A_VIEW_AFTER_CLOSE = r"""
+import sys
+import torch
+from ckptd.staging.pool import StagingPool
+
+pool = StagingPool(sys.argv[1], 1 << 22)
+view = torch.frombuffer(pool._map, dtype=torch.uint8)  # as the CUDA stager views it
+view.fill_(1)
+pool.close()
+with open("/proc/self/maps") as maps:
+    assert sys.argv[1] not in maps.read(), "the closed pool is still mapped"
+assert not view.any(), "the view still reads the pool's bytes"
+view.fill_(2)  # a device worker's copy that outlived its join
+"""
+
+
+def test_a_view_of_a_closed_pool_reads_and_writes_harmlessly(tmp_path):
+    # In a child: a regression crashes it (SIGSEGV), not the test run.
+    path = f"/dev/shm/ckptd-test-{os.getpid()}-{tmp_path.name}"
+    child = subprocess.run([sys.executable, "-c", USE_A_VIEW_AFTER_CLOSE, path],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, f"exit {child.returncode}:\n{child.stderr}"
+    assert not os.path.exists(path)
