@@ -7,8 +7,13 @@ finished exiting when the successor swept (a SIGKILLed process lives on until it
 leave the kernel, and unmapping a large pool takes a while); the successor saw it alive,
 left its pool alone and never looked again.
 
-That window is made wide and certain by real means: strace holds the dying daemon's main
-thread at a system call's entry (a SIGKILLed tracee stays until its tracer lets it run).
+That window is made wide and certain by real means: the first daemon runs under strace,
+which holds it at the entry of its first thread creation (its pool is made by then, its
+socket not bound, and it is still single-threaded: a SIGKILLed tracee stays until its
+tracer lets it run, but only while no untraced thread of it is left to end the process).
+Holding it at "the next system call" after seeing its pool was not enough: on a loaded
+machine strace attached after zmq had started its threads, and the killed daemon was
+gone before the successor swept.
 The successor starts meanwhile, must leave the pool of a live process alone, and must
 remove it once that process is gone, without another restart.
 
@@ -28,7 +33,7 @@ import subprocess
 import sys
 
 from conftest import _remove_pool_of, start_daemon_process, wait_for
-from test_crash_cleanup import HeldFsync, attach_strace, needs_strace
+from test_crash_cleanup import needs_strace
 
 from ckptd.protocol import process_alive, socket_is_live
 
@@ -36,13 +41,44 @@ from ckptd.protocol import process_alive, socket_is_live
 ENV = {"CKPTD_LEFTOVER_SWEEP_INTERVAL": "0.2"}
 
 
-class HeldAtNextSyscall(HeldFsync):
-    """strace holding a thread at its next system call (a kill then waits for release)."""
+#: x86_64 and aarch64 numbers of clone and clone3 (a new thread is one or the other).
+THREAD_SYSCALLS = {56, 435} if os.uname().machine == "x86_64" else {220, 435}
 
-    def __init__(self, pids, seconds: int = 120) -> None:
-        self.process = attach_strace(pids, "-e", "trace=all", "-e",
-                                     f"inject=all:delay_enter={seconds * 1_000_000}",
-                                     "-o", "/dev/null")
+
+def held_at_first_thread(command: list[str], env: dict) -> subprocess.Popen:
+    """strace running ``command``, holding it for two minutes at its first clone/clone3
+    (``-I1``: a strace that runs its tracee blocks SIGTERM unless told otherwise)."""
+    return subprocess.Popen(
+        ["strace", "-qq", "-I1", "-o", "/dev/null", "-e", "trace=clone,clone3",
+         "-e", "inject=clone,clone3:delay_enter=120000000", *command],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env)
+
+
+def let_go(tracer: subprocess.Popen) -> None:
+    """End strace: it detaches, and its tracee goes on (or ends, if it was killed)."""
+    if tracer.poll() is None:
+        tracer.terminate()
+    tracer.wait(30)
+
+
+def python_child_of(pid: int) -> int | None:
+    """The child of ``pid`` that runs Python (strace also forks short-lived children of
+    its own at start, to probe the kernel's ptrace features)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    for child in children:
+        try:
+            if os.readlink(f"/proc/{child}/exe") == os.path.realpath(sys.executable):
+                return child
+        except FileNotFoundError:  # one of strace's probes, gone already
+            continue
+    return None
+
+
+def syscall_of(pid: int) -> int | None:
+    with open(f"/proc/{pid}/syscall") as f:
+        first = f.read().split()[0]
+    return int(first) if first.lstrip("-").isdigit() else None
 
 
 def state_of(pid: int) -> str:
@@ -63,40 +99,42 @@ def test_a_daemon_killed_in_start_up_and_still_dying_at_the_restart_is_swept(tmp
     socket_path = str(tmp_path / "run-same" / "ckptd.sock")
     root = tmp_path / "ckpt"
     root.mkdir()
-    held = first = None
+    tracer = first = None
     started = []
     try:
-        first = subprocess.Popen(
+        tracer = held_at_first_thread(
             [sys.executable, "-m", "ckptd", "serve", "--socket", socket_path,
              "--root", str(root), "--pool-size", "64M", "--writers", "2"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-            env={**{k: v for k, v in os.environ.items() if k != "CKPTD_SOCKET"}, **ENV})
-        wait_for(lambda: pools_of(first.pid), 60, "the first daemon's pool to be made")
-        held = HeldAtNextSyscall([first.pid])
-        # Held only at a system call's entry: a kill inside a blocking call would end it.
-        wait_for(lambda: state_of(first.pid) == "t", 60, "its main thread to be held")
+            {**{k: v for k, v in os.environ.items() if k != "CKPTD_SOCKET"}, **ENV})
+        first = wait_for(lambda: python_child_of(tracer.pid), 30, "strace to start the daemon")
+        # Held where it makes its first thread: stopped in clone/clone3 (a stop at any
+        # other call is strace passing it on), its pool made, still one thread.
+        wait_for(lambda: state_of(first) == "t" and syscall_of(first) in THREAD_SYSCALLS,
+                 60, "the daemon to be held at its first thread creation")
+        assert pools_of(first), "its pool is made before its first thread"
+        assert os.listdir(f"/proc/{first}/task") == [str(first)], "held single-threaded"
         assert not socket_is_live(socket_path), "it must be held before it serves"
-        os.kill(first.pid, signal.SIGKILL)
-        assert process_alive(first.pid), "strace must keep the killed daemon from exiting"
+        os.kill(first, signal.SIGKILL)
+        assert process_alive(first), "strace must keep the killed daemon from exiting"
         successor = start_daemon_process(tmp_path, name="same", env=ENV)
         started.append(successor)
-        assert pools_of(first.pid), "the pool of a live process must be left alone"
-        held.release()
-        first.wait(30)
-        wait_for(lambda: not pools_of(first.pid), 30,
+        assert pools_of(first), "the pool of a live process must be left alone"
+        let_go(tracer)
+        wait_for(lambda: not process_alive(first), 30, "the killed daemon to end once let go")
+        wait_for(lambda: not pools_of(first), 30,
                  "the successor to remove the pool once its owner is gone")
         run_dir = os.path.dirname(successor.socket)
         wait_for(lambda: journals(run_dir) == [f"ckptd.{successor.pid}.dirs"], 30,
                  "the dead daemon's journal consumed")
         assert successor.status()["pid"] == successor.pid
     finally:
-        if held is not None:
-            held.release()
+        if tracer is not None:
+            let_go(tracer)
         if first is not None:
-            if first.poll() is None:
-                first.kill()
-                first.wait(30)
-            for name in pools_of(first.pid):
+            if process_alive(first):
+                os.kill(first, signal.SIGKILL)
+                wait_for(lambda: not process_alive(first), 30, "the first daemon to end")
+            for name in pools_of(first):
                 os.unlink(os.path.join("/dev/shm", name))
         for daemon in started:
             daemon.stop(signal.SIGKILL, 30)
