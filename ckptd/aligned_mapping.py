@@ -14,10 +14,14 @@ pages it costs nothing and changes nothing.
 
 The reservation is a Python :class:`mmap.mmap`, so views of the file's bytes are exports of
 it: like Python's own mappings, :meth:`AlignedMapping.close` refuses (``BufferError``)
-while any view is alive instead of leaving it pointing at unmapped memory.
+while any view is alive instead of leaving it pointing at unmapped memory. Unlike them it
+keeps no descriptor of the file: the mapping alone holds the file open, so once the
+mapping is gone (unmapped, or retired by :func:`ckptd.protocol.retire_mapping` under live
+views) an unlinked file's pages are freed and a ``flock`` held through another descriptor
+ends with that descriptor.
 
-Used by the daemon's background folding and by the writers, both of which write through
-the mapping's memory with ``O_DIRECT``. No sockets, no pools.
+Used by the daemon's background folding, its staging pool and its writers, and by every
+trainer's mapping of the pool (a shared module: no sockets, no pools).
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ class AlignedMapping:
         Bytes to map from its start.
     path : str, optional
         The file's name, for error messages.
+    populate : bool
+        Fault every page in now (``MAP_POPULATE``).
 
     Attributes
     ----------
@@ -127,7 +133,8 @@ class AlignedMapping:
         the file, the alignment, the errno and what to do.
     """
 
-    def __init__(self, fd: int, size: int, path: str | None = None) -> None:
+    def __init__(self, fd: int, size: int, path: str | None = None, *,
+                 populate: bool = False) -> None:
         self.size = size
         self.alignment = alignment_of(fd)
         where = path or f"descriptor {fd}"
@@ -147,8 +154,9 @@ class AlignedMapping:
                   mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED, -1, 0)
         self.address = -(-reserved // self.alignment) * self.alignment
         self._offset = self.address - reserved
-        if size and libc.mmap(self.address, size, mmap.PROT_READ | mmap.PROT_WRITE,
-                              mmap.MAP_SHARED | _MAP_FIXED, fd, 0) != self.address:
+        flags = mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if populate else 0)
+        if size and libc.mmap(self.address, size, mmap.PROT_READ | mmap.PROT_WRITE, flags,
+                              fd, 0) != self.address:
             error = ctypes.get_errno() or errno.EIO
             self._reservation.close()
             raise OSError(error, f"cannot map {size} bytes of {where} at a "

@@ -154,7 +154,7 @@ class DaemonConnection:
             If this connection is closed or the transport failed.
         """
         if self.closed:
-            raise _closed(self)
+            raise closed_error(self)
         if body is not None and not isinstance(body, protocol.Body):
             raise TypeError(f"a {msg_type} request takes its typed body (ckptd.protocol's "
                             f"request bodies), not a {type(body).__name__}")
@@ -282,7 +282,7 @@ class DaemonConnection:
         pool = self._pool_tensor  # read once: close() may drop it meanwhile
         if pool is None:
             if self.closed:
-                raise _closed(self)
+                raise closed_error(self)
             pool = self._pool_tensor = pool_map.map_pool(self.pool_path, self.pool_size)
         return pool
 
@@ -290,16 +290,16 @@ class DaemonConnection:
         """Say goodbye and close the socket (later calls raise DaemonUnavailableError)."""
         if self.closed:
             return
+        # Before GOODBYE frees unstaged saves' extents: a copy still running writes here alone.
+        pool_map.retire_pool(self._pool_tensor, self.pool_path)  # not unmapped: views live on
         try:
             self.call(protocol.MessageType.GOODBYE, timeout=1.0)
         except Exception:  # the daemon may already be gone; closing must not fail
             pass
         self.closed = True
         self.channel.close()
-        # Views of the pool live on (a copy may be running in one): retired, not unmapped.
-        pool_map.retire_pool(self._pool_tensor, self.pool_path)
         self._pool_tensor = None
-        _connections.pop(self.socket_path, None)
+        _uncache(self)
         pid_watch.forget(self.daemon_pid)  # no descriptor kept for a daemon nobody asks about
         for hook in list(self._close_hooks):  # once: a closed connection returns above
             hook(self)
@@ -309,7 +309,8 @@ class DaemonConnection:
                 hook(self)
 
 
-def _closed(connection: DaemonConnection) -> DaemonUnavailableError:
+def closed_error(connection: DaemonConnection) -> DaemonUnavailableError:
+    """What a use of the closed ``connection`` raises."""
     return DaemonUnavailableError(
         connection.socket_path, f"this connection to the ckptd daemon (pid "
                                 f"{connection.daemon_pid}) was closed: that daemon is gone or "
@@ -323,6 +324,11 @@ class _Quiet(Exception):
 
 
 _connections: dict[str, DaemonConnection] = {}
+
+
+def _uncache(connection: DaemonConnection) -> None:
+    if _connections.get(connection.socket_path) is connection:  # not a newer one connect() made
+        del _connections[connection.socket_path]
 
 
 def _forsake_the_parents_connections() -> None:

@@ -36,7 +36,7 @@ from ckpt_client.transport import waits
 from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage, Staged
 from ckpt_client.errors import DaemonRequestError
 from ckpt_client.transport.background import BackgroundStager, failure_reason
-from ckpt_client.transport.connection import DaemonConnection
+from ckpt_client.transport.connection import DaemonConnection, closed_error
 from ckpt_client.transport.copy_reports import copy_reports
 from ckpt_client.transport.cuda_exports import IpcPlan, plan_ipc
 from ckpt_client.transport.daemon_save import DaemonSave
@@ -273,6 +273,8 @@ def handover_for(connection: DaemonConnection) -> Handover:
     """The :class:`Handover` of ``connection`` (one per connection, dropped when it closes:
     a handover holds its connection, so the weak key alone would never let either go, nor
     the copier's views of the pool)."""
+    if connection.closed:  # before the lookup: a forked child's copy of its parent's
+        return Handover(connection)  # connection is marked closed without running hooks
     with _handovers_lock:
         handover = _handovers.get(connection)
         if handover is not None:
@@ -350,6 +352,9 @@ def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,
     """
     if hold is not None and not zero_stall:
         raise ValueError("stage(hold=...) needs zero_stall=True: the caller sets hold later")
+    if connection.closed:  # now: a zero-stall save's stager would wait on it forever
+        with dropped_on_error(ahead):
+            raise closed_error(connection)
     if zero_stall and not caller_waits:
         # The copy runs after this call returns: take each tensor's storage as it is now.
         # A Parameter's ``.data`` may be rebound meanwhile (``module.half()``, ``.to()``,

@@ -14,9 +14,9 @@ must not know about connections or saves.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 
+from ckptd.aligned_mapping import AlignedMapping
 from ckptd.protocol import retire_mapping
 
 log = logging.getLogger(__name__)
@@ -24,15 +24,16 @@ log = logging.getLogger(__name__)
 
 def map_pool(path: str, size: int):
     """The pool file ``path`` mapped shared, as a flat ``torch.uint8`` tensor of ``size``
-    bytes (the tensor keeps the mapping alive)."""
+    bytes (the tensor keeps the mapping alive, and nothing else keeps the file open: once
+    the mapping is retired, a pool its daemon unlinked is freed)."""
     import torch
 
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     try:
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        mapping = AlignedMapping(fd, size, path, populate=True)
     finally:
         os.close(fd)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    return torch.frombuffer(mapping.view, dtype=torch.uint8)
 
 
 def retire_pool(pool, path: str) -> None:

@@ -373,9 +373,12 @@ class CudaStager:
             worker.jobs.put(_Forget(pid))
 
     def close(self) -> None:
-        """Stop the workers and close the result mailbox."""
+        """Stop the workers, close the result mailbox and drop the view of the pool."""
         for worker in self.workers.values():
             worker.jobs.put(_STOP)
         for worker in self.workers.values():
             worker.thread.join(timeout=5)
         self.results.close()
+        # Ours would keep the retired range mapped for the daemon's life; a worker that
+        # outlived its join holds its own reference (it fails its next job instead).
+        self.pool_tensor = None

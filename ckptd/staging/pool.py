@@ -7,7 +7,7 @@ whole pool is refused at once. An extent is released only through its lease
 (``ckptd.server.lifecycle``) once every reader (device copy, writers, replicas) dropped
 its hold, so staged bytes are never overwritten.
 
-Pattern: first-fit free list over one ``mmap``; clients map the same file by path (the one
+Pattern: first-fit free list over one mapping; clients map the same file by path (the one
 the daemon announces; the directory is ``--pool-dir``, checked by
 :mod:`ckptd.staging.pool_directory`, on huge pages where its mount gives them). On a
 machine with several NUMA nodes the segment is cut into one region per node, each bound to
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fcntl
 import logging
-import mmap
 import os
 import stat
 import secrets
@@ -158,7 +157,7 @@ class StagingPool:
     huge_page_bytes: int = 0  # of the pool, right after allocation
     _free: list = field(default_factory=list)
     _waiters: deque = field(default_factory=deque)
-    _map: mmap.mmap | None = None
+    _map: memoryview | None = None  # the mapping's bytes (segment.create): no descriptor
     _lock_fd: int | None = None  # the file's descriptor, holding its flock while we live
     registered_with_cuda: bool = False
     _registered: list = field(default_factory=list)  # page-locked chunk addresses
@@ -339,13 +338,13 @@ class StagingPool:
         self.registered_with_cuda = False
 
     def close(self) -> None:
-        """Unlink the segment and take its pages out of this process (the range itself is
-        unmapped with its last view)."""
+        """Unlink the segment, take its pages out of this process (the range itself is
+        unmapped with its last view) and release its lock: the file's pages are freed."""
         self.unregister_from_cuda()
         if self._map is not None:
-            # Never unmapped here: the CUDA stager's tensor views the pool without a buffer
-            # export (torch.frombuffer), and a worker that outlived its join may still copy
-            # into it. Anonymous memory in its place takes the writes instead.
+            # Never unmapped here: the CUDA stager's tensor views the pool, and a worker that
+            # outlived its join may still copy into it. Anonymous memory in its place takes
+            # the writes instead; the mapping held the file, our descriptor below the rest.
             error = retire_mapping(segment.address(self._map), self.size)
             if error:  # the pages stay mapped until the last view (the process) is gone
                 log.warning("the staging pool %s stays mapped: replacing it failed: %s",

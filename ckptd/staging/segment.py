@@ -16,7 +16,6 @@ Owns the file's creation and its pages; it must not know about extents or reques
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -26,6 +25,7 @@ import os
 from dataclasses import dataclass
 
 from ckptd import knobs
+from ckptd.aligned_mapping import AlignedMapping, libc
 from ckptd.protocol import EXTENT_ALIGNMENT, align_up
 from ckptd.staging import numa
 from ckptd.staging.collapse import fold_into_huge_pages
@@ -48,18 +48,20 @@ class Region:
 
 
 def create(path: str, size: int, directory: PoolDirectory,
-           nodes: list | None) -> tuple[mmap.mmap, list[Region], int, int]:
+           nodes: list | None) -> tuple[memoryview, list[Region], int, int]:
     """Create the pool file ``path`` of ``size`` bytes, reserve its pages and map it.
 
     Returns
     -------
-    (mmap.mmap, list of Region, int, int)
-        The populated shared mapping, the NUMA regions (empty: one unbound region), the
-        file's descriptor, holding an exclusive ``flock`` for as long as the caller
-        keeps it open (a sweeper that cannot see this daemon's pid, from another pid
-        namespace sharing the directory, finds the lock taken and leaves the pool alone),
-        and the bytes given huge pages by folding (0 where the mount gives them itself:
-        the mapping's own count says; this mapping maps folded pages 4 KiB at a time).
+    (memoryview, list of Region, int, int)
+        The populated shared mapping's bytes (at a huge page boundary; mapped for as long
+        as they or a view of them live, unless retired), the NUMA regions (empty: one
+        unbound region), the file's descriptor, holding an exclusive ``flock`` for as long
+        as the caller keeps it open (a sweeper that cannot see this daemon's pid, from
+        another pid namespace sharing the directory, finds the lock taken and leaves the
+        pool alone; the mapping keeps no descriptor of its own), and the bytes given huge
+        pages by folding (0 where the mount gives them itself: the mapping's own count
+        says).
 
     Raises
     ------
@@ -82,17 +84,20 @@ def create(path: str, size: int, directory: PoolDirectory,
                       f"{exc.strerror}; {_how_to_make_room(directory)}") from None
 
 
-def _allocate(fd: int, size: int, directory: PoolDirectory) -> mmap.mmap:
+def _allocate(fd: int, size: int, directory: PoolDirectory) -> memoryview:
     if directory.filesystem == "hugetlbfs":
         # Reserve first: mapping a hugetlbfs file without free huge pages fails with a bare
         # ENOMEM, fallocate with ENOSPC.
         os.posix_fallocate(fd, 0, size)
-    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    # No descriptor of the file kept with the mapping (Python's own mmap keeps a dup): the
+    # pool's lock is the caller's descriptor alone, and once the pool is closed its pages
+    # are freed even while views of the retired range live on (ckptd.staging.pool).
+    mapping = AlignedMapping(fd, size)
     if directory.filesystem == "tmpfs" and directory.may_have_huge_pages:
-        with contextlib.suppress(OSError):  # a kernel without THP: small pages, still right
-            mapping.madvise(mmap.MADV_HUGEPAGE)
+        # a kernel without THP refuses: small pages, still right
+        libc.madvise(mapping.address, size, mmap.MADV_HUGEPAGE)
     try:
-        populated = _populate_for_writing(mapping)
+        populated = _populate_for_writing(mapping.view)
     except OSError:
         mapping.close()
         os.posix_fallocate(fd, 0, size)  # names the cause (ENOSPC) where the tmpfs is full
@@ -100,8 +105,8 @@ def _allocate(fd: int, size: int, directory: PoolDirectory) -> mmap.mmap:
     os.posix_fallocate(fd, 0, size)
     if not populated:  # a kernel older than 5.14: fault the pages in the old way
         mapping.close()
-        mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-    return mapping
+        mapping = AlignedMapping(fd, size, populate=True)
+    return mapping.view
 
 
 def _how_to_make_room(directory: PoolDirectory) -> str:
@@ -112,7 +117,7 @@ def _how_to_make_room(directory: PoolDirectory) -> str:
     return f"lower --pool-size or free space in {where} (df {where})"
 
 
-def _populate_for_writing(mapping: mmap.mmap) -> bool:
+def _populate_for_writing(mapping: memoryview) -> bool:
     """Fault every page of ``mapping`` in for writing; False where the kernel cannot.
 
     Raises
@@ -120,8 +125,6 @@ def _populate_for_writing(mapping: mmap.mmap) -> bool:
     OSError
         If the pages cannot be had (a full tmpfs gives EFAULT: the caller asks fallocate why).
     """
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if libc.madvise(address(mapping), len(mapping), _MADV_POPULATE_WRITE) == 0:
         return True
     err = ctypes.get_errno()
@@ -157,7 +160,7 @@ def _bind_regions(fd: int, size: int, nodes: list) -> list[Region]:
     return regions
 
 
-def address(mapping: mmap.mmap) -> int:
+def address(mapping: mmap.mmap | memoryview) -> int:
     """Where ``mapping`` starts in this process's address space."""
     view = (ctypes.c_char * len(mapping)).from_buffer(mapping)
     try:

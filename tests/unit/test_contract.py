@@ -1,7 +1,8 @@
 """The shape of the tree: what the client may import, and no import cycles.
 
 ``ckpt_client`` may use only the names the shared modules export (``__all__`` of
-``ckptd.protocol`` and its modules, ``ckptd.checksum``, ``ckptd.knobs``), never the
+``ckptd.protocol`` and its modules, ``ckptd.checksum``, ``ckptd.knobs``,
+``ckptd.aligned_mapping``: how both ends map the pool), never the
 daemon's internals; and no two modules of ``ckptd`` or ``ckpt_client`` import each other,
 directly or around a loop. A package's ``__init__`` may import its own modules (that is
 how a package face re-exports names); its modules then must not import the face back.
@@ -17,7 +18,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARED = ("ckptd.protocol", "ckptd.checksum", "ckptd.knobs")
+SHARED = ("ckptd.protocol", "ckptd.checksum", "ckptd.knobs", "ckptd.aligned_mapping")
 
 
 def is_shared(module: str) -> bool:

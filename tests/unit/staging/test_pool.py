@@ -1,10 +1,12 @@
 """The staging pool: real shared memory, extents, FIFO back-pressure."""
 
+import fcntl
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import hold_lock
 
@@ -144,6 +146,7 @@ def test_a_pool_whose_lock_is_held_stays_and_foreign_names_are_left_alone(tmp_pa
 
 
 USE_A_VIEW_AFTER_CLOSE = r"""
+import os
 import sys
 import torch
 from ckptd.staging.pool import StagingPool
@@ -154,15 +157,39 @@ view.fill_(1)
 pool.close()
 with open("/proc/self/maps") as maps:
     assert sys.argv[1] not in maps.read(), "the closed pool is still mapped"
+open_files = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+              if os.path.exists(f"/proc/self/fd/{fd}")]
+assert not any(f.startswith(sys.argv[1]) for f in open_files), (
+    f"the closed pool is still open (its pages are not freed): {open_files}")
 assert not view.any(), "the view still reads the pool's bytes"
 view.fill_(2)  # a device worker's copy that outlived its join
+assert bool((view == 2).all())
 """
 
 
-def test_a_view_of_a_closed_pool_reads_and_writes_harmlessly(tmp_path):
+def test_a_view_of_a_closed_pool_reads_and_writes_harmlessly_and_frees_the_file(tmp_path):
     # In a child: a regression crashes it (SIGSEGV), not the test run.
     path = f"/dev/shm/ckptd-test-{os.getpid()}-{tmp_path.name}"
-    child = subprocess.run([sys.executable, "-c", USE_A_VIEW_AFTER_CLOSE, path],
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, f"exit {child.returncode}:\n{child.stderr}"
-    assert not os.path.exists(path)
+    try:
+        child = subprocess.run([sys.executable, "-c", USE_A_VIEW_AFTER_CLOSE, path],
+                               capture_output=True, text=True, timeout=300)
+        assert child.returncode == 0, f"exit {child.returncode}:\n{child.stderr}"
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):  # the child failed before its close
+            os.unlink(path)
+
+
+def test_a_closed_pool_releases_its_lock_while_a_view_lives(tmp_path):
+    path = f"/dev/shm/ckptd-test-{os.getpid()}-{tmp_path.name}"
+    pool = StagingPool(path, 1 << 22)
+    try:
+        view = torch.frombuffer(pool._map, dtype=torch.uint8)
+        fd = os.open(path, os.O_RDONLY)
+    finally:
+        pool.close()
+    try:  # the file is unlinked, but still reachable through our descriptor
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no BlockingIOError: nobody holds it
+    finally:
+        os.close(fd)
+    assert not view.any()
