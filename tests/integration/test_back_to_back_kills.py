@@ -51,7 +51,8 @@ def held_at_first_thread(command: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen(
         ["strace", "-qq", "-I1", "-o", "/dev/null", "-e", "trace=clone,clone3",
          "-e", "inject=clone,clone3:delay_enter=120000000", *command],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env,
+        start_new_session=True)  # its own group: the test's end kills whatever is left of it
 
 
 def let_go(tracer: subprocess.Popen) -> None:
@@ -129,13 +130,17 @@ def test_a_daemon_killed_in_start_up_and_still_dying_at_the_restart_is_swept(tmp
         assert successor.status()["pid"] == successor.pid
     finally:
         if tracer is not None:
-            let_go(tracer)
-        if first is not None:
-            if process_alive(first):
-                os.kill(first, signal.SIGKILL)
-                wait_for(lambda: not process_alive(first), 30, "the first daemon to end")
-            for name in pools_of(first):
-                os.unlink(os.path.join("/dev/shm", name))
+            # strace and the daemon it runs share a process group; a test that failed
+            # before finding the daemon (or before letting it go) must not leave either.
+            try:
+                os.killpg(tracer.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            tracer.wait(30)
         for daemon in started:
             daemon.stop(signal.SIGKILL, 30)
             _remove_pool_of(daemon)
+        if first is not None:
+            wait_for(lambda: not process_alive(first), 30, "the first daemon to end")
+            for name in pools_of(first):
+                os.unlink(os.path.join("/dev/shm", name))
