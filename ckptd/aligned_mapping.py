@@ -16,7 +16,7 @@ The reservation is a Python :class:`mmap.mmap`, so views of the file's bytes are
 it: like Python's own mappings, :meth:`AlignedMapping.close` refuses (``BufferError``)
 while any view is alive instead of leaving it pointing at unmapped memory. Unlike them it
 keeps no descriptor of the file: the mapping alone holds the file open, so once the
-mapping is gone (unmapped, or retired by :func:`ckptd.protocol.retire_mapping` under live
+mapping is gone (unmapped, or retired by :func:`retire_mapping` under live
 views) an unlinked file's pages are freed and a ``flock`` held through another descriptor
 ends with that descriptor.
 
@@ -31,7 +31,7 @@ import errno
 import mmap
 import os
 
-__all__ = ["HUGE_PAGE", "AlignedMapping", "alignment_of", "thp_page_size"]
+__all__ = ["HUGE_PAGE", "AlignedMapping", "alignment_of", "retire_mapping", "thp_page_size"]
 
 _PMD_SIZE_FILE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _FALLBACK_HUGE_PAGE = 2 << 20  # x86-64's and arm64-4K's PMD size, where sysfs does not say
@@ -54,6 +54,8 @@ _MAP_FIXED = 0x10
 _MAP_NORESERVE = 0x4000  # Python 3.11's mmap module names neither
 _PROT_NONE = 0  # Python's mmap module names only PROT_READ, PROT_WRITE, PROT_EXEC
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
 
 
 def _libc():
@@ -62,6 +64,9 @@ def _libc():
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                            ctypes.c_void_p]
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
 
@@ -185,3 +190,29 @@ class AlignedMapping:
             self.view = self._export()
             raise BufferError(f"cannot unmap the {self.size}-byte mapping at {self.address:#x}: "
                               "views of it are still alive; release them first") from None
+
+
+def retire_mapping(address: int, size: int) -> int:
+    """Put private anonymous memory in place of the mapping at ``[address, address + size)``,
+    in one step; returns 0, or the errno of a failure (nothing changed).
+
+    The views of the range stay valid: they read zeros from then on, and a write lands in
+    a page of this process alone (committed only once touched: ``MAP_NORESERVE``), never in
+    the file, whose pages are no longer mapped here. Neither the daemon nor a trainer
+    unmaps the pool: ``torch.frombuffer`` views of it keep no buffer export, so an unmap
+    under them would leave them pointing at nothing (a SIGSEGV, or a heap corrupted once
+    malloc reuses the range); the range is unmapped when the last view is gone.
+    """
+    # Made elsewhere first, then moved over the range: a MAP_FIXED straight over it may
+    # unmap the range and then fail (ENOMEM under vm.overcommit_memory=2 on older kernels),
+    # leaving a hole under the views; mremap fails before it unmaps anything.
+    replacement = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    if replacement in (None, _MAP_FAILED):
+        return ctypes.get_errno() or errno.ENOMEM
+    moved = libc.mremap(replacement, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, address)
+    if moved == address:
+        return 0
+    error = ctypes.get_errno() or errno.EIO
+    libc.munmap(replacement, size)
+    return error

@@ -279,10 +279,7 @@ def handover_for(connection: DaemonConnection) -> Handover:
         handover = _handovers.get(connection)
         if handover is not None:
             return handover
-        handover = Handover(connection)
-        if connection.closed:  # for one save, which fails on the closed connection
-            return handover
-        _handovers[connection] = handover
+        handover = _handovers[connection] = Handover(connection)
     connection.when_closed(_drop_handover)  # unlocked: on a connection closed since, it runs now
     return handover
 

@@ -6,7 +6,7 @@ connection's own reference: the copier's cached destinations, a zero-stall copy 
 running on another thread when :func:`~ckpt_client.transport.connection.connect` closes a
 dead daemon's connection, a local checkpoint read out of the daemon's memory. So the
 mapping is never closed (it would be unmapped under them,
-:mod:`ckptd.protocol.pool_mapping`) but retired: the daemon's pages leave this process at
+:func:`ckptd.aligned_mapping.retire_mapping`) but retired: the daemon's pages leave this process at
 once, the views go on reading zeros, and the range is unmapped with the last of them. It
 must not know about connections or saves.
 """
@@ -16,8 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ckptd.aligned_mapping import AlignedMapping
-from ckptd.protocol import retire_mapping
+from ckptd.aligned_mapping import AlignedMapping, retire_mapping
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ One concern a module, the way jupyter_client keeps framing, endpoints and channe
 - :mod:`~ckptd.protocol.part` — the local-checkpoint part file header
 - :mod:`~ckptd.protocol.rules` — session ids, replica holder order, loopback addresses
 - :mod:`~ckptd.protocol.ipc` — CUDA IPC reference counters
-- :mod:`~ckptd.protocol.pool_mapping` — retiring a pool mapping that tensors view
 - :mod:`~ckptd.protocol.discovery` — socket path, ready file, endpoint
 - :mod:`~ckptd.protocol.liveness` — whether the process at the other end is alive
 - :mod:`~ckptd.protocol.channel` — the request channel (DEALER, replies matched to requests)
@@ -34,7 +33,6 @@ from ckptd.protocol.liveness import *  # noqa: F401,F403
 from ckptd.protocol.messages import *  # noqa: F401,F403
 from ckptd.protocol.names import *  # noqa: F401,F403
 from ckptd.protocol.part import *  # noqa: F401,F403
-from ckptd.protocol.pool_mapping import *  # noqa: F401,F403
 from ckptd.protocol.replies import *  # noqa: F401,F403
 from ckptd.protocol.rules import *  # noqa: F401,F403
 
@@ -59,7 +57,7 @@ __all__ = [
     "PART_FRAME_BYTES",
     # shared rules
     "check_session_id", "holder_order", "process_alive", "is_loopback_address",
-    "ipc_export_id", "release_ipc_counters", "retire_mapping",
+    "ipc_export_id", "release_ipc_counters",
     # endpoint discovery and the request channel
     "SOCKET_ENV", "default_runtime_dir", "resolve_socket_path", "ready_file_for", "ready_pid",
     "wait_until_ready", "endpoint_for", "socket_is_live", "ensure_private_dir",

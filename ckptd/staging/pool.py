@@ -27,7 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ckptd import knobs
-from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive, retire_mapping
+from ckptd.aligned_mapping import retire_mapping
+from ckptd.protocol import EXTENT_ALIGNMENT, align_up, process_alive
 from ckptd.staging import segment
 from ckptd.staging.pool_directory import (HUGE_PAGE_ADVICE, PoolDirectory, check_pool_directory,
                                           huge_page_bytes)

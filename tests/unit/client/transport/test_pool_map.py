@@ -27,7 +27,7 @@ from ckpt_client.transport import connection as connection_module
 from ckpt_client.transport import handover, pool_map
 from ckpt_client.transport.connection import connect
 from ckptd import protocol
-from ckptd.protocol import pool_mapping
+from ckptd import aligned_mapping
 
 USE_VIEWS_AFTER_CLOSE = r"""
 import sys
@@ -155,7 +155,7 @@ def test_a_failed_retirement_leaves_the_pool_mapped_and_says_so(tmp_path, monkey
         ctypes.set_errno(errno.ENOMEM)
         return ctypes.c_void_p(-1).value
 
-    monkeypatch.setattr(pool_mapping, "_mremap", failing_mremap)
+    monkeypatch.setattr(aligned_mapping.libc, "mremap", failing_mremap)
     with caplog.at_level(logging.WARNING, logger=pool_map.__name__):
         pool_map.retire_pool(pool, path)
     assert "stays mapped" in caplog.text and "errno 12" in caplog.text
