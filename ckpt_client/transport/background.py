@@ -4,7 +4,8 @@ Owns the queue of staging jobs (:class:`ckpt_client.transport.handover.StagingJo
 connection and the thread that runs them while training goes on: each job's save hears how
 it ended (``mark_staged``), a blocking save first waits for the jobs queued before it
 (:meth:`BackgroundStager.wait_idle`, bounded by the daemon's staging deadlines), and a job
-drops its source tensors as soon as it has run.
+drops its source tensors as soon as it has run. The thread ends when its connection closes
+(:meth:`BackgroundStager.stop`); a job submitted after that fails at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 from ckpt_client.errors import DaemonRequestError, DaemonUnavailableError, StagingTimeoutError
 from ckpt_client.transport import waits
-from ckpt_client.transport.connection import DaemonConnection
+from ckpt_client.transport.connection import DaemonConnection, closed_error
 
 
 class BackgroundStager:
@@ -24,6 +25,8 @@ class BackgroundStager:
     def __init__(self, connection: DaemonConnection) -> None:
         self.connection = connection
         self._jobs: queue.Queue = queue.Queue()
+        self._stopping = threading.Lock()  # a job is queued before the end, or not at all
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="ckpt-client-stager", daemon=True)
         self._thread.start()
 
@@ -31,7 +34,13 @@ class BackgroundStager:
         """Queue ``job`` (a :class:`~ckpt_client.transport.handover.StagingJob`, which has
         ``run()`` and ``save``); its save's ``wait_staged`` returns (or raises) when done."""
         job.queued_at = time.monotonic()
-        self._jobs.put(job)
+        with self._stopping:
+            if not self._stopped:
+                self._jobs.put(job)
+                return
+        # Behind the end of the queue no thread would ever run it: the save would wait
+        # for its staging (the daemon's whole staging deadline) for nothing.
+        job.save.mark_staged(failure_reason(closed_error(self.connection)))
 
     def wait_idle(self) -> None:
         """Return once every queued job has run.
@@ -76,9 +85,14 @@ class BackgroundStager:
                 self._jobs.task_done()
 
     def stop(self) -> None:
-        """Finish the queued jobs, then end the thread."""
-        self._jobs.put(None)
-        self._thread.join(timeout=waits.staging(self.connection.deadlines))
+        """End the thread once the jobs queued so far have run (they fail at once on the
+        closed connection); it does not wait: the connection's close may run on this
+        thread. Else each reconnection would leave a thread, and its connection, behind."""
+        with self._stopping:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._jobs.put(None)
 
 
 def failure_reason(exc: BaseException) -> str:

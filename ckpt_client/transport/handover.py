@@ -217,6 +217,8 @@ class Handover:
         self.planning = threading.Lock()
         self._copier: PoolCopier | None = None
         self._stager: BackgroundStager | None = None
+        self._starting = threading.Lock()  # a stager made after close() is stopped too
+        self._closed = False
         self._layout: tuple | None = None  # (buffers, offsets, total bytes) of the last save
         self._every: list = []  # [0, 1, ...]: the indices of a save's every buffer
 
@@ -251,13 +253,24 @@ class Handover:
 
     def stager(self) -> BackgroundStager:
         """The background thread of zero-stall saves (started on first use)."""
-        if self._stager is None:
-            self._stager = BackgroundStager(self.connection)
-        return self._stager
+        with self._starting:
+            if self._stager is None:
+                self._stager = BackgroundStager(self.connection)
+                if self._closed:  # closed meanwhile: its jobs fail at once, no thread waits on
+                    self._stager.stop()
+            return self._stager
 
     def idle(self) -> bool:
         """Whether no zero-stall save of this connection is still on its way."""
         return self._stager is None or self._stager.idle()
+
+    def close(self) -> None:
+        """Its connection closed: end the background thread (it holds the connection)."""
+        with self._starting:
+            self._closed = True
+            stager = self._stager
+        if stager is not None:
+            stager.stop()
 
     def wait_for_background(self) -> None:
         """Return once the zero-stall saves queued so far reached the daemon."""
@@ -274,7 +287,9 @@ def handover_for(connection: DaemonConnection) -> Handover:
     a handover holds its connection, so the weak key alone would never let either go, nor
     the copier's views of the pool)."""
     if connection.closed:  # before the lookup: a forked child's copy of its parent's
-        return Handover(connection)  # connection is marked closed without running hooks
+        handover = Handover(connection)  # connection is marked closed without running hooks
+        handover.close()
+        return handover
     with _handovers_lock:
         handover = _handovers.get(connection)
         if handover is not None:
@@ -286,7 +301,9 @@ def handover_for(connection: DaemonConnection) -> Handover:
 
 def _drop_handover(connection: DaemonConnection) -> None:
     with _handovers_lock:
-        _handovers.pop(connection, None)
+        handover = _handovers.pop(connection, None)
+    if handover is not None:
+        handover.close()
 
 
 def stage(connection: DaemonConnection, fmt: str, path: str, sources: list, *,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from faults import writers_paused
 
 from ckpt_client import CheckpointException, TorchAsyncCheckpoint, connect
 from ckpt_client.transport import handover
+from ckpt_client.transport.daemon_save import DaemonSave
 from ckpt_client.transport.handover import handover_for
 from ckptd import protocol
 
@@ -126,16 +128,27 @@ def test_connect_after_a_restart_retires_the_old_pool_and_saves_through_the_new(
     daemon = start()
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     checkpoint = TorchAsyncCheckpoint()
-    checkpoint.async_save({"w": torch.ones(1 << 16)}, os.path.join(daemon.roots[0], "A.pt"))
+    checkpoint.async_save({"w": torch.ones(1 << 16)}, os.path.join(daemon.roots[0], "A.pt"),
+                          zero_stall=True)
     checkpoint.finalize_async_save(blocking=True)
     old = connect()
-    kept = handover_for(old).copier  # its views of the pool outlive the connection
+    kept = handover_for(old)  # its copier's views of the pool outlive the connection
+    stager = kept.stager()._thread
+    assert stager.is_alive()
     restart()
     new = connect()  # finds the cached connection's daemon dead: closes it
     assert new is not old and old.closed
     with open("/proc/self/maps") as maps:
         assert old.pool_path not in maps.read(), "a dead daemon's pool is still mapped"
-    assert old not in handover._handovers and kept.pool is not new.pool
+    assert old not in handover._handovers and kept.copier.pool is not new.pool
+    # Its zero-stall thread ends with it (it held the connection: one thread and one dead
+    # connection left behind per reconnection otherwise) ...
+    wait_for(lambda: not stager.is_alive(), 30, "the old connection's zero-stall thread to end")
+    # ... and a job handed to it late fails at once instead of waiting for a thread.
+    late = DaemonSave(old, None, os.path.join(daemon.roots[0], "late.pt"))
+    kept.stager().submit(SimpleNamespace(save=late))
+    with pytest.raises(CheckpointException, match="was closed"):
+        late.wait_staged(timeout=0)
     again = os.path.join(daemon.roots[0], "again.pt")
     checkpoint.async_save({"w": torch.full((8,), 2.0)}, again)
     checkpoint.finalize_async_save(blocking=True)
