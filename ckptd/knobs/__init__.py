@@ -313,7 +313,9 @@ POLL_HOLD_MAX = _knob("POLL_HOLD_MAX", 30.0, float, "Longest the daemon holds a 
 # optimizer, scheduler, ...) through one connection.
 SENT_AHEAD_KINDS = _knob("SENT_AHEAD_KINDS", 8, int, "Kinds of torch state dicts per "
                          "connection whose layout is kept to send STAGE ahead (0: none); "
-                         "the daemon keeps as many torch and DCP layouts per connection")
+                         "the daemon keeps the layouts of as many last torch saves, and "
+                         "apart as many last DCP saves', per connection for such a STAGE "
+                         "to name")
 DCP_FAST_PLAN = _knob("DCP_FAST_PLAN", True, parse_bool, "DCP saves with the default planner "
                       "plan the short way; 0: DCP's own planning (enable_cache still reuses plans)")
 # A blocking DCP save starts copying with the previous save's final plan while it plans,

@@ -47,7 +47,7 @@ def _with_kept_layout(rank: RankInfo, body: Stage) -> Stage:
     """
     if body.layout_of is None:
         return body
-    kept = rank.layouts.get(body.layout_of)
+    kept = _kept_layout(rank, body)
     if kept is None:
         raise RequestError(ErrorCode.LAYOUT_UNKNOWN,
                            f"rank {rank.rank}: the layout of request {body.layout_of} is not "
@@ -62,32 +62,29 @@ def _with_kept_layout(rank: RankInfo, body: Stage) -> Stage:
     return body
 
 
+def _kept_layout(rank: RankInfo, body: Stage) -> tuple | None:
+    """What ``rank``'s connection keeps of the layout ``body`` names (of its format)."""
+    return rank.layouts.get(body.format, {}).get(body.layout_of)
+
+
 def _layout_of(rank: RankInfo, body: Stage) -> tuple[list, int]:
     """Offsets and extent length of ``body``'s buffers (a kept layout's, if it names one)."""
-    kept = rank.layouts.get(body.layout_of) if body.layout_of is not None else None
+    kept = _kept_layout(rank, body) if body.layout_of is not None else None
     if kept is not None and kept[0] is body.buffers:
         return kept[1], kept[2]
     return protocol.layout_extent([b[2] for b in body.buffers])
 
 
-#: DCP layouts kept per connection (within ``SENT_AHEAD_KINDS``): the guessed save's and
-#: one more (a zero-stall or streamed save between two guessed ones).
-_DCP_LAYOUTS_KEPT = 2
-
-
 def _keep_layout(rank: RankInfo, request: SaveRequest) -> None:
-    """Keep a torch or DCP save's layout for the next save of the same structure to name."""
-    layouts = rank.layouts
-    if request.format == SaveFormat.DCP:
-        # Only a blocking DCP save's guess names one, the last guessed save's: zero-stall
-        # saves and a streamed save's chunks must not push the torch kinds' layouts out.
-        dcp = [key for key, kept in layouts.items() if kept[3] == SaveFormat.DCP]
-        for key in dcp[:max(len(dcp) - _DCP_LAYOUTS_KEPT + 1, 0)]:
-            del layouts[key]
-    layouts[request.id] = (request.buffers, request.offsets, request.extent_length,
-                           request.format)
-    while len(layouts) > max(knobs.SENT_AHEAD_KINDS.get(), 0):
-        layouts.popitem(last=False)
+    """Keep a torch or DCP save's layout for the next save of the same structure to name.
+
+    Up to ``SENT_AHEAD_KINDS`` of each format: a trainer saves a handful of kinds of state
+    dict in turn, and a guess names the layout of the last save of its own kind (the DCP
+    guess keeps up to ``DCP_GUESS_KINDS`` kinds), so keeping fewer refuses each name."""
+    kept = rank.layouts[request.format]
+    kept[request.id] = (request.buffers, request.offsets, request.extent_length)
+    while len(kept) > max(knobs.SENT_AHEAD_KINDS.get(), 0):
+        kept.popitem(last=False)
 
 
 def request_from_stage(daemon, rank: RankInfo, body: Stage) -> SaveRequest:

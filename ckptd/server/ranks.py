@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ckptd.protocol import ErrorCode, Hello, process_alive
+from ckptd.protocol import ErrorCode, Hello, SaveFormat, process_alive
 from ckptd.server.endpoint import RequestError
 
 
@@ -26,10 +26,12 @@ class RankInfo:
     pid: int
     world_size: int
     registered_at: float = field(default_factory=time.time)
-    #: request id -> (buffers, offsets, extent length, format) of this connection's last
-    #: torch and DCP saves, which a later STAGE may name instead of sending its buffers
-    #: again (:mod:`ckptd.server.new_requests` names and keeps them).
-    layouts: OrderedDict = field(default_factory=OrderedDict)
+    #: format (torch, DCP) -> request id -> (buffers, offsets, extent length) of this
+    #: connection's last saves of that format, which a later STAGE of it may name instead
+    #: of sending its buffers again (:mod:`ckptd.server.new_requests` names and keeps
+    #: them). Apart, so that the many requests of DCP saves never push torch layouts out.
+    layouts: dict = field(default_factory=lambda: {SaveFormat.TORCH: OrderedDict(),
+                                                   SaveFormat.DCP: OrderedDict()})
 
     def is_alive(self) -> bool:
         """Whether the trainer process still exists (zombies count as gone)."""

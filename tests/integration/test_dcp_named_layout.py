@@ -16,6 +16,8 @@ import threading
 
 import pytest
 import torch
+import torch.distributed.checkpoint as DCP
+from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import wait_for
 from test_dcp_guessed_copy import assert_loads, save
@@ -83,6 +85,41 @@ def test_a_guessed_copy_names_the_last_guessed_layout_before_its_lookups(daemon,
     assert all(isinstance(n[0], int) for n in named) and named[0][0] < named[1][0]
     for step in range(1, 5):
         assert_loads(os.path.join(root, f"s{step}"), state_at(step))
+    assert_nothing_held(daemon)
+    queue.close()
+
+
+def kind_state(kind: str, step: int) -> dict:
+    """A state dict of kind ``kind`` (its top-level keys), values changing every step."""
+    gen = torch.Generator().manual_seed(step)
+    return {kind: {f"w{i}": torch.randn(16, generator=gen) for i in range(4)}, "step": step}
+
+
+def test_each_of_several_kinds_saved_in_turn_names_its_own_kept_layout(daemon, monkeypatch):
+    """A trainer saves three kinds of DCP state dict in turn (model, optimizer, ...): each
+    guess names the request of the last save of its own kind, two saves back, and the
+    daemon still keeps it (none refused as unknown, which would send the buffers again
+    from the staging thread)."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stages = record_stages(monkeypatch)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    kinds = ["model", "optim", "sched"]
+    for step in range(1, 5):
+        for kind in kinds:
+            save(queue, kind_state(kind, step), os.path.join(root, f"{kind}{step}"))
+    # steps 1 and 2: planned first, then the first guess (descriptions made then)
+    assert [s[0] for s in stages[:6]] == [None] * 6, stages
+    named = stages[6:]
+    assert len(named) == 6 and all(isinstance(s[0], int) and s[1:] == (0, True)
+                                   for s in named), stages
+    for step in range(1, 5):
+        for kind in kinds:
+            expected = kind_state(kind, step)
+            loaded = {kind: {k: torch.zeros_like(v) for k, v in expected[kind].items()},
+                      "step": 0}
+            DCP.load(loaded, storage_reader=FileSystemReader(os.path.join(root, f"{kind}{step}")))
+            assert loaded["step"] == step and all(
+                torch.equal(loaded[kind][k], v) for k, v in expected[kind].items())
     assert_nothing_held(daemon)
     queue.close()
 
