@@ -78,6 +78,13 @@ class _Remembered:
     staged_as: tuple | None = None
     #: The last lookup found device tensors (staged after planning): no STAGE goes ahead.
     on_device: bool = False
+    #: The last save of the kind found ``buffers`` as they were (each byte item kept its
+    #: size): only then does the next guess send its STAGE ahead with them, as a torch
+    #: save's goes ahead only once its last two saves had one layout. A leaf whose size
+    #: changes from save to save (a note alternating, a growing list) would otherwise
+    #: have each STAGE ahead admitted by the daemon (its extent reserved, write-ahead
+    #: jobs sent) only to be aborted.
+    steady: bool = False
 
 
 _remembered: dict = {}
@@ -158,10 +165,12 @@ def _kept_descriptions(known: _Remembered, sources: list) -> list:
     """The descriptions of ``known.plan``'s items as ``sources`` (resolved for that plan)
     has them: the very list kept from the save before while each byte item keeps its
     size (a tensor's is the plan's: see :func:`_described`), so that the staging finds
-    its layout and pool views without a compare; else made and kept anew."""
+    its layout and pool views without a compare; else made and kept anew (the kind is
+    then not steady: :attr:`_Remembered.steady`)."""
     buffers = known.buffers
-    if buffers is None or any(
-            buffers[i][2] != sources[i].getbuffer().nbytes for i in known.byte_items):
+    known.steady = buffers is not None and all(
+        buffers[i][2] == sources[i].getbuffer().nbytes for i in known.byte_items)
+    if not known.steady:
         buffers = known.buffers = _described(known.plan, sources)
         known.byte_items = [i for i, source in enumerate(sources)
                             if type(source) is io.BytesIO]
@@ -253,11 +262,12 @@ def _send_ahead(writer: DaemonStorageWriter, connection: DaemonConnection,
     """The STAGE of a copy with ``known``'s plan and descriptions, sent before its items
     are looked up (the daemon answers meanwhile), naming the layout of the last guessed
     save of the kind when it was staged with these very descriptions; ``None`` when
-    there is nothing to send it with (a first guess, a save streamed in several
-    requests) or a zero-stall save of the connection is still on its way (saves reach
-    the daemon in the order they were made)."""
+    there is nothing steady to send it with (a first guess, descriptions the last save
+    made anew, a save streamed in several requests) or a zero-stall save of the
+    connection is still on its way (saves reach the daemon in the order they were
+    made)."""
     buffers = known.buffers
-    if not knobs.DCP_STAGE_AHEAD.get() or buffers is None or known.on_device:
+    if not knobs.DCP_STAGE_AHEAD.get() or not known.steady or known.on_device:
         return None
     if not handover_for(connection).idle():
         return None

@@ -72,18 +72,19 @@ BUFFERS = 6 + 3 + 3  # tensors, then the step, lr and note leaves
 def test_a_guessed_copy_names_the_last_guessed_layout_before_its_lookups(daemon, monkeypatch):
     """Save 1 plans first and stages on the calling thread; save 2 is the first guess (its
     descriptions are made then, so its STAGE carries them, from the staging thread after
-    the lookups); from save 3 on the STAGE leaves the calling thread before the lookups
-    and names the request of the save before."""
+    the lookups); save 3 finds them as they were (the kind is steady, as a torch save's
+    layout once two saves had it), so from save 4 on the STAGE leaves the calling
+    thread before the lookups and names the request of the save before."""
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     stages = record_stages(monkeypatch)
     root, queue = daemon.roots[0], AsyncCallsQueue()
-    for step in range(1, 5):
+    for step in range(1, 6):
         save(queue, state_at(step), os.path.join(root, f"s{step}"))
-    assert stages[:2] == [(None, BUFFERS, True), (None, BUFFERS, False)]
-    named = stages[2:]
+    assert stages[:3] == [(None, BUFFERS, True)] + [(None, BUFFERS, False)] * 2, stages
+    named = stages[3:]
     assert [(n[1], n[2]) for n in named] == [(0, True)] * 2, stages
     assert all(isinstance(n[0], int) for n in named) and named[0][0] < named[1][0]
-    for step in range(1, 5):
+    for step in range(1, 6):
         assert_loads(os.path.join(root, f"s{step}"), state_at(step))
     assert_nothing_held(daemon)
     queue.close()
@@ -97,22 +98,22 @@ def kind_state(kind: str, step: int) -> dict:
 
 def test_each_of_several_kinds_saved_in_turn_names_its_own_kept_layout(daemon, monkeypatch):
     """A trainer saves three kinds of DCP state dict in turn (model, optimizer, ...): each
-    guess names the request of the last save of its own kind, two saves back, and the
+    guess names the request of the last save of its own kind, three saves back, and the
     daemon still keeps it (none refused as unknown, which would send the buffers again
     from the staging thread)."""
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     stages = record_stages(monkeypatch)
     root, queue = daemon.roots[0], AsyncCallsQueue()
     kinds = ["model", "optim", "sched"]
-    for step in range(1, 5):
+    for step in range(1, 6):
         for kind in kinds:
             save(queue, kind_state(kind, step), os.path.join(root, f"{kind}{step}"))
-    # steps 1 and 2: planned first, then the first guess (descriptions made then)
-    assert [s[0] for s in stages[:6]] == [None] * 6, stages
-    named = stages[6:]
+    # steps 1 to 3: planned first, the first guess (descriptions made then), steady
+    assert [s[0] for s in stages[:9]] == [None] * 9, stages
+    named = stages[9:]
     assert len(named) == 6 and all(isinstance(s[0], int) and s[1:] == (0, True)
                                    for s in named), stages
-    for step in range(1, 5):
+    for step in range(1, 6):
         for kind in kinds:
             expected = kind_state(kind, step)
             loaded = {kind: {k: torch.zeros_like(v) for k, v in expected[kind].items()},
@@ -131,12 +132,12 @@ def test_a_layout_the_daemon_no_longer_keeps_is_sent_whole(start_daemon, monkeyp
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     stages = record_stages(monkeypatch)
     root, queue = daemon.roots[0], AsyncCallsQueue()
-    for step in range(1, 5):
+    for step in range(1, 6):
         save(queue, state_at(step), os.path.join(root, f"s{step}"))
     named = [s for s in stages if s[0] is not None]
     assert len(named) == 2 and all(s[1:] == (0, True) for s in named), stages
-    assert stages[2:] == [named[0], (None, BUFFERS, False), named[1], (None, BUFFERS, False)]
-    for step in range(1, 5):
+    assert stages[3:] == [named[0], (None, BUFFERS, False), named[1], (None, BUFFERS, False)]
+    for step in range(1, 6):
         assert_loads(os.path.join(root, f"s{step}"), state_at(step))
     assert_nothing_held(daemon)
     queue.close()
@@ -149,14 +150,38 @@ def test_a_leaf_that_changes_size_drops_the_stage_sent_ahead(daemon, monkeypatch
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     stages = record_stages(monkeypatch)
     root, queue = daemon.roots[0], AsyncCallsQueue()
-    for step in range(1, 4):
+    for step in range(1, 5):
         save(queue, state_at(step), os.path.join(root, f"s{step}"))
     assert stages[-1][1:] == (0, True)
-    grown = state_at(4, note="a longer note than before " * 200)
-    save(queue, grown, os.path.join(root, "s4"))
+    grown = state_at(5, note="a longer note than before " * 200)
+    save(queue, grown, os.path.join(root, "s5"))
     assert stages[-2][1:] == (0, True) and stages[-1] == (None, BUFFERS, False), stages
-    assert_loads(os.path.join(root, "s4"), grown)
-    assert sorted(os.listdir(root)) == [f"s{step}" for step in range(1, 5)]
+    assert_loads(os.path.join(root, "s5"), grown)
+    assert sorted(os.listdir(root)) == [f"s{step}" for step in range(1, 6)]
+    assert_nothing_held(daemon)
+    queue.close()
+
+
+@pytest.mark.parametrize("note", [lambda step: "x" * (10 if step % 2 else 5000),
+                                  lambda step: "x" * 100 * step], ids=["alternating", "growing"])
+def test_a_leaf_changing_size_every_save_sends_no_stage_ahead(daemon, monkeypatch, note):
+    """A non-tensor leaf whose pickled size changes from save to save (a note alternating,
+    a growing history) makes each save's descriptions anew: no STAGE goes ahead with the
+    last ones, so the daemon never admits a request only for it to be aborted (its extent
+    reserved, write-ahead jobs sent). Once the sizes hold for a save, the next one sends
+    its STAGE ahead again."""
+    monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
+    stages = record_stages(monkeypatch)
+    root, queue = daemon.roots[0], AsyncCallsQueue()
+    states = [state_at(step, note=note(step)) for step in range(1, 9)]
+    states += [state_at(step) for step in range(9, 12)]
+    for step, state in enumerate(states, start=1):
+        save(queue, state, os.path.join(root, f"s{step}"))
+    assert [r["phase"] for r in daemon.status()["requests"]] == ["done"] * len(states)
+    assert [s[0] for s in stages[:10]] == [None] * 10, stages
+    assert stages[10][1:] == (0, True), stages  # saves 9 and 10 had one layout
+    for step, state in enumerate(states, start=1):
+        assert_loads(os.path.join(root, f"s{step}"), state)
     assert_nothing_held(daemon)
     queue.close()
 
@@ -169,13 +194,13 @@ def test_a_guess_never_names_a_layout_of_another_daemon(start_daemon, monkeypatc
     monkeypatch.setenv("CKPTD_SOCKET", first.socket)
     stages = record_stages(monkeypatch)
     queue = AsyncCallsQueue()
-    for step in range(1, 4):
+    for step in range(1, 5):
         save(queue, state_at(step), os.path.join(first.roots[0], f"s{step}"))
     assert stages[-1][1:] == (0, True)
     monkeypatch.setenv("CKPTD_SOCKET", second.socket)
-    save(queue, state_at(4), os.path.join(second.roots[0], "s4"))
+    save(queue, state_at(5), os.path.join(second.roots[0], "s5"))
     assert stages[-1] == (None, BUFFERS, True), stages
-    assert_loads(os.path.join(second.roots[0], "s4"), state_at(4))
+    assert_loads(os.path.join(second.roots[0], "s5"), state_at(5))
     assert_nothing_held(second)
     queue.close()
 
@@ -187,7 +212,7 @@ def test_a_named_dcp_layout_checks_its_files_against_the_kept_buffers(daemon, mo
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     stages = record_stages(monkeypatch)
     root, queue = daemon.roots[0], AsyncCallsQueue()
-    for step in range(1, 4):
+    for step in range(1, 5):
         save(queue, state_at(step), os.path.join(root, f"s{step}"))
     kept = stages[-1][0]
     connection = connect(daemon.socket)
@@ -238,7 +263,7 @@ def test_a_stage_sent_ahead_through_a_connection_given_up_is_not_waited_for(
     monkeypatch.setenv("CKPTD_SOCKET", first.socket)
     stages = record_stages(monkeypatch)
     queue = AsyncCallsQueue()
-    for step in range(1, 4):
+    for step in range(1, 5):
         save(queue, state_at(step), os.path.join(shared, f"s{step}"))
     real_look_up = guessed_plan._look_up
 
@@ -247,9 +272,9 @@ def test_a_stage_sent_ahead_through_a_connection_given_up_is_not_waited_for(
         return real_look_up(known, state_dict)
 
     monkeypatch.setattr(guessed_plan, "_look_up", moved_daemon)
-    save(queue, state_at(4), os.path.join(shared, "s4"))
+    save(queue, state_at(5), os.path.join(shared, "s5"))
     assert stages[-2][1:] == (0, True) and stages[-1][:2] == (None, BUFFERS), stages
-    assert_loads(os.path.join(shared, "s4"), state_at(4))
+    assert_loads(os.path.join(shared, "s5"), state_at(5))
     assert_nothing_held(first)
     assert [r["phase"] for r in first.status()["requests"]][-1] == "aborted"
     assert_nothing_held(second)
