@@ -97,14 +97,19 @@ class StagingJob:
             if plan is not None:
                 plan.settle(kept)  # no-op after a withdraw
 
+    def _never_staged(self) -> None:
+        """The save was dropped before a request of it was made: none ever is, and nobody
+        will open our exports."""
+        if self.plan is not None:
+            self.plan.withdraw()
+        if self.ahead is not None:
+            self.ahead.drop(self.save.drop_reason or "the save was dropped before it was staged")
+        return None
+
     def _exchange(self) -> list | None:
         connection, save = self.save.connection, self.save
-        if save._cancelled:  # never reaches the daemon: nobody will open our exports
-            if self.plan is not None:
-                self.plan.withdraw()
-            if self.ahead is not None:
-                self.ahead.drop(save.drop_reason or "the save was dropped before it was staged")
-            return None
+        if save._cancelled:
+            return self._never_staged()
         silence = connection.not_answering
         if silence is not None and self.queued_at is not None and self.queued_at <= silence.since:
             # Queued before a call went unanswered: one of the saves outstanding on this
@@ -121,8 +126,11 @@ class StagingJob:
                 if exc.code != ErrorCode.LAYOUT_UNKNOWN:
                     raise
                 # The daemon no longer keeps the layout the STAGE sent ahead named: no
-                # request was made; this one carries the buffers and the skeleton.
+                # request was made; this one carries the buffers and the skeleton, unless
+                # the save was dropped meanwhile (the daemon would admit it to abort it).
                 self.ahead = None
+                if save._cancelled:
+                    return self._never_staged()
                 reply = stage_reply(connection, connection.send(MessageType.STAGE, self.body))
         else:
             reply = stage_reply(connection, connection.send(MessageType.STAGE, self.body))

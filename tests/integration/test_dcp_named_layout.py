@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as DCP
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import wait_for
-from test_dcp_guessed_copy import assert_loads, save
-from ckpt_client import AsyncCallsQueue
+from test_dcp_guessed_copy import assert_loads, requests_for, save
+from ckpt_client import AsyncCallsQueue, dcp
 from ckpt_client.errors import DaemonRequestError
 from ckpt_client.transport.connection import DaemonConnection, connect
 from ckptd.protocol import ErrorCode, MessageType, SaveFormat, Stage
@@ -125,20 +125,64 @@ def test_each_of_several_kinds_saved_in_turn_names_its_own_kept_layout(daemon, m
     queue.close()
 
 
-def test_a_layout_the_daemon_no_longer_keeps_is_sent_whole(start_daemon, monkeypatch):
-    """A daemon that keeps no layouts (``CKPTD_SENT_AHEAD_KINDS=0`` in its environment
-    only) refuses the name as unknown; the staging thread sends the buffers then."""
+def saved_keeping_no_layouts(start_daemon, monkeypatch, saves: int) -> tuple:
+    """``saves`` saves through a daemon that keeps no layouts (``CKPTD_SENT_AHEAD_KINDS=0``
+    in its environment only): the daemon, the STAGEs recorded and the queue."""
     daemon = start_daemon(env={"CKPTD_SENT_AHEAD_KINDS": "0"})
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)
     stages = record_stages(monkeypatch)
-    root, queue = daemon.roots[0], AsyncCallsQueue()
-    for step in range(1, 6):
-        save(queue, state_at(step), os.path.join(root, f"s{step}"))
+    queue = AsyncCallsQueue()
+    for step in range(1, saves + 1):
+        save(queue, state_at(step), os.path.join(daemon.roots[0], f"s{step}"))
+    return daemon, stages, queue
+
+
+def test_a_layout_the_daemon_no_longer_keeps_is_sent_whole(start_daemon, monkeypatch):
+    """A daemon that keeps no layouts refuses the name as unknown; the staging thread
+    sends the buffers then."""
+    daemon, stages, queue = saved_keeping_no_layouts(start_daemon, monkeypatch, 5)
+    root = daemon.roots[0]
     named = [s for s in stages if s[0] is not None]
     assert len(named) == 2 and all(s[1:] == (0, True) for s in named), stages
     assert stages[3:] == [named[0], (None, BUFFERS, False), named[1], (None, BUFFERS, False)]
     for step in range(1, 6):
         assert_loads(os.path.join(root, f"s{step}"), state_at(step))
+    assert_nothing_held(daemon)
+    queue.close()
+
+
+def test_a_save_dropped_while_its_named_layout_is_refused_sends_no_stage_again(
+        start_daemon, monkeypatch):
+    """The save is dropped (its planning failed) while the reply to its STAGE sent ahead is
+    on its way, and that reply refuses the layout it named as unknown: the staging job
+    ends there, as it does for a save dropped before its STAGE went out, instead of
+    sending the STAGE again with its buffers for the daemon to admit and abort."""
+    from ckpt_client.dcp import save as save_mod
+    from ckpt_client.transport import handover as handover_mod
+
+    daemon, stages, queue = saved_keeping_no_layouts(start_daemon, monkeypatch, 4)
+    root = daemon.roots[0]
+    entered, dropped = threading.Event(), threading.Event()
+    real_reply = handover_mod.stage_reply
+
+    def held_reply(connection, msg_id):  # the staging job, past its own dropped check
+        entered.set()
+        assert dropped.wait(60), "the save was never dropped"
+        return real_reply(connection, msg_id)
+
+    def failed_planning(*args, **kwargs):
+        assert entered.wait(60), "the staging job never waited for its STAGE's reply"
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(handover_mod, "stage_reply", held_reply)
+    monkeypatch.setattr(save_mod, "global_plan", failed_planning)
+    sent = len(stages)
+    with pytest.raises(RuntimeError, match="planning failed"):
+        dcp.async_save(state_at(5), os.path.join(root, "bad"))
+    dropped.set()
+    handover_mod.handover_for(connect(daemon.socket)).wait_for_background()
+    assert len(stages) == sent + 1 and stages[-1][1:] == (0, True), stages
+    assert requests_for(daemon, os.path.join(root, "bad")) == []
     assert_nothing_held(daemon)
     queue.close()
 
