@@ -13,7 +13,8 @@ This module owns one pidfd per daemon pid this process checked, opened on the fi
 check and closed once the process is found gone or its connection is closed. Where none
 can be opened (an older kernel, a seccomp policy, no free descriptor) it asks
 ``process_alive``, as before.
-Must not: keep a pidfd in a forked child (closed there), or answer for a pid it did
+Must not: keep a pidfd in a forked child (closed there), close there a file that took a
+pidfd's number after it was closed behind this module's back, or answer for a pid it did
 not open a pidfd for while that pid's process ran.
 """
 
@@ -73,8 +74,17 @@ def _close(pid: int) -> None:
 def _forget_the_parents_pidfds() -> None:
     global _lock
     _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-    for pid in list(_pidfds):
-        _close(pid)
+    fds = list(_pidfds.values())
+    _pidfds.clear()
+    for fd in fds:
+        # A number closed behind the parent's back (a close-all-descriptors helper) may be
+        # closed already, or be another file's now: only a pidfd still is ours to close,
+        # and one failed close must not keep the others open in this child.
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]":  # pidfs too
+                os.close(fd)
+        except OSError:
+            pass
 
 
 os.register_at_fork(after_in_child=_forget_the_parents_pidfds)

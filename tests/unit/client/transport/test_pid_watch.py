@@ -86,6 +86,60 @@ def test_a_forked_child_keeps_none_of_its_parents_pidfds(child):
     assert pid_watch._pidfds[child.pid] == fd and _is_open(fd)
 
 
+@pytest.fixture
+def own_pidfd():
+    """A pidfd kept for this very process (alive throughout), checked before any other
+    this test keeps; dropped from the table afterwards without closing its number, which
+    the test closed or gave to another file."""
+    pid_watch.forget(os.getpid())
+    assert pid_watch.alive(os.getpid())
+    try:
+        yield pid_watch._pidfds[os.getpid()]
+    finally:
+        pid_watch._pidfds.pop(os.getpid(), None)
+
+
+def _forks_to_find(check) -> int:
+    """Fork; ``check()`` in the child gives its exit code (whatever it raises reads 99)."""
+    forked = os.fork()
+    if forked == 0:  # the child: report through the exit status only
+        try:
+            code = check()
+        except BaseException:
+            code = 99
+        os._exit(code)
+    _, status = os.waitpid(forked, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_forked_child_closes_every_pidfd_when_one_was_closed_behind_its_back(
+        own_pidfd, child):
+    """The first pidfd kept was closed behind the module's back in the parent: closing it
+    fails in the child, and every later one must still be closed there."""
+    assert pid_watch.alive(child.pid)
+    later = pid_watch._pidfds[child.pid]
+    os.close(own_pidfd)
+    assert _forks_to_find(lambda: 0 if not pid_watch._pidfds and not _is_open(later)
+                          else 1) == 0
+    assert _is_open(later)
+
+
+def test_a_forked_child_leaves_the_file_that_took_a_closed_pidfds_number(own_pidfd):
+    """The pidfd's number was closed behind the module's back and given to another file
+    (a pipe): the child must not close that file, only forget the entry."""
+    read_end, write_end = os.pipe()
+    try:
+        os.dup2(read_end, own_pidfd)
+        code = _forks_to_find(lambda: 0 if not pid_watch._pidfds and _is_open(own_pidfd)
+                              else 1)
+        assert code == 0
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        pid_watch._pidfds.pop(os.getpid(), None)
+        os.close(own_pidfd)
+
+
 def _is_open(fd: int) -> bool:
     try:
         os.fstat(fd)
