@@ -69,7 +69,7 @@ def _kept_layout(rank: RankInfo, body: Stage) -> tuple | None:
 
 def _layout_of(rank: RankInfo, body: Stage) -> tuple[list, int]:
     """Offsets and extent length of ``body``'s buffers (a kept layout's, if it names one)."""
-    kept = _kept_layout(rank, body) if body.layout_of is not None else None
+    kept = _kept_layout(rank, body)  # None for a STAGE that names none
     if kept is not None and kept[0] is body.buffers:
         return kept[1], kept[2]
     return protocol.layout_extent([b[2] for b in body.buffers])
